@@ -1,0 +1,72 @@
+"""The `pdserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from pdserve.errors import InvalidRequestError, ModelLoadError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub.add_parser("generate", help="complete one prompt and print the text"))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (InvalidRequestError, ModelLoadError, ValueError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--stats", action="store_true", help="print timing to stderr")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine = Engine.from_config(EngineConfig(model=args.model))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    tok = engine.tokenizer
+    if args.raw or not tok.has_chat_template:
+        prompt_ids = tok.encode(args.prompt)
+    else:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt_ids = tok.encode(text, add_special_tokens=False)
+    start = time.perf_counter()
+    engine.add_request(prompt_ids, params)
+    n = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            n = len(out.token_ids)
+    sys.stdout.write("\n")
+    if args.stats:
+        dt = time.perf_counter() - start
+        print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

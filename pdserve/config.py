@@ -1,0 +1,102 @@
+"""Engine configuration: one explicit, validated dataclass per component.
+
+Nothing reads configuration from globals; an `EngineConfig` is built once (from the
+CLI or by a caller) and passed down.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class Role(str, Enum):
+    """What an engine instance does with prompts and generation (DistServe §3)."""
+
+    COLOCATED = "colocated"  # both phases, chunked prefill + continuous batching
+    PREFILL = "prefill"  # prompts only; hands KV off (disaggregation issue)
+    DECODE = "decode"  # generation only from received KV (disaggregation issue)
+
+
+class PreemptionMode(str, Enum):
+    SWAP = "swap"  # copy the victim's blocks to the host tier; resume exactly where it was
+    RECOMPUTE = "recompute"  # drop its KV; re-prefill prompt + generated tokens later
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Token budget of one step: prefill chunks and decodes together (Sarathi-style).
+    max_num_batched_tokens: int = 512
+    # At most this many requests hold KV and run at once.
+    max_num_seqs: int = 64
+    preemption_mode: PreemptionMode = PreemptionMode.SWAP
+
+    def __post_init__(self) -> None:
+        _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _at_least("max_num_seqs", self.max_num_seqs, 1)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Device-tier KV memory; `num_blocks` overrides it when set (tests use tiny pools).
+    kv_cache_memory_gib: float = 1.0
+    num_blocks: int | None = None
+    # Host-tier memory for swapped-out blocks; `num_host_blocks` overrides it.
+    swap_space_gib: float = 1.0
+    num_host_blocks: int | None = None
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        _at_least("block_size", self.block_size, 1)
+        if self.num_blocks is not None:
+            _at_least("num_blocks", self.num_blocks, 1)
+        if self.num_host_blocks is not None:
+            _at_least("num_host_blocks", self.num_host_blocks, 0)
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.swap_space_gib < 0:
+            raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # HF folder, .gguf file, or None for the shipped SmolLM2.
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    role: Role = Role.COLOCATED
+    # Context limit of one request (prompt + generation); None = the model's own,
+    # lowered to what the KV pool can hold.
+    max_model_len: int | None = None
+    # Torch intra-op threads; None = all cores this process may use.
+    num_threads: int | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None:
+            _at_least("max_model_len", self.max_model_len, 2)
+        if self.num_threads is not None:
+            _at_least("num_threads", self.num_threads, 1)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def threads(self) -> int:
+        return self.num_threads or len(os.sched_getaffinity(0))
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

@@ -1,0 +1,167 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+One `IncrementalDetokenizer` per request. The engine feeds it every generated token with
+`add_token` and sends the returned text to the client; it calls `finish` once when
+generation ends for any reason other than a stop string (EOS, a stop token id, max_tokens,
+abort) to release the text held back.
+
+How text is produced (the offsets method of vLLM / TGI, using only `tokenizer.decode`):
+the text of the new tokens is `decode(ids[prefix:]) - decode(ids[prefix:read])`, where
+`ids[prefix:read]` are a few tokens already turned into text that give the decoder its
+context (leading spaces of SentencePiece / byte-level BPE pieces come out right). If the
+result ends in U+FFFD, the last token ends inside a multi-byte UTF-8 character: nothing is
+emitted until a later token completes it.
+
+Stop strings are searched in the output text, so they are found whatever tokens they span.
+The text emitted never contains a matched stop string (unless include_stop_str_in_output)
+nor anything after it. To guarantee that while streaming, the longest end of the text that
+could still be the beginning of a stop string is held back until the next tokens decide.
+A stop string counts only if it ends in text produced once `min_tokens` tokens were added.
+
+Contract for the engine: when generation ends on EOS or a stop token id, do not add that
+token (vLLM leaves its text out), call `finish()`. After a stop string matched (`stopped`),
+the request is over: `add_token` raises, `finish()` returns ''.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from pdserve.engine.sampling_params import SamplingParams
+
+_CONTEXT_TOKENS = 5
+"""Prompt tokens decoded with the first output tokens as context (vLLM uses 5 too)."""
+
+_INCOMPLETE = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    """What the detokenizer needs of a tokenizer (a Hugging Face tokenizer fits)."""
+
+    def decode(self, token_ids: list[int], /, skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into streamable text and detects stop strings."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = params.skip_special_tokens
+        self._stops = params.stop
+        self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        # Only the last prompt tokens matter, as decoding context.
+        self._ids = list(prompt_token_ids[max(0, len(prompt_token_ids) - _CONTEXT_TOKENS) :])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._num_output_tokens = 0
+        self._emitted: list[str] = []
+        self._pending = ""  # decoded, not emitted yet: might be the start of a stop string
+        self._stop_reason: str | None = None
+        self._finished = False
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far (after `finish`, the whole output)."""
+        if len(self._emitted) > 1:
+            self._emitted = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended generation, once matched."""
+        return self._stop_reason
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string matched; the request must end."""
+        return self._stop_reason is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_output_tokens
+
+    def add_token(self, token_id: int) -> str:
+        """Add one generated token; return the new text that is safe to emit now ('' if none).
+
+        Raises RuntimeError after a stop string matched or after `finish`.
+        """
+        if self.stopped or self._finished:
+            state = f"stopped on {self._stop_reason!r}" if self.stopped else "finished"
+            raise RuntimeError(f"add_token called on a detokenizer already {state}")
+        self._ids.append(token_id)
+        self._num_output_tokens += 1
+        return self._release(self._decode_new_text(final=False), final=False)
+
+    def finish(self) -> str:
+        """End of generation (not by a stop string): return the text still held back.
+
+        Text of an unfinished UTF-8 character is released as decode gives it (U+FFFD), and a
+        stop string completed by that last text is still honoured. Later calls return ''.
+        """
+        if self.stopped or self._finished:
+            return ""
+        self._finished = True
+        return self._release(self._decode_new_text(final=True), final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _decode_new_text(self, final: bool) -> str:
+        """Text of the tokens after read_offset, and advance the offsets ('' if not ready)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text):
+            return ""  # e.g. a skipped special token
+        if full_text.endswith(_INCOMPLETE) and not final:
+            return ""  # the last token ends inside a UTF-8 character
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]
+
+    def _release(self, new_text: str, final: bool) -> str:
+        """Search stop strings in pending + new_text; emit what can no longer be a stop."""
+        window = self._pending + new_text
+        match = self._find_stop(window, len(self._pending)) if new_text else None
+        if match is not None:
+            start, stop = match
+            self._stop_reason = stop
+            self._pending = ""
+            return self._emit(window[: start + len(stop) if self._include_stop else start])
+        held = 0 if final else self._held_back_len(window)
+        self._pending = window[len(window) - held :]
+        return self._emit(window[: len(window) - held])
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._emitted.append(text)
+        return text
+
+    def _find_stop(self, window: str, new_from: int) -> tuple[int, str] | None:
+        """The earliest stop string ending after window[new_from], as (start, stop).
+
+        Equal starts: the shorter stop, which ends first.
+        """
+        if not self._stops or self._num_output_tokens < self._min_tokens:
+            return None
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            start = window.find(stop, max(0, new_from - len(stop) + 1))
+            if start < 0:
+                continue
+            if best is None or (start, len(stop)) < (best[0], len(best[1])):
+                best = (start, stop)
+        return best
+
+    def _held_back_len(self, text: str) -> int:
+        """Length of the longest end of `text` that is a proper beginning of a stop string."""
+        held = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:k]):
+                    held = k
+                    break
+        return held

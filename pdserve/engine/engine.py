@@ -1,0 +1,117 @@
+"""`Engine`: the synchronous API of one instance (add_request / abort / step).
+
+Builds the model, tokenizer, KV manager and core from an `EngineConfig`, and turns
+the core's token outputs into `RequestOutput`s with text.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.config import EngineConfig, Role
+from pdserve.engine.core import EngineCore
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidRequestError
+from pdserve.kv.config import KVCacheConfig
+from pdserve.model.base import CausalLM
+from pdserve.model.config import ModelConfig
+from pdserve.model.loader import iter_weights, load_config, resolve_model
+from pdserve.model.registry import build_model
+from pdserve.model.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: CausalLM, tokenizer: Tokenizer) -> None:
+        if config.role is not Role.COLOCATED:
+            raise ValueError(f"role {config.role.value!r} is not available yet (colocated only)")
+        self.config = config
+        self.tokenizer = tokenizer
+        kv_config = kv_config_for(config, model.config)
+        max_len = max_model_len_for(config, model.config, kv_config)
+        eos = set(tokenizer.stop_token_ids) | set(model.config.eos_token_ids)
+        self.core = EngineCore(config, model, kv_config, max_len, sorted(eos))
+        self.processor = OutputProcessor(tokenizer)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        torch.set_num_threads(config.threads)
+        path = resolve_model(config.model)
+        model_config = load_config(path)
+        model = build_model(model_config, config.torch_dtype)
+        model.load_weights(iter_weights(path, config.torch_dtype))
+        model.to(config.device)
+        return cls(config, model, Tokenizer.from_model_path(path))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Tokenize (if text), validate and queue. Raises InvalidRequestError."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = self.core.add_request(rid, token_ids, params)
+        self.processor.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.core.requests.get(request_id)
+        if req is None or not self.core.abort(request_id):
+            return None
+        return self.processor.aborted(req)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        results = []
+        for out in self.core.step():
+            result, stop_string = self.processor.process(out)
+            if stop_string is not None:
+                self.core.finish_request(out.request.request_id, stop_string)
+            results.append(result)
+        return results
+
+
+def kv_config_for(config: EngineConfig, model: ModelConfig) -> KVCacheConfig:
+    c = config.cache
+    elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    block_bytes = c.block_size * model.kv_bytes_per_token(elem)
+    num_blocks = c.num_blocks or max(1, int(c.kv_cache_memory_gib * 2**30) // block_bytes)
+    num_host = c.num_host_blocks
+    if num_host is None:
+        num_host = int(c.swap_space_gib * 2**30) // block_bytes
+    return KVCacheConfig(
+        block_size=c.block_size,
+        num_blocks=num_blocks,
+        num_host_blocks=num_host,
+        enable_prefix_cache=c.enable_prefix_cache,
+    )
+
+
+def max_model_len_for(config: EngineConfig, model: ModelConfig, kv: KVCacheConfig) -> int:
+    """The context limit: the user's, else the model's, never more than the pool holds."""
+    limit = model.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}"
+            )
+        limit = config.max_model_len
+    return min(limit, kv.num_blocks * kv.block_size)

@@ -1,0 +1,79 @@
+"""Turns a scheduled step into tensors, runs the model, returns logits to sample.
+
+The runner owns the model and the KV tensors. It executes the scheduler's swap
+plans (all swap-outs, then swap-ins) before the forward pass, because the device
+blocks a swap-out released may already be reassigned in the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.kv.cache import KVCache
+from pdserve.kv.manager import KVManager
+from pdserve.model.attention import AttentionMetadata, SeqSpec
+from pdserve.model.base import CausalLM, ForwardHooks
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: KVCache, kv: KVManager) -> None:
+        self.model = model
+        self.cache = cache
+        self.kv = kv
+        self.hooks: ForwardHooks | None = None
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
+        """Run one step. Returns the sequences that sample (in row order) and their logits."""
+        for plan in sched.swap_out:
+            self.cache.swap_out(plan.copies)
+        for plan in sched.swap_in:
+            self.cache.swap_in(plan.copies)
+        if sched.empty:
+            return [], None
+        # Single-token rows first: attention batches them in one call (see attention.py).
+        seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, specs, logit_rows = self._flatten(seqs)
+        meta = AttentionMetadata.build(specs, self.cache.block_size, self.model.sliding_window)
+        sampled = [s for s in seqs if s.samples]
+        if not sampled:
+            # Only partial prompt chunks: run the layers, skip the LM head.
+            logit_rows = []
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            self.cache.device_tensor,
+            meta,
+            torch.tensor(logit_rows, dtype=torch.long),
+            self.hooks,
+        )
+        return sampled, (logits if sampled else None)
+
+    def _flatten(
+        self, seqs: Sequence[ScheduledSeq]
+    ) -> tuple[list[int], list[int], list[SeqSpec], list[int]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        specs: list[SeqSpec] = []
+        logit_rows: list[int] = []
+        for s in seqs:
+            req = s.request
+            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            input_ids.extend(_token_slice(req.prompt_token_ids, req.output_token_ids, start, end))
+            positions.extend(range(start, end))
+            specs.append(SeqSpec(start, s.num_new_tokens, self.kv.block_table(req.request_id)))
+            if s.samples:
+                logit_rows.append(len(input_ids) - 1)
+        return input_ids, positions, specs, logit_rows
+
+
+def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return output[start - n : end - n]
+    return prompt[start:] + output[: end - n]

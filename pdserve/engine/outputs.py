@@ -1,0 +1,43 @@
+"""What the engine reports per request, each step and at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Seconds, measured in the engine (monotonic clock)."""
+
+    queue_time: float | None  # arrival -> first scheduled
+    prefill_time: float | None  # first scheduled -> first token
+    decode_time: float | None  # first token -> finished
+    ttft: float | None  # arrival -> first token
+    e2e: float | None  # arrival -> finished
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative state of a request plus what is new since its previous output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+    extra: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,74 @@
+"""A request inside the engine, and what the engine reports about it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no KV
+    RUNNING = "running"  # holds device KV; prefilling or decoding
+    SWAPPED = "swapped"  # preempted; its KV lives in the host tier
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context limit
+    FINISHED_ABORTED = "abort"  # cancelled by the caller
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass
+class RequestTimes:
+    """Monotonic timestamps (seconds) for latency breakdowns."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens (prompt + output) whose KV is in the cache. Owned by the scheduler.
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Known tokens whose KV has not been computed yet."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens

@@ -1,0 +1,179 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step the scheduler decides, for every request it will run, how many new tokens
+to compute ("num_new_tokens"). Decodes compute 1; prompts compute a chunk that fits
+the remaining budget, so a long prompt is split across steps while the decodes of
+running requests ride along (Sarathi-style, for the colocated role).
+
+Order of a step (FCFS throughout):
+1. running requests, oldest first: each gets its tokens, or - when the KV pool is
+   full - the newest running request is preempted (swapped to the host tier when it
+   fits there, otherwise its KV is dropped and it is recomputed later) until it fits;
+2. swapped requests come back (oldest first) if nothing was preempted this step;
+3. waiting requests are admitted while budget, sequence slots and blocks remain.
+   Admission stops at the first one that does not fit (no overtaking: FCFS).
+
+The scheduler never touches block ids: it asks `KVManager` and forwards the swap
+plans it returns to the model runner, which executes copies before the forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.config import PreemptionMode, SchedulerConfig
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kv.manager import KVManager, SwapPlan
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the last known token, so its logits are sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: list[SwapPlan] = field(default_factory=list)  # run first
+    swap_in: list[SwapPlan] = field(default_factory=list)  # then these, then the forward
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+
+    # ---- queue management ------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove `req` from whichever queue holds it and release its KV."""
+        assert status.finished
+        was = req.status
+        if was == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv.free(req.request_id)
+        elif was == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif was == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self.kv.free(req.request_id)
+        req.status = status
+        req.times.finished = time.monotonic()
+
+    # ---- one step --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(out, budget)
+        if not preempted:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_pending_tokens, budget)
+            while not self._allocate(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.seqs.append(ScheduledSeq(req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: it was the last running request
+        return budget, preempted
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            if not self.kv.can_swap_in(req.request_id):
+                break
+            out.swap_in.append(self.kv.swap_in(req.request_id))
+            self.swapped.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_new = min(req.num_pending_tokens, budget)
+            if not self._allocate(req, num_new):
+                break  # holds its blocks; continues next step
+            out.seqs.append(ScheduledSeq(req, num_new))
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.match_prefix(req.all_token_ids).num_cached_tokens
+            num_new = min(req.num_tokens - cached, budget)
+            alloc = self.kv.allocate(req.request_id, req.all_token_ids, num_new)
+            if alloc is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = self.kv.num_computed_tokens(req.request_id)
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = alloc.num_cached_tokens
+            req.status = RequestStatus.RUNNING
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = time.monotonic()
+            self.running.append(req)
+            out.seqs.append(ScheduledSeq(req, num_new))
+            budget -= num_new
+
+    def _allocate(self, req: Request, num_new: int) -> bool:
+        return self.kv.allocate(req.request_id, req.all_token_ids, num_new) is not None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        req.num_preemptions += 1
+        swap = self.config.preemption_mode == PreemptionMode.SWAP
+        if swap and self.kv.can_swap_out(req.request_id):
+            out.swap_out.append(self.kv.swap_out(req.request_id))
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            return
+        # Recompute: drop the KV; prompt + generated tokens are prefilled again later.
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    # ---- after the forward pass ------------------------------------------------
+
+    def advance(self, seq: ScheduledSeq) -> None:
+        """Record that `seq`'s new tokens now have KV in the cache."""
+        req = seq.request
+        req.num_computed_tokens += seq.num_new_tokens
+        self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)

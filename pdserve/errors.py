@@ -1,0 +1,28 @@
+"""Errors that cross component boundaries.
+
+Every error a user can cause carries the name of the offending parameter and a
+message that states the limit, so the HTTP layer can turn it into an OpenAI-style
+error body without inspecting strings.
+"""
+
+from __future__ import annotations
+
+
+class PdserveError(Exception):
+    """Base class of all pdserve errors."""
+
+
+class InvalidRequestError(PdserveError, ValueError):
+    """A request (prompt or sampling parameters) was refused before anything was allocated."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ModelLoadError(PdserveError):
+    """A model folder or file is missing, truncated, or of an unsupported kind.
+
+    The message names the file and what is wrong with it.
+    """

@@ -1,0 +1,207 @@
+"""Attention over the paged KV cache, for a flat batch of many sequences.
+
+One step's batch is a flat list of tokens from many sequences. Every sequence
+contributes `query_len` new tokens at positions `[num_cached, num_cached + query_len)`
+and attends to all `num_cached + query_len` tokens of its own context. That single
+description covers the three cases the engine mixes in one step: a fresh prompt
+(num_cached = 0), a prompt continuing after a cached prefix or an earlier chunk
+(num_cached > 0, query_len > 1) and single-token decode (query_len = 1).
+
+Layout contract
+---------------
+* The cache of one layer is `k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+  head_dim]`. Token `i` of a sequence lives in slot `block_table[i // block_size] *
+  block_size + i % block_size`.
+* Rows of the flat batch are ordered: all sequences with query_len == 1 first (the
+  "decode group", attended in one batched call), then the others (the "prefill
+  group", one call per sequence). `AttentionMetadata.build` takes sequences in that
+  order; the model runner arranges it.
+* The cache must be zero-initialised: padded block-table entries point at block 0
+  and are masked, but a NaN there would still poison `softmax(.) @ V`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """One sequence of a step's batch, as the attention needs it."""
+
+    num_cached: int  # tokens of this sequence already in the cache before this step
+    query_len: int  # new tokens this step
+    block_table: Sequence[int]
+
+    @property
+    def context_len(self) -> int:
+        return self.num_cached + self.query_len
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    start: int  # first row of this sequence in the flat batch
+    end: int
+    num_cached: int
+    block_table: torch.Tensor  # [n_blocks] covering context_len
+    mask: torch.Tensor | None  # [query_len, context_len] bool (True = attend); None = plain causal
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step tensors shared by every layer (built once per step)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    num_decode: int  # rows [0, num_decode) form the decode group
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    prefills: tuple[PrefillSeq, ...]
+
+    @staticmethod
+    def build(
+        seqs: Sequence[SeqSpec], block_size: int, sliding_window: int | None = None
+    ) -> AttentionMetadata:
+        slots: list[int] = []
+        for s in seqs:
+            slots.extend(_slots(s, block_size))
+        num_decode = 0
+        while num_decode < len(seqs) and seqs[num_decode].query_len == 1:
+            num_decode += 1
+        tables, mask = _decode_tensors(seqs[:num_decode], block_size, sliding_window)
+        prefills = []
+        row = num_decode
+        for s in seqs[num_decode:]:
+            if s.query_len == 1:
+                raise ValueError("sequences with query_len == 1 must come first")
+            prefills.append(_prefill_seq(s, row, block_size, sliding_window))
+            row += s.query_len
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            num_decode=num_decode,
+            decode_block_tables=tables,
+            decode_mask=mask,
+            prefills=tuple(prefills),
+        )
+
+
+def _slots(s: SeqSpec, block_size: int) -> list[int]:
+    table = s.block_table
+    return [
+        table[i // block_size] * block_size + i % block_size
+        for i in range(s.num_cached, s.context_len)
+    ]
+
+
+def _decode_tensors(
+    seqs: Sequence[SeqSpec], block_size: int, sliding_window: int | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if not seqs:
+        return None, None
+    max_blocks = max(-(-s.context_len // block_size) for s in seqs)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        n = -(-s.context_len // block_size)
+        tables[i, :n] = torch.tensor(s.block_table[:n], dtype=torch.long)
+    lens = torch.tensor([s.context_len for s in seqs])
+    key_pos = torch.arange(max_blocks * block_size)
+    mask = key_pos[None, :] < lens[:, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > (lens[:, None] - 1 - sliding_window)
+    return tables, mask[:, None, None, :]
+
+
+def _prefill_seq(
+    s: SeqSpec, row: int, block_size: int, sliding_window: int | None
+) -> PrefillSeq:
+    n_blocks = -(-s.context_len // block_size)
+    table = torch.tensor(s.block_table[:n_blocks], dtype=torch.long)
+    mask = None
+    if s.num_cached > 0 or sliding_window is not None:
+        q_pos = torch.arange(s.num_cached, s.context_len)[:, None]
+        k_pos = torch.arange(s.context_len)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+    return PrefillSeq(row, row + s.query_len, s.num_cached, table, mask)
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+    nkv, hd = k.shape[1], k.shape[2]
+    k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a flat batch. q: [T, H, D]; k, v: [T, Hkv, D] (already in the cache).
+
+    Returns [T, H, D].
+    """
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        out[: meta.num_decode] = _decode_attention(q[: meta.num_decode], k_cache, v_cache, meta, scale)
+    for p in meta.prefills:
+        out[p.start : p.end] = _prefill_attention(q, k, v, k_cache, v_cache, p, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, Hkv, D] x [B, nb] -> [B, Hkv, nb * bs, D] (a strided view of a copy)."""
+    g = cache[tables]
+    b, nb, bs, hkv, d = g.shape
+    return g.view(b, nb * bs, hkv, d).transpose(1, 2)
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    assert meta.decode_block_tables is not None
+    b, h, d = q.shape
+    hkv = k_cache.shape[2]
+    # GQA without repeating K/V: the `h // hkv` query heads sharing a KV head become
+    # the "query length" axis of that KV head (HF orders heads kv-major, as here).
+    qg = q.view(b, hkv, h // hkv, d)
+    kc = _gather(k_cache, meta.decode_block_tables)
+    vc = _gather(v_cache, meta.decode_block_tables)
+    o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(b, h, d)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillSeq, scale: float,
+) -> torch.Tensor:
+    qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if p.num_cached == 0:
+        # Fresh prompt: its whole context is this step's K/V; no cache read needed.
+        ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+    else:
+        n_ctx = p.num_cached + (p.end - p.start)
+        ks = _gather(k_cache, p.block_table[None])[:, :, :n_ctx]
+        vs = _gather(v_cache, p.block_table[None])[:, :, :n_ctx]
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        ks = ks.repeat_interleave(groups, dim=1)
+        vs = vs.repeat_interleave(groups, dim=1)
+    if p.mask is None:
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale)
+    return o[0].transpose(0, 1)

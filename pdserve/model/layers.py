@@ -1,0 +1,153 @@
+"""Building blocks shared by every Llama-family model file.
+
+Weights are held fused where the math allows it (q/k/v in one matrix, gate/up in
+one matrix): fewer, larger matmuls matter on CPU where per-op overhead dominates
+small-batch decode. `load_weights` in `base.py` maps HF parameter names onto them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from pdserve.model.config import ModelConfig, RopeScaling
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies, computed the way HF transformers does (bit-identical)."""
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    inv_freq = 1.0 / (theta**exps)
+    if scaling is None:
+        return inv_freq
+    return _llama3_scale(inv_freq, scaling)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a cos/sin table over all positions (looked up once per step)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for each token: [num_tokens, 1, head_dim]."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
+        self.down = _param(config.hidden_size, config.intermediate_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if qkv_bias else None
+        self.o = _param(config.hidden_size, self.q_size, dtype=dtype)
+        self.o_bias = _param(config.hidden_size, dtype=dtype) if o_bias else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotated together: one set of RoPE ops per layer instead of two.
+        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return F.linear(o.reshape(t, self.q_size), self.o, self.o_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, layer_idx, qkv_bias, o_bias, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))

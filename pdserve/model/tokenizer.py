@@ -1,0 +1,117 @@
+"""Text <-> token ids and chat templates, by the model's own transformers fast tokenizer.
+
+A GGUF carries its tokenizer in metadata; transformers converts it (about 4 s for the
+shipped model), so loaded tokenizers are cached per file for the life of the process.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pdserve.errors import InvalidRequestError, ModelLoadError
+from pdserve.model.loader import (
+    ModelPath,
+    ModelSource,
+    load_config,
+    load_generation_defaults,
+)
+
+
+class Tokenizer:
+    """A transformers fast tokenizer plus the ids that end a generation.
+
+    Not mutated after construction; safe to share between requests.
+    """
+
+    def __init__(self, backend: PreTrainedTokenizerBase, extra_stop_ids: Sequence[int] = ()):
+        self._backend = backend
+        eos = () if backend.eos_token_id is None else (int(backend.eos_token_id),)
+        # dict.fromkeys: deduplicate, keep order (the tokenizer's eos first).
+        self._stop_ids = tuple(dict.fromkeys((*eos, *(int(i) for i in extra_stop_ids))))
+
+    @classmethod
+    def from_model_path(cls, path: ModelPath | ModelSource) -> Tokenizer:
+        """The tokenizer of a HF folder or GGUF file (None: the shipped default model).
+
+        Stop ids: the tokenizer's eos, generation_config.json's eos ids, config eos ids.
+        """
+        src = ModelSource.resolve(path)
+        backend = _load_backend(src.path, src.format, src.path.stat().st_mtime_ns)
+        stops = [*_ids(load_generation_defaults(src).get("eos_token_id"))]
+        stops += load_config(src).eos_token_ids
+        return cls(backend, stops)
+
+    @property
+    def backend(self) -> PreTrainedTokenizerBase:
+        """The wrapped transformers tokenizer (for what this class does not cover)."""
+        return self._backend
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._backend.chat_template)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._backend.eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._backend.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the full vocabulary, added tokens included."""
+        return len(self._backend)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Ids that end a generation: eos first, then the generation config's."""
+        return self._stop_ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds BOS where the model's tokenizer does."""
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for a chat; InvalidRequestError if the model has no template
+        or the template refuses the messages (e.g. roles out of order)."""
+        if not self.has_chat_template:
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt instead", param="messages"
+            )
+        try:
+            text = self._backend.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError(f"chat template error: {e}", param="messages") from e
+        return str(text)
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+@functools.lru_cache(maxsize=4)
+def _load_backend(path: Path, fmt: str, mtime_ns: int) -> PreTrainedTokenizerBase:
+    """Load once per (file, modification time)."""
+    try:
+        if fmt == "gguf":
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({first_line})") from e

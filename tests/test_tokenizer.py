@@ -1,0 +1,122 @@
+"""Tokenizer: the shipped SmolLM2 GGUF tokenizer and tiny HF folder tokenizers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers.tiny_models import make_tiny_gguf, make_tiny_model
+
+from pdserve.errors import InvalidRequestError, ModelLoadError
+from pdserve.model.tokenizer import Tokenizer
+
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+@pytest.fixture(scope="module")
+def shipped() -> Tokenizer:
+    return Tokenizer.from_model_path(None)
+
+
+@pytest.mark.slow
+def test_shipped_chat_template_adds_smollm2_system_prompt(shipped: Tokenizer) -> None:
+    assert shipped.has_chat_template
+    assert shipped.apply_chat_template([{"role": "user", "content": "Hi"}]) == (
+        f"<|im_start|>system\n{SMOLLM2_SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    no_prompt = shipped.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=False
+    )
+    assert no_prompt.endswith("<|im_start|>user\nHi<|im_end|>\n")
+
+
+@pytest.mark.slow
+def test_shipped_encode_decode(shipped: Tokenizer) -> None:
+    assert shipped.encode("Hello world") == [19556, 905]  # no BOS: add_bos_token is false
+    text = "Prefill, then decode: héllo wörld 123!"
+    assert shipped.decode(shipped.encode(text)) == text
+    ids = shipped.encode("<|im_start|>user")
+    assert ids[0] == 1
+    assert shipped.decode(ids) == "user"
+    assert shipped.decode(ids, skip_special_tokens=False) == "<|im_start|>user"
+
+
+@pytest.mark.slow
+def test_shipped_special_ids(shipped: Tokenizer) -> None:
+    assert (shipped.eos_token_id, shipped.bos_token_id) == (2, 1)
+    assert shipped.stop_token_ids == (2,)
+    assert shipped.vocab_size == 49152
+
+
+def test_tiny_folder_tokenizer(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "Qwen2ForCausalLM")
+    tok = Tokenizer.from_model_path(folder)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (1, 2, 384)
+    text = "The quick brown fox, 日本"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_stop_ids_include_generation_config_eos(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "LlamaForCausalLM")
+    file = folder / "generation_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "eos_token_id": [0, 2]}))
+    assert Tokenizer.from_model_path(folder).stop_token_ids == (2, 0)
+
+
+def test_chat_template_in_tokenizer_config(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "MistralForCausalLM")
+    template_file = folder / "chat_template.jinja"
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = "{{ messages[0]['content'] | upper }}"
+    config_file.write_text(json.dumps(config))
+    template_file.unlink()
+    tok = Tokenizer.from_model_path(folder)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "HI"
+
+
+def test_no_chat_template(tmp_path: Path) -> None:
+    tok = Tokenizer.from_model_path(
+        make_tiny_model(tmp_path, "LlamaForCausalLM", chat_template=False)
+    )
+    assert not tok.has_chat_template
+    with pytest.raises(InvalidRequestError) as info:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert info.value.message == "this model has no chat template; send a plain prompt instead"
+    assert info.value.param == "messages"
+
+
+def test_template_error_is_invalid_request(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "LlamaForCausalLM")
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    )
+    tok = Tokenizer.from_model_path(folder)
+    with pytest.raises(InvalidRequestError) as info:
+        tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
+    assert (info.value.message, info.value.param) == ("chat template error: user first", "messages")
+
+
+def test_tiny_gguf_tokenizer_matches_folder(tmp_path: Path) -> None:
+    path = make_tiny_gguf(tmp_path)
+    from_gguf = Tokenizer.from_model_path(path)
+    from_folder = Tokenizer.from_model_path(path.with_suffix(""))
+    text = "Hello world! Paged attention, décodé."
+    assert from_gguf.encode(text) == from_folder.encode(text)
+    assert from_gguf.stop_token_ids == from_folder.stop_token_ids == (2,)
+    messages = [{"role": "user", "content": "hi"}]
+    assert from_gguf.apply_chat_template(messages) == from_folder.apply_chat_template(messages)
+
+
+def test_folder_without_tokenizer_files(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "LlamaForCausalLM")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink()
+    with pytest.raises(ModelLoadError) as info:
+        Tokenizer.from_model_path(folder)
+    assert str(info.value).startswith(f"{folder}: cannot load the tokenizer (")
