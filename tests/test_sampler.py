@@ -395,3 +395,18 @@ def test_logprobs_on_a_small_vocabulary_and_greedy_rows() -> None:
     expected = [math.log(p) for p in P4]
     assert [lp for _, lp in out[0].top_logprobs] == pytest.approx(expected, abs=1e-6)
     assert out[0].logprob == pytest.approx(math.log(0.5), abs=1e-6)
+
+
+def test_bfloat16_logits_are_processed_in_float32() -> None:
+    logits = _random_logits(3, seed=4).bfloat16()
+    rows = [
+        _row(GREEDY),
+        _row(SamplingParams(temperature=0.0, logprobs=1, repetition_penalty=1.2), prompt=[5]),
+        _row(SamplingParams(top_k=1), seed=1),
+    ]
+    out = sample(logits, rows)
+    ref = logits.float()
+    assert [out[0].token_id, out[2].token_id] == [int(ref[0].argmax()), int(ref[2].argmax())]
+    lp = torch.log_softmax(ref[1], dim=-1)
+    assert out[1].logprob == lp[out[1].token_id].item()
+    assert out[1].top_logprobs == ((int(lp.argmax()), lp.max().item()),)

@@ -37,9 +37,15 @@ _INCOMPLETE = "\ufffd"
 
 
 class Tokenizer(Protocol):
-    """What the detokenizer needs of a tokenizer (a Hugging Face tokenizer fits)."""
+    """What the detokenizer needs of a tokenizer: `decode(ids, skip_special_tokens=...)`.
 
-    def decode(self, token_ids: list[int], /, skip_special_tokens: bool = ...) -> str: ...
+    The return type is that of Hugging Face tokenizers, which return a list for a batch;
+    a list of ints must give a str.
+    """
+
+    def decode(
+        self, token_ids: list[int], /, skip_special_tokens: bool = ...
+    ) -> str | list[str]: ...
 
 
 class IncrementalDetokenizer:
@@ -108,7 +114,10 @@ class IncrementalDetokenizer:
         return self._release(self._decode_new_text(final=True), final=True)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        text = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        if not isinstance(text, str):
+            raise TypeError(f"tokenizer.decode(list of ids) must return str, got {type(text)}")
+        return text
 
     def _decode_new_text(self, final: bool) -> str:
         """Text of the tokens after read_offset, and advance the offsets ('' if not ready)."""

@@ -1,0 +1,79 @@
+"""Shared fixtures: the shipped SmolLM2 loaded once per session, engines over it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from pdserve.engine.engine import Engine
+from pdserve.model.base import CausalLM
+from pdserve.model.loader import iter_weights, load_config, resolve_model
+from pdserve.model.registry import build_model
+from pdserve.model.tokenizer import Tokenizer
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: Path) -> tuple[CausalLM, Tokenizer]:
+    model = build_model(load_config(smollm2_path))
+    model.load_weights(iter_weights(smollm2_path))
+    return model, Tokenizer.from_model_path(smollm2_path)
+
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+def make_engine(smollm2: tuple[CausalLM, Tokenizer]) -> EngineFactory:
+    """Engine over the shared SmolLM2 weights with the given knobs.
+
+    Every engine it made is checked at teardown: pool integrity holds and no block is
+    left referenced."""
+    model, tokenizer = smollm2
+    made: list[Engine] = []
+
+    def factory(
+        *,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        num_blocks: int = 512,
+        num_host_blocks: int = 512,
+        block_size: int = 16,
+        enable_prefix_cache: bool = True,
+        preemption_mode: PreemptionMode = PreemptionMode.SWAP,
+        max_model_len: int | None = None,
+    ) -> Engine:
+        config = EngineConfig(
+            max_model_len=max_model_len,
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                preemption_mode=preemption_mode,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                num_host_blocks=num_host_blocks,
+                enable_prefix_cache=enable_prefix_cache,
+            ),
+        )
+        engine = Engine(config, model, tokenizer)
+        made.append(engine)
+        return engine
+
+    yield factory
+    for engine in made:
+        kv = engine.core.kv
+        kv.check_integrity()
+        if not engine.has_unfinished():
+            assert kv.num_used_blocks == 0
