@@ -27,6 +27,7 @@ def smollm2_path() -> Path:
 def smollm2(smollm2_path: Path) -> tuple[CausalLM, Tokenizer]:
     model = build_model(load_config(smollm2_path))
     model.load_weights(iter_weights(smollm2_path))
+    model.finalize()
     return model, Tokenizer.from_model_path(smollm2_path)
 
 

@@ -47,10 +47,11 @@ CASES = {
 class Harness:
     """Our model over a real paged cache; hands out disjoint, shuffled block tables."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, pack: bool) -> None:
         self.config = load_config(folder)
         self.model: CausalLM = build_model(self.config)
         self.model.load_weights(iter_weights(folder))
+        self.model.finalize(pack)
         self.cache = KVCache(self.config, 64, 0, BLOCK, torch.float32)
         self._free = list(torch.randperm(64).tolist())
 
@@ -76,11 +77,17 @@ class Harness:
         return list(logits.split([len(p[0]) for p in parts]))
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(
+    scope="module",
+    params=[(case, pack) for case in sorted(CASES) for pack in (True, False)],
+    ids=lambda p: f"{p[0]}-{'packed' if p[1] else 'plain'}",
+)
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    arch, overrides = CASES[request.param]
-    folder = make_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
-    return Harness(folder), load_hf_reference(folder)
+    """(our model, HF reference); ours with oneDNN-packed projections and without."""
+    case, pack = request.param
+    arch, overrides = CASES[case]
+    folder = make_tiny_model(tmp_path_factory.mktemp(case), arch, **overrides)
+    return Harness(folder, pack), load_hf_reference(folder)
 
 
 @torch.inference_mode()

@@ -48,6 +48,7 @@ class Engine:
         model = build_model(model_config, config.torch_dtype)
         model.load_weights(iter_weights(path, config.torch_dtype))
         model.to(config.device)
+        model.finalize()
         return cls(config, model, Tokenizer.from_model_path(path))
 
     @property

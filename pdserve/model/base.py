@@ -18,6 +18,7 @@ from pdserve.errors import ModelLoadError
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.config import ModelConfig
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from pdserve.model.linear import PackedLinear
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class CausalLM(nn.Module):
                 requires_grad=False,
             )
         )
+        self.finalized = False
+        self.finalize(pack=False)
 
     @property
     def sliding_window(self) -> int | None:
@@ -85,13 +88,42 @@ class CausalLM(nn.Module):
             h = layer(h, cos, sin, kv_caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        h = self.norm(h[logits_indices])
-        return torch.nn.functional.linear(h, self.lm_head)
+        return self.lm_head_op(self.norm(h[logits_indices]))
+
+    def finalize(self, pack: bool = True) -> None:
+        """Prepare the loaded weights for serving: oneDNN-packed projections on CPU.
+
+        With `pack`, later `load_weights` calls are refused: the kernels no longer
+        read the parameters (see model/linear.py)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.finalize(pack)
+            layer.mlp.finalize(pack)
+        self.lm_head_op = PackedLinear(self.lm_head, None, pack)
+        self.finalized = pack
+        if pack:
+            self._release_packed_originals()
+
+    def _release_packed_originals(self) -> None:
+        """Free the row-major copies of weights that now live packed (halves memory)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            a, m = layer.self_attn, layer.mlp
+            for param, op in ((a.qkv, a.qkv_op), (a.o, a.o_op), (m.gate_up, m.gate_up_op),
+                              (m.down, m.down_op)):
+                if op.packed is not None:
+                    param.data = torch.empty(0, dtype=param.dtype)
+        if not self.config.tie_word_embeddings and self.lm_head_op.packed is not None:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
     # ---- weights ---------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the fused parameters; fail on any missing one."""
+        """Copy HF-named tensors into the fused parameters; fail on any missing one.
+
+        Call `finalize()` afterwards to get the fast kernels."""
+        if self.finalized:
+            raise RuntimeError("weights are packed for serving; build a new model to reload")
         targets = self._weight_targets()
         seen: set[str] = set()
         for name, tensor in weights:

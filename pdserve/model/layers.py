@@ -15,6 +15,7 @@ from torch import nn
 
 from pdserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig, RopeScaling
+from pdserve.model.linear import PackedLinear
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -86,10 +87,17 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
         self.down = _param(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.gate_up_op = PackedLinear(self.gate_up, None, pack=False)
+        self.down_op = PackedLinear(self.down, None, pack=False)
+
+    def finalize(self, pack: bool) -> None:
+        """Called once after the weights are loaded."""
+        self.gate_up_op = PackedLinear(self.gate_up, None, pack)
+        self.down_op = PackedLinear(self.down, None, pack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up_op(x).split(self.intermediate, dim=-1)
+        return self.down_op(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -108,6 +116,12 @@ class Attention(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if qkv_bias else None
         self.o = _param(config.hidden_size, self.q_size, dtype=dtype)
         self.o_bias = _param(config.hidden_size, dtype=dtype) if o_bias else None
+        self.finalize(pack=False)
+
+    def finalize(self, pack: bool) -> None:
+        """Called once after the weights are loaded."""
+        self.qkv_op = PackedLinear(self.qkv, self.qkv_bias, pack)
+        self.o_op = PackedLinear(self.o, self.o_bias, pack)
 
     def forward(
         self,
@@ -118,7 +132,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = self.qkv_op(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k rotated together: one set of RoPE ops per layer instead of two.
         qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
@@ -127,7 +141,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return F.linear(o.reshape(t, self.q_size), self.o, self.o_bias)
+        return self.o_op(o.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
