@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """What an engine instance does with prompts and generation (DistServe §3)."""
 
     COLOCATED = "colocated"  # both phases, chunked prefill + continuous batching
@@ -21,7 +21,7 @@ class Role(str, Enum):
     DECODE = "decode"  # generation only from received KV (disaggregation issue)
 
 
-class PreemptionMode(str, Enum):
+class PreemptionMode(StrEnum):
     SWAP = "swap"  # copy the victim's blocks to the host tier; resume exactly where it was
     RECOMPUTE = "recompute"  # drop its KV; re-prefill prompt + generated tokens later
 

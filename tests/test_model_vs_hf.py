@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.tiny_models import load_hf_reference, make_tiny_model
 
 from pdserve.kv.cache import KVCache
 from pdserve.model.attention import AttentionMetadata, SeqSpec
 from pdserve.model.base import CausalLM, ForwardHooks
 from pdserve.model.loader import iter_weights, load_config
 from pdserve.model.registry import build_model
-from helpers.tiny_models import load_hf_reference, make_tiny_model
 
 TOL = 1e-4
 BLOCK = 4
@@ -164,14 +164,21 @@ def test_layer_hook_fires_once_per_layer_after_kv_write(pair) -> None:
     seen: list[tuple[int, bool]] = []
     slot = table[0] * BLOCK
 
+    kv = ours.cache.device_tensor
+
     def on_layer_done(i: int) -> None:
-        # This step's K of layer i is in the cache when the hook runs.
-        seen.append((i, bool(ours.cache.device_tensor[i, 0].view(-1, *ours.cache.device_tensor.shape[-2:])[slot].abs().sum() > 0)))
+        # This step's K of layer i is in the cache (fresh blocks start zeroed).
+        k_slots = kv[i, 0].reshape(-1, *kv.shape[-2:])
+        seen.append((i, bool(k_slots[slot].abs().sum() > 0)))
 
     meta = AttentionMetadata.build([SeqSpec(0, 6, table)], BLOCK)
     with torch.inference_mode():
         ours.model(
-            torch.tensor(ids), torch.arange(6), ours.cache.device_tensor, meta,
-            torch.tensor([5]), ForwardHooks(on_layer_done),
+            torch.tensor(ids),
+            torch.arange(6),
+            ours.cache.device_tensor,
+            meta,
+            torch.tensor([5]),
+            ForwardHooks(on_layer_done),
         )
     assert seen == [(i, True) for i in range(ours.config.num_hidden_layers)]

@@ -107,7 +107,7 @@ class AsyncEngine:
                     return
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
-        except BaseException as e:  # noqa: BLE001 - any failure kills the engine
+        except BaseException as e:
             self._die(e)
 
     def _apply_commands(self, block: bool) -> bool:

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampledToken, SamplingRow, sample
-from pdserve.engine.scheduler import ScheduledSeq, Scheduler
-from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.cache import KVCache
 from pdserve.kv.config import KVCacheConfig
@@ -33,6 +33,7 @@ class CoreOutput:
     request: Request
     new_tokens: tuple[SampledToken, ...]
     status: RequestStatus
+    stopped_by_token: bool = False  # the last new token is EOS or a stop token id
 
 
 class EngineCore:
@@ -133,7 +134,9 @@ class EngineCore:
 
     def _sampling_row(self, seq: ScheduledSeq) -> SamplingRow:
         r = seq.request
-        return SamplingRow(r.params, r.generator, r.prompt_token_ids, r.output_token_ids)
+        return SamplingRow(
+            r.params, r.generator, r.prompt_token_ids, r.output_token_ids, self.eos_token_ids
+        )
 
     def _append(self, seq: ScheduledSeq, tok: SampledToken) -> CoreOutput:
         req = seq.request
@@ -144,7 +147,8 @@ class EngineCore:
         if status is not RequestStatus.RUNNING:
             self.requests.pop(req.request_id, None)
             self.scheduler.finish(req, status)
-        return CoreOutput(req, (tok,), status)
+        by_token = status is RequestStatus.FINISHED_STOPPED
+        return CoreOutput(req, (tok,), status, by_token)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus:
         p = req.params

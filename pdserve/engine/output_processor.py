@@ -30,29 +30,33 @@ class OutputProcessor:
 
     def add(self, req: Request) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
-        self._states[req.request_id] = _State(detok, [] if req.params.logprobs is not None else None)
+        self._states[req.request_id] = _State(
+            detok, [] if req.params.logprobs is not None else None
+        )
 
     def process(self, out: CoreOutput) -> tuple[RequestOutput, str | None]:
         """Returns the request's output and, if a stop string ended it, that string.
 
-        A stop-string match means the caller must finish the request in the core.
+        A returned stop string means the caller must finish the request in the core.
+        A token that stopped the request in the core (EOS, a stop token id) is kept in
+        `token_ids` but not rendered into the text, as OpenAI servers do.
         """
         req = out.request
         st = self._states[req.request_id]
-        delta, new_ids = "", []
-        for tok in out.new_tokens:
-            new_ids.append(tok.token_id)
-            if st.logprobs is not None and tok.logprob is not None:
-                st.logprobs.append(TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs))
-            if not st.detok.stopped:
-                delta += st.detok.add_token(tok.token_id)
+        new_ids = [t.token_id for t in out.new_tokens]
         st.token_ids.extend(new_ids)
-        stop_string = st.detok.stop_reason if st.detok.stopped else None
-        status = out.status
-        if stop_string is not None and not status.finished:
-            status = RequestStatus.FINISHED_STOPPED
-        if status.finished and not st.detok.stopped:
-            delta += st.detok.finish()
+        if st.logprobs is not None:
+            st.logprobs.extend(
+                TokenLogprob(t.token_id, t.logprob, t.top_logprobs)
+                for t in out.new_tokens
+                if t.logprob is not None
+            )
+        to_render = new_ids[:-1] if out.stopped_by_token else new_ids
+        delta = "".join(st.detok.add_token(t) for t in to_render if not st.detok.stopped)
+        if out.status.finished and not st.detok.stopped:
+            delta += st.detok.finish()  # releases held-back text; may still complete a stop
+        stop_string = st.detok.stop_reason
+        status = RequestStatus.FINISHED_STOPPED if stop_string is not None else out.status
         result = self._output(req, st, delta, new_ids, status, stop_string)
         if status.finished:
             del self._states[req.request_id]

@@ -39,8 +39,9 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         self.block_size = block_size
-        self.device_tensor = torch.zeros(kv_shape(config, num_blocks, block_size), dtype=dtype,
-                                         device=device)
+        self.device_tensor = torch.zeros(
+            kv_shape(config, num_blocks, block_size), dtype=dtype, device=device
+        )
         pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
         self.host_tensor = torch.zeros(
             kv_shape(config, num_host_blocks, block_size), dtype=dtype, pin_memory=pin

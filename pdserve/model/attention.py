@@ -114,9 +114,7 @@ def _decode_tensors(
     return tables, mask[:, None, None, :]
 
 
-def _prefill_seq(
-    s: SeqSpec, row: int, block_size: int, sliding_window: int | None
-) -> PrefillSeq:
+def _prefill_seq(s: SeqSpec, row: int, block_size: int, sliding_window: int | None) -> PrefillSeq:
     n_blocks = -(-s.context_len // block_size)
     table = torch.tensor(s.block_table[:n_blocks], dtype=torch.long)
     mask = None
@@ -130,7 +128,10 @@ def _prefill_seq(
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
@@ -154,7 +155,9 @@ def paged_attention(
     """
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = _decode_attention(q[: meta.num_decode], k_cache, v_cache, meta, scale)
+        out[: meta.num_decode] = _decode_attention(
+            q[: meta.num_decode], k_cache, v_cache, meta, scale
+        )
     for p in meta.prefills:
         out[p.start : p.end] = _prefill_attention(q, k, v, k_cache, v_cache, p, scale)
     return out
@@ -168,8 +171,11 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
     assert meta.decode_block_tables is not None
     b, h, d = q.shape
@@ -184,8 +190,13 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillSeq, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    p: PrefillSeq,
+    scale: float,
 ) -> torch.Tensor:
     qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if p.num_cached == 0:

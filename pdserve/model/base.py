@@ -52,7 +52,8 @@ class CausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, qkv_bias, o_bias, dtype) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, qkv_bias, o_bias, dtype)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
@@ -109,8 +110,12 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             a, m = layer.self_attn, layer.mlp
-            for param, op in ((a.qkv, a.qkv_op), (a.o, a.o_op), (m.gate_up, m.gate_up_op),
-                              (m.down, m.down_op)):
+            for param, op in (
+                (a.qkv, a.qkv_op),
+                (a.o, a.o_op),
+                (m.gate_up, m.gate_up_op),
+                (m.down, m.down_op),
+            ):
                 if op.packed is not None:
                     param.data = torch.empty(0, dtype=param.dtype)
         if not self.config.tie_word_embeddings and self.lm_head_op.packed is not None:
@@ -161,7 +166,9 @@ class CausalLM(nn.Module):
             t.update({f"{p}self_attn.{n}_proj.weight": w for n, w in zip("qkv", qkv, strict=True)})
             if a.qkv_bias is not None:
                 bias = a.qkv_bias.data.split([c.q_size, c.kv_size, c.kv_size])
-                t.update({f"{p}self_attn.{n}_proj.bias": b for n, b in zip("qkv", bias, strict=True)})
+                t.update(
+                    {f"{p}self_attn.{n}_proj.bias": b for n, b in zip("qkv", bias, strict=True)}
+                )
             t[f"{p}self_attn.o_proj.weight"] = a.o.data
             if a.o_bias is not None:
                 t[f"{p}self_attn.o_proj.bias"] = a.o_bias.data

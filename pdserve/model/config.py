@@ -113,7 +113,9 @@ def _rope_scaling(d: dict[str, Any], source: str) -> RopeScaling | None:
     if kind == "default":
         return None
     if kind != "llama3":
-        raise ModelLoadError(f"{source}: unsupported rope_scaling type {kind!r} (supported: llama3)")
+        raise ModelLoadError(
+            f"{source}: unsupported rope_scaling type {kind!r} (supported: llama3)"
+        )
     return RopeScaling(
         factor=float(rs["factor"]),
         low_freq_factor=float(rs["low_freq_factor"]),

@@ -102,7 +102,11 @@ class MLP(nn.Module):
 
 class Attention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        qkv_bias: bool,
+        o_bias: bool,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
@@ -146,7 +150,11 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        qkv_bias: bool,
+        o_bias: bool,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
