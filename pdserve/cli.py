@@ -39,14 +39,14 @@ def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.engine import Engine
     from pdserve.engine.sampling_params import SamplingParams
 
-    engine = Engine.from_config(EngineConfig(model=args.model))
-    params = SamplingParams(
+    params = SamplingParams(  # validated before the (slow) model load
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
     )
+    engine = Engine.from_config(EngineConfig(model=args.model))
     tok = engine.tokenizer
     if args.raw or not tok.has_chat_template:
         prompt_ids = tok.encode(args.prompt)

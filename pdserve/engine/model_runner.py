@@ -14,7 +14,7 @@ import torch
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.kv.cache import KVCache
 from pdserve.kv.manager import KVManager
-from pdserve.model.attention import AttentionMetadata, SeqSpec
+from pdserve.model.attention import AttentionMetadata, GatherWorkspace, SeqSpec
 from pdserve.model.base import CausalLM, ForwardHooks
 
 
@@ -24,6 +24,7 @@ class ModelRunner:
         self.cache = cache
         self.kv = kv
         self.hooks: ForwardHooks | None = None
+        self.workspace = GatherWorkspace()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
@@ -37,7 +38,9 @@ class ModelRunner:
         # Single-token rows first: attention batches them in one call (see attention.py).
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, specs, logit_rows = self._flatten(seqs)
-        meta = AttentionMetadata.build(specs, self.cache.block_size, self.model.sliding_window)
+        meta = AttentionMetadata.build(
+            specs, self.cache.block_size, self.model.sliding_window, self.workspace
+        )
         sampled = [s for s in seqs if s.samples]
         if not sampled:
             # Only partial prompt chunks: run the layers, skip the LM head.

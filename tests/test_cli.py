@@ -1,0 +1,36 @@
+"""`pdserve generate` as a user runs it: a real process on the shipped model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_generate_prints_the_greedy_answer() -> None:
+    proc = pdserve("generate", "What is the capital of France?", "--max-tokens", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "The capital of France is Paris.\n"
+
+
+def test_generate_reports_a_missing_model_cleanly(tmp_path) -> None:
+    missing = tmp_path / "nope"
+    proc = pdserve("generate", "hi", "--model", str(missing))
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("pdserve: error: ")
+    assert str(missing) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_reports_bad_sampling_values_cleanly() -> None:
+    proc = pdserve("generate", "hi", "--temperature", "-1")
+    assert proc.returncode == 2
+    assert proc.stderr == "pdserve: error: temperature must be at least 0, got -1.0\n"
