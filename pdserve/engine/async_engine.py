@@ -16,6 +16,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -52,10 +53,9 @@ class _Sink:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        try:
+        # RuntimeError: the consumer's event loop is closed; nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the consumer's event loop is closed: nobody is listening any more
 
 
 class AsyncEngine:

@@ -98,24 +98,35 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Give running requests their tokens, oldest first. Returns (budget left,
+        whether anything was preempted)."""
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_pending_tokens, budget)
-            while not self._allocate(req, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                out.seqs.append(ScheduledSeq(req, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break  # req itself was preempted: it was the last running request
+            fits, evicted_any = self._make_room(req, num_new, out)
+            preempted |= evicted_any
+            if not fits:
+                break  # req itself was the newest and got preempted
+            out.seqs.append(ScheduledSeq(req, num_new))
+            budget -= num_new
+            i += 1
         return budget, preempted
+
+    def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> tuple[bool, bool]:
+        """Allocate for `req`, preempting the newest running requests until it fits.
+
+        Returns (req got its blocks, something was preempted). When req is itself the
+        newest, it is preempted and (False, True) comes back."""
+        preempted = False
+        while not self._allocate(req, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            preempted = True
+            if victim is req:
+                return False, True
+        return True, preempted
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
