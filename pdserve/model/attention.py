@@ -250,12 +250,11 @@ def _prefill_attention(
         n_ctx = p.num_cached + (p.end - p.start)
         ks, vs = _gather_kv(k_cache, v_cache, p.block_table[None], ws)
         ks, vs = ks[:, :, :n_ctx], vs[:, :, :n_ctx]
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        ks = ks.repeat_interleave(groups, dim=1)
-        vs = vs.repeat_interleave(groups, dim=1)
+    gqa = q.shape[1] != k.shape[1]
     if p.mask is None:
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=gqa
+        )
     return o[0].transpose(0, 1)
