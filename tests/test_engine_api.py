@@ -254,3 +254,19 @@ def test_engine_config_refuses_context_beyond_the_model(smollm2) -> None:
         ValueError, match="max_model_len=9000 exceeds the model's max_position_embeddings=8192"
     ):
         Engine(EngineConfig(max_model_len=9000), model, tok)
+
+
+def test_llm_generate_and_chat_keep_input_order(make_engine) -> None:
+    from pdserve.engine.llm import LLM
+
+    engine = make_engine()
+    llm = LLM.from_engine(engine)
+    greedy = SamplingParams(max_tokens=64, temperature=0)
+    assert llm.chat(FRANCE, greedy).text == "The capital of France is Paris."
+    prompts = ["The first law of thermodynamics", chat_ids(engine, FRANCE), "Hello"]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in (5, 64, 2)])
+    assert [len(o.token_ids) for o in outs[::2]] == [5, 2]
+    assert outs[1].text == "The capital of France is Paris."
+    assert outs[0].prompt_token_ids == engine.tokenizer.encode("The first law of thermodynamics")
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 3 prompts"):
+        llm.generate(prompts, [greedy])
