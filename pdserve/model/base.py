@@ -86,7 +86,7 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.lookup(positions)
         on_layer_done = hooks.on_layer_done if hooks else None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_caches[i], meta)
+            h = layer.forward(h, cos, sin, kv_caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.lm_head_op(self.norm(h[logits_indices]))
