@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.messages import EngineOutput, NewToken
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import RequestMetrics
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampledToken, SamplingRow, sample
 from pdserve.engine.sampling_params import SamplingParams
@@ -24,16 +25,6 @@ from pdserve.kv.cache import KVCache
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.manager import KVManager
 from pdserve.model.base import CausalLM
-
-
-@dataclass(frozen=True)
-class CoreOutput:
-    """New tokens of one request in one step; `status` tells whether it finished."""
-
-    request: Request
-    new_tokens: tuple[SampledToken, ...]
-    status: RequestStatus
-    stopped_by_token: bool = False  # the last new token is EOS or a stop token id
 
 
 class EngineCore:
@@ -102,13 +93,19 @@ class EngineCore:
                 param,
             )
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel; its KV returns to the pool now. False if unknown or already finished."""
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Cancel; its KV returns to the pool now. None if unknown or already finished."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return False
+            return None
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return True
+        return EngineOutput(
+            request_id,
+            (),
+            finish_reason="abort",
+            num_cached_tokens=req.num_cached_prompt_tokens,
+            metrics=request_metrics(req),
+        )
 
     def finish_request(self, request_id: str, stop_reason: str) -> None:
         """End a request that the output processor found a stop string in."""
@@ -122,7 +119,7 @@ class EngineCore:
 
     # ---- one step --------------------------------------------------------------
 
-    def step(self) -> list[CoreOutput]:
+    def step(self) -> list[EngineOutput]:
         sched = self.scheduler.schedule()
         sampled, logits = self.runner.execute(sched)
         for seq in sched.seqs:
@@ -138,17 +135,26 @@ class EngineCore:
             r.params, r.generator, r.prompt_token_ids, r.output_token_ids, self.eos_token_ids
         )
 
-    def _append(self, seq: ScheduledSeq, tok: SampledToken) -> CoreOutput:
+    def _append(self, seq: ScheduledSeq, tok: SampledToken) -> EngineOutput:
         req = seq.request
         req.output_token_ids.append(tok.token_id)
         if req.times.first_token is None:
             req.times.first_token = time.monotonic()
         status = self._check_stop(req, tok.token_id)
-        if status is not RequestStatus.RUNNING:
-            self.requests.pop(req.request_id, None)
-            self.scheduler.finish(req, status)
-        by_token = status is RequestStatus.FINISHED_STOPPED
-        return CoreOutput(req, (tok,), status, by_token)
+        new = (NewToken(tok.token_id, tok.logprob, tok.top_logprobs),)
+        if status is RequestStatus.RUNNING:
+            return EngineOutput(req.request_id, new, num_cached_tokens=req.num_cached_prompt_tokens)
+        self.requests.pop(req.request_id, None)
+        self.scheduler.finish(req, status)
+        return EngineOutput(
+            req.request_id,
+            new,
+            finish_reason=status.value,
+            stop_reason=req.stop_reason,
+            stopped_by_token=status is RequestStatus.FINISHED_STOPPED,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+            metrics=request_metrics(req),
+        )
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus:
         p = req.params
@@ -162,3 +168,19 @@ class EngineCore:
         if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return RequestStatus.RUNNING
+
+
+def request_metrics(req: Request) -> RequestMetrics:
+    t = req.times
+
+    def span(a: float | None, b: float | None) -> float | None:
+        return b - a if a is not None and b is not None else None
+
+    return RequestMetrics(
+        queue_time=span(t.arrival, t.first_scheduled),
+        prefill_time=span(t.first_scheduled, t.first_token),
+        decode_time=span(t.first_token, t.finished),
+        ttft=span(t.arrival, t.first_token),
+        e2e=span(t.arrival, t.finished),
+        num_preemptions=req.num_preemptions,
+    )

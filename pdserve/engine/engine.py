@@ -67,14 +67,13 @@ class Engine:
             token_ids = list(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = self.core.add_request(rid, token_ids, params)
-        self.processor.add(req)
+        self.processor.add(rid, req.prompt_token_ids, params)
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.core.requests.get(request_id)
-        if req is None or not self.core.abort(request_id):
-            return None
-        return self.processor.aborted(req)
+        """Cancel a request; its final output (finish_reason 'abort'), or None."""
+        out = self.core.abort(request_id)
+        return None if out is None else self.processor.process(out)[0]
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
@@ -84,8 +83,9 @@ class Engine:
         for out in self.core.step():
             result, stop_string = self.processor.process(out)
             if stop_string is not None:
-                self.core.finish_request(out.request.request_id, stop_string)
-            results.append(result)
+                self.core.finish_request(out.request_id, stop_string)
+            if result is not None:
+                results.append(result)
         return results
 
 

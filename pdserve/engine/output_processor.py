@@ -1,23 +1,26 @@
 """Token ids -> text for each request: incremental detokenization and stop strings.
 
-Runs beside the core (same process for `Engine`/`LLM`; the HTTP process later).
-When a stop string appears, the processor reports it so the caller can end the
-request in the core (`EngineCore.finish_request`).
+Runs in the frontend: beside the core in `Engine`/`LLM`, in the caller's process
+with `EngineClient`. It consumes `EngineOutput` messages only. When a stop string
+appears, the processor reports it so the caller can end the request in the core
+(`EngineCore.finish_request`); outputs for a request it already finished (the core
+may have run one more step meanwhile) are dropped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.core import CoreOutput
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.messages import EngineOutput
+from pdserve.engine.outputs import RequestOutput, TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 
 
 @dataclass
 class _State:
+    prompt_token_ids: list[int]
     detok: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None
     token_ids: list[int] = field(default_factory=list)
@@ -28,21 +31,25 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
 
-    def add(self, req: Request) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
-        self._states[req.request_id] = _State(
-            detok, [] if req.params.logprobs is not None else None
-        )
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self._states[request_id] = _State(prompt_token_ids, detok, logprobs)
 
-    def process(self, out: CoreOutput) -> tuple[RequestOutput, str | None]:
+    def discard(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def process(self, out: EngineOutput) -> tuple[RequestOutput | None, str | None]:
         """Returns the request's output and, if a stop string ended it, that string.
 
         A returned stop string means the caller must finish the request in the core.
         A token that stopped the request in the core (EOS, a stop token id) is kept in
-        `token_ids` but not rendered into the text, as OpenAI servers do.
+        `token_ids` but not rendered into the text, as OpenAI servers do. Returns
+        (None, None) for a request that is no longer tracked.
         """
-        req = out.request
-        st = self._states[req.request_id]
+        st = self._states.get(out.request_id)
+        if st is None:
+            return None, None
         new_ids = [t.token_id for t in out.new_tokens]
         st.token_ids.extend(new_ids)
         if st.logprobs is not None:
@@ -53,57 +60,30 @@ class OutputProcessor:
             )
         to_render = new_ids[:-1] if out.stopped_by_token else new_ids
         delta = "".join(st.detok.add_token(t) for t in to_render if not st.detok.stopped)
-        if out.status.finished and not st.detok.stopped:
+        if out.finish_reason is not None and not st.detok.stopped:
             delta += st.detok.finish()  # releases held-back text; may still complete a stop
         stop_string = st.detok.stop_reason
-        status = RequestStatus.FINISHED_STOPPED if stop_string is not None else out.status
-        result = self._output(req, st, delta, new_ids, status, stop_string)
-        if status.finished:
-            del self._states[req.request_id]
-        return result, (stop_string if not out.status.finished else None)
-
-    def aborted(self, req: Request) -> RequestOutput:
-        st = self._states.pop(req.request_id)
-        return self._output(req, st, "", [], RequestStatus.FINISHED_ABORTED, None)
-
-    def _output(
-        self,
-        req: Request,
-        st: _State,
-        delta: str,
-        new_ids: list[int],
-        status: RequestStatus,
-        stop_string: str | None,
-    ) -> RequestOutput:
-        finished = status.finished
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
+        finish_reason = "stop" if stop_string is not None else out.finish_reason
+        stop_reason = stop_string if stop_string is not None else out.stop_reason
+        result = RequestOutput(
+            request_id=out.request_id,
+            prompt_token_ids=st.prompt_token_ids,
             text=st.detok.output_text,
             token_ids=list(st.token_ids),
             delta_text=delta,
             delta_token_ids=new_ids,
-            finished=finished,
-            finish_reason=status.value if finished else None,
-            stop_reason=stop_string if stop_string is not None else req.stop_reason,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason if finish_reason is not None else None,
             logprobs=list(st.logprobs) if st.logprobs is not None else None,
-            num_cached_tokens=req.num_cached_prompt_tokens,
-            metrics=_metrics(req) if finished else None,
+            num_cached_tokens=out.num_cached_tokens,
+            metrics=out.metrics,
         )
+        if result.finished:
+            del self._states[out.request_id]
+        return result, (stop_string if out.finish_reason is None else None)
 
-
-def _metrics(req: Request) -> RequestMetrics:
-    t = req.times
-    end = t.finished
-
-    def span(a: float | None, b: float | None) -> float | None:
-        return b - a if a is not None and b is not None else None
-
-    return RequestMetrics(
-        queue_time=span(t.arrival, t.first_scheduled),
-        prefill_time=span(t.first_scheduled, t.first_token),
-        decode_time=span(t.first_token, end),
-        ttft=span(t.arrival, t.first_token),
-        e2e=span(t.arrival, end),
-        num_preemptions=req.num_preemptions,
-    )
+    def aborted(self, request_id: str, num_cached_tokens: int = 0) -> RequestOutput | None:
+        """The final output of a request the caller aborted (None if untracked)."""
+        out = EngineOutput(request_id, (), "abort", num_cached_tokens=num_cached_tokens)
+        return self.process(out)[0]
