@@ -29,27 +29,16 @@ Prompt = str | Sequence[int]
 
 class Engine:
     def __init__(self, config: EngineConfig, model: CausalLM, tokenizer: Tokenizer) -> None:
-        if config.role is not Role.COLOCATED:
-            raise ValueError(f"role {config.role.value!r} is not available yet (colocated only)")
         self.config = config
         self.tokenizer = tokenizer
-        kv_config = kv_config_for(config, model.config)
-        max_len = max_model_len_for(config, model.config, kv_config)
-        eos = set(tokenizer.stop_token_ids) | set(model.config.eos_token_ids)
-        self.core = EngineCore(config, model, kv_config, max_len, sorted(eos))
+        self.core = build_core(config, model, tokenizer.stop_token_ids)
         self.processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        torch.set_num_threads(config.threads)
-        path = resolve_model(config.model)
-        model_config = load_config(path)
-        model = build_model(model_config, config.torch_dtype)
-        model.load_weights(iter_weights(path, config.torch_dtype))
-        model.to(config.device)
-        model.finalize()
-        return cls(config, model, Tokenizer.from_model_path(path))
+        model = load_model(config)
+        return cls(config, model, Tokenizer.from_model_path(resolve_model(config.model)))
 
     @property
     def max_model_len(self) -> int:
@@ -87,6 +76,27 @@ class Engine:
             if result is not None:
                 results.append(result)
         return results
+
+
+def load_model(config: EngineConfig) -> CausalLM:
+    """Build the configured model with its weights, ready to serve (threads set)."""
+    torch.set_num_threads(config.threads)
+    path = resolve_model(config.model)
+    model = build_model(load_config(path), config.torch_dtype)
+    model.load_weights(iter_weights(path, config.torch_dtype))
+    model.to(config.device)
+    model.finalize()
+    return model
+
+
+def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[int]) -> EngineCore:
+    """The token-level engine over a loaded model; KV pool sized from the config."""
+    if config.role is not Role.COLOCATED:
+        raise ValueError(f"role {config.role.value!r} is not available yet (colocated only)")
+    kv_config = kv_config_for(config, model.config)
+    max_len = max_model_len_for(config, model.config, kv_config)
+    eos = set(stop_token_ids) | set(model.config.eos_token_ids)
+    return EngineCore(config, model, kv_config, max_len, sorted(eos))
 
 
 def kv_config_for(config: EngineConfig, model: ModelConfig) -> KVCacheConfig:

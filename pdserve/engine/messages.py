@@ -59,7 +59,13 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-EngineInput = AddRequest | AbortRequests | FinishRequest | Shutdown
+class StatsRequest(msgspec.Struct, frozen=True, tag=True):
+    """Ask for an `EngineStats` reply (metrics, health checks, tests)."""
+
+    check_integrity: bool = False
+
+
+EngineInput = AddRequest | AbortRequests | FinishRequest | Shutdown | StatsRequest
 
 # ---- core process -> frontend --------------------------------------------------
 
@@ -87,4 +93,16 @@ class EngineFailed(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
-EngineMessage = EngineReady | OutputBatch | RequestRejected | EngineFailed
+class EngineStats(msgspec.Struct, frozen=True, tag=True):
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    prefix_cache_hits: int  # tokens
+    prefix_cache_queries: int  # tokens
+    integrity_error: str | None = None  # set when a requested check failed
+
+
+EngineMessage = EngineReady | OutputBatch | RequestRejected | EngineFailed | EngineStats

@@ -1,0 +1,149 @@
+"""The engine core in its own process, driven over ZeroMQ.
+
+Life cycle: the frontend (`EngineClient`) binds two IPC sockets and spawns
+`run_engine_process`; the process connects, loads the model, sends `EngineReady`
+(or `EngineFailed`), then loops: apply every queued input message, run one step if
+anything is unfinished, push the step's outputs as one `OutputBatch`. While idle it
+blocks on its input socket (100 ms at a time, checking that its parent lives).
+
+Contract: inputs are applied between steps, so an abort frees its KV blocks before
+the next step runs. An exception in a step is reported as `EngineFailed` and the
+process exits with status 1; the frontend then fails every open request.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from pdserve.config import EngineConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.engine import build_core, load_model
+from pdserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineInput,
+    EngineMessage,
+    EngineReady,
+    EngineStats,
+    FinishRequest,
+    OutputBatch,
+    RequestRejected,
+    Shutdown,
+    StatsRequest,
+)
+from pdserve.errors import InvalidRequestError
+from pdserve.model.loader import resolve_model
+from pdserve.model.tokenizer import Tokenizer
+
+_IDLE_POLL_MS = 100
+
+
+class _Loop:
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket) -> None:
+        self.core = core
+        self.inp = inp
+        self.out = out
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.parent = os.getppid()
+
+    def send(self, msg: EngineMessage) -> None:
+        self.out.send(self.encoder.encode(msg))
+
+    def run(self) -> None:
+        while True:
+            busy = self.core.has_unfinished()
+            if not self.apply_inputs(0 if busy else _IDLE_POLL_MS):
+                return
+            if self.core.has_unfinished():
+                outputs = self.core.step()
+                if outputs:
+                    self.send(OutputBatch(outputs))
+            elif os.getppid() != self.parent:
+                return  # the frontend is gone: nobody to serve
+
+    def apply_inputs(self, timeout_ms: int) -> bool:
+        """Apply all queued inputs; False on Shutdown."""
+        if not self.inp.poll(timeout_ms):
+            return True
+        while True:
+            try:
+                raw = self.inp.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if not self.apply(self.decoder.decode(raw)):
+                return False
+
+    def apply(self, msg: EngineInput) -> bool:
+        if isinstance(msg, Shutdown):
+            return False
+        if isinstance(msg, AddRequest):
+            try:
+                self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+            except InvalidRequestError as e:
+                self.send(RequestRejected(msg.request_id, e.message, e.param))
+        elif isinstance(msg, AbortRequests):
+            aborted = [self.core.abort(rid) for rid in msg.request_ids]
+            if any(aborted):
+                self.send(OutputBatch([a for a in aborted if a is not None]))
+        elif isinstance(msg, FinishRequest):
+            self.core.finish_request(msg.request_id, msg.stop_reason)
+        elif isinstance(msg, StatsRequest):
+            self.send(self.stats(msg.check_integrity))
+        return True
+
+    def stats(self, check: bool) -> EngineStats:
+        s, kv = self.core.scheduler, self.core.kv
+        error = None
+        if check:
+            try:
+                kv.check_integrity()
+            except AssertionError as e:
+                error = str(e) or "integrity check failed"
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_swapped=len(s.swapped),
+            num_free_blocks=kv.num_free_blocks,
+            num_used_blocks=kv.num_used_blocks,
+            num_cached_blocks=kv.num_cached_blocks,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            integrity_error=error,
+        )
+
+
+def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Process entry point (spawned by `EngineClient`)."""
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)
+    out.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        model = load_model(config)
+        stop_ids = Tokenizer.from_model_path(resolve_model(config.model)).stop_token_ids
+        core = build_core(config, model, stop_ids)
+    except Exception as e:  # report, then exit: the frontend shows the message
+        out.send(encoder.encode(EngineFailed(f"engine failed to start: {e}")))
+        sys.exit(1)
+    out.send(encoder.encode(EngineReady(core.max_model_len, model.config.vocab_size)))
+    loop = _Loop(core, inp, out)
+    try:
+        loop.run()
+    except Exception as e:
+        traceback.print_exc()
+        out.send(encoder.encode(EngineFailed(f"engine step failed: {type(e).__name__}: {e}")))
+        sys.exit(1)
+    finally:
+        inp.close(0)
+        out.close()
+        ctx.term()

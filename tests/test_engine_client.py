@@ -1,0 +1,122 @@
+"""The engine core in its own process behind `EngineClient`: real spawn, real ZeroMQ
+IPC sockets, real signals. Outputs equal the in-process engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+from helpers.tiny_models import make_tiny_model
+
+from pdserve.config import CacheConfig, EngineConfig
+from pdserve.engine.client import EngineClient, EngineDeadError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidRequestError, ModelLoadError
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = SamplingParams(max_tokens=64, temperature=0)
+
+
+async def collect(client: EngineClient, prompt, params: SamplingParams) -> tuple[str, list]:
+    deltas, last = [], None
+    async for out in client.generate(prompt, params):
+        deltas.append(out.delta_text)
+        last = out
+    assert last is not None and last.finished
+    assert "".join(deltas) == last.text
+    return last.text, last.token_ids
+
+
+def test_served_from_a_separate_process(make_engine) -> None:
+    reference = make_engine()  # in-process engine over the same weights
+
+    async def scenario() -> None:
+        client = await EngineClient.start(
+            EngineConfig(cache=CacheConfig(num_blocks=256, num_host_blocks=64))
+        )
+        try:
+            assert client.process.pid != os.getpid() and client.max_model_len == 4096
+            tok = client.tokenizer
+            assert tok is not None
+            ids = tok.encode(tok.apply_chat_template(FRANCE), add_special_tokens=False)
+            text, token_ids = await collect(client, ids, GREEDY)
+            rid = reference.add_request(ids, GREEDY)
+            while reference.has_unfinished():
+                ref = [o for o in reference.step() if o.request_id == rid]
+            assert text == "The capital of France is Paris." == ref[0].text
+            assert token_ids == ref[0].token_ids
+
+            stop = SamplingParams(max_tokens=64, temperature=0, stop=["Paris"])
+            assert (await collect(client, ids, stop))[0] == "The capital of France is "
+
+            with pytest.raises(InvalidRequestError) as exc:
+                await collect(client, [1, 99999], GREEDY)
+            assert exc.value.param == "prompt"
+            assert exc.value.message == "prompt token id 99999 is outside the vocabulary [0, 49152)"
+
+            prompts = [
+                tok.encode(
+                    tok.apply_chat_template([{"role": "user", "content": f"Count to {n}."}]),
+                    add_special_tokens=False,
+                )
+                for n in range(8)
+            ]
+            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            together = await asyncio.gather(*(collect(client, p, params) for p in prompts))
+            alone = [await collect(client, p, params) for p in prompts[:2]]
+            assert [t for t, _ in together[:2]] == [t for t, _ in alone]
+
+            gen = client.generate(ids, SamplingParams(max_tokens=300, ignore_eos=True))
+            await gen.__anext__()
+            await gen.aclose()  # the consumer leaves: the request is aborted
+            stats = await client.stats(check_integrity=True)
+            for _ in range(100):
+                if stats.num_running == 0:
+                    break
+                await asyncio.sleep(0.02)
+                stats = await client.stats(check_integrity=True)
+            assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0)
+            assert stats.integrity_error is None
+            assert stats.num_free_blocks + stats.num_cached_blocks == 256
+        finally:
+            await client.shutdown()
+        assert client.process.exitcode == 0 and not client.process.is_alive()
+
+    asyncio.run(scenario())
+
+
+def test_killed_engine_fails_open_requests_quickly(tmp_path) -> None:
+    folder = make_tiny_model(tmp_path, "LlamaForCausalLM")
+
+    async def scenario() -> float:
+        client = await EngineClient.start(EngineConfig(model=str(folder)))
+        try:
+            gen = client.generate([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+            await gen.__anext__()
+            os.kill(client.process.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises(EngineDeadError, match=r"exit code -9"):
+                async for _ in gen:
+                    pass
+            waited = time.monotonic() - killed
+            assert not client.is_alive
+            with pytest.raises(EngineDeadError):
+                await collect(client, [5, 6], GREEDY)
+            return waited
+        finally:
+            await client.shutdown()
+
+    assert asyncio.run(scenario()) < 5.0
+
+
+def test_missing_model_fails_start_and_leaves_no_process(tmp_path) -> None:
+    async def scenario() -> None:
+        await EngineClient.start(EngineConfig(model=str(tmp_path / "nope")))
+
+    with pytest.raises(ModelLoadError, match="nope"):
+        asyncio.run(scenario())
+    assert multiprocessing.active_children() == []
