@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub.add_parser("generate", help="complete one prompt and print the text"))
+    _add_serve(sub.add_parser("serve", help="serve the OpenAI API over HTTP"))
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
@@ -66,6 +67,25 @@ def _generate(args: argparse.Namespace) -> int:
         dt = time.perf_counter() - start
         print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
     return 0
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="HF folder or .gguf (default: SmolLM2)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.server.launch import serve
+
+    return asyncio.run(serve(args))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import itertools
 import multiprocessing
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from multiprocessing.process import BaseProcess
 
 import msgspec
@@ -157,7 +157,7 @@ class EngineClient:
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's outputs (see the module contract)."""
         if self._dead is not None:
             raise self._dead

@@ -1,0 +1,194 @@
+"""The OpenAI-compatible HTTP API over an `EngineClient` (FastAPI).
+
+The HTTP process owns text: it applies chat templates and tokenizes, streams the
+client's detokenized deltas as Server-Sent Events, and turns every failure into the
+one error body of `server/errors.py`. The engine core runs in its own process.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve import __version__
+from pdserve.engine.client import EngineClient, EngineDeadError
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidRequestError
+from pdserve.server import errors
+from pdserve.server.errors import APIError
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+
+
+def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="pdserve", version=__version__)
+    app.add_exception_handler(APIError, errors.on_api_error)
+    app.add_exception_handler(InvalidRequestError, errors.on_invalid_request)
+    app.add_exception_handler(RequestValidationError, errors.on_validation_error)
+    app.add_exception_handler(Exception, errors.on_unexpected)
+    api = _Api(client, config)
+
+    def check_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
+
+    auth = [Depends(check_key)]
+    app.get("/health")(api.health)
+    app.get("/version")(api.version)
+    app.get("/v1/models", dependencies=auth)(api.models)
+    app.post("/v1/completions", dependencies=auth)(api.completions)
+    app.post("/v1/chat/completions", dependencies=auth)(api.chat)
+    return app
+
+
+class _Api:
+    def __init__(self, client: EngineClient, config: ServerConfig) -> None:
+        self.client = client
+        self.config = config
+
+    async def health(self) -> JSONResponse:
+        if self.client.is_alive:
+            return JSONResponse({"status": "ok"})
+        return errors.error_response(500, "the engine process is not running")
+
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
+
+    async def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.config.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": self.client.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    # ---- completions ---------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest) -> Any:
+        self._check_model(body.model)
+        prompt = body.prompt
+        if (isinstance(prompt, str) and not prompt) or (isinstance(prompt, list) and not prompt):
+            raise APIError(400, "prompt must not be empty", "prompt")
+        params = body.sampling_params(16)
+        ids = self._encode(prompt)
+        return await self._respond(body, ids, params, "text_completion", _completion_choice)
+
+    async def chat(self, body: ChatCompletionRequest) -> Any:
+        self._check_model(body.model)
+        tok = self.client.tokenizer
+        assert tok is not None
+        messages = [m.model_dump() for m in body.messages]
+        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        default_max = max(1, self.client.max_model_len - len(ids))
+        params = body.sampling_params(default_max)
+        return await self._respond(body, ids, params, "chat.completion", _chat_choice)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist", "model")
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        tok = self.client.tokenizer
+        assert tok is not None
+        return tok.encode(prompt)
+
+    async def _respond(
+        self, body: Any, ids: list[int], params: SamplingParams, kind: str, choice: Any
+    ) -> Any:
+        if body.n != 1:
+            raise APIError(400, "n must be 1 (more choices are not supported yet)", "n")
+        rid = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        stream = self.client.generate(ids, params, rid)
+        try:
+            first = await stream.__anext__()  # refusals surface here, before any byte is sent
+        except EngineDeadError as e:
+            raise APIError(500, f"the engine is not available: {e}") from None
+        meta = {"id": rid, "created": int(time.time()), "model": self.config.served_model_name}
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            sse = _sse(stream, first, meta, kind, choice, include_usage)
+            return StreamingResponse(sse, media_type="text/event-stream")
+        final = first
+        async for out in stream:
+            final = out
+        return {**meta, "object": kind, "choices": [choice(final, False)], "usage": _usage(final)}
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _completion_choice(out: RequestOutput, delta: bool) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "text": out.delta_text if delta else out.text,
+        "finish_reason": out.finish_reason,
+        "logprobs": None,
+    }
+
+
+def _chat_choice(out: RequestOutput, delta: bool) -> dict[str, Any]:
+    key, content = (
+        ("delta", {"content": out.delta_text})
+        if delta
+        else ("message", {"role": "assistant", "content": out.text})
+    )
+    return {"index": 0, key: content, "finish_reason": out.finish_reason, "logprobs": None}
+
+
+async def _sse(
+    stream: AsyncGenerator[RequestOutput, None],
+    first: RequestOutput,
+    meta: dict[str, Any],
+    kind: str,
+    choice: Any,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    out = first
+    try:
+        if kind == "chat.completion":
+            role = {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None,
+            }
+            yield _event({**meta, "object": chunk_kind, "choices": [role]})
+        yield _event({**meta, "object": chunk_kind, "choices": [choice(out, True)]})
+        async for out in stream:
+            yield _event({**meta, "object": chunk_kind, "choices": [choice(out, True)]})
+        if include_usage:
+            yield _event({**meta, "object": chunk_kind, "choices": [], "usage": _usage(out)})
+    except EngineDeadError as e:
+        yield _event(errors.error_body(500, f"the engine is not available: {e}"))
+    finally:
+        await stream.aclose()  # a client that went away aborts its request
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,79 @@
+"""One error body for every failure: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from pdserve.errors import InvalidRequestError
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
+    return {"error": {"message": message, "type": _TYPES[status], "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(exc.status, exc.message, exc.param)
+
+
+async def on_invalid_request(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, InvalidRequestError)
+    return error_response(400, exc.message, exc.param)
+
+
+async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    """pydantic's first complaint, as `field: problem` (no internals, no paths)."""
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(str(p))]
+    if first.get("type") == "json_invalid" or _unparsable(first.get("input")):
+        return error_response(400, "request body is not valid JSON")
+    if not loc:
+        return error_response(400, "request body must be a JSON object")
+    param = ".".join(loc)
+    if first.get("type") == "extra_forbidden":
+        return error_response(400, f"unknown field {param!r}", param)
+    return error_response(400, f"{param}: {first.get('msg', 'invalid value')}", param)
+
+
+async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(500, "internal server error")
+
+
+def _unparsable(raw: object) -> bool:
+    """FastAPI hands over raw bytes when the content type is not JSON: parse them."""
+    if not isinstance(raw, bytes):
+        return False
+    try:
+        json.loads(raw)
+    except ValueError:
+        return True
+    return False
+
+
+def _is_type_tag(part: str) -> bool:
+    """pydantic names the union member it tried (`prompt.str`): not part of the field."""
+    return "[" in part or part in {"str", "int", "float", "bool", "none"}

@@ -1,0 +1,39 @@
+"""`pdserve serve`: start the engine process, then the HTTP server on top of it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from pdserve.config import CacheConfig, EngineConfig
+from pdserve.engine.client import EngineClient
+from pdserve.model.loader import resolve_model
+from pdserve.server.app import ServerConfig, build_app
+
+
+def served_name(model: str | None) -> str:
+    path = resolve_model(model)
+    return path.stem if path.suffix == ".gguf" else Path(path).name
+
+
+async def serve(args: argparse.Namespace) -> int:
+    config = EngineConfig(
+        model=args.model,
+        max_model_len=args.max_model_len,
+        cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory_gib),
+    )
+    name = args.served_model_name or served_name(args.model)
+    client = await EngineClient.start(config)
+    try:
+        app = build_app(client, ServerConfig(served_model_name=name, api_key=args.api_key))
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+        )
+        print(f"pdserve: serving {name} at http://{args.host}:{args.port}/v1", file=sys.stderr)
+        await server.serve()
+    finally:
+        await client.shutdown()
+    return 0

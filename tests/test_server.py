@@ -1,0 +1,312 @@
+"""`pdserve serve` as a user runs it: a real server process on loopback, the
+official `openai` client unchanged, raw HTTP for bad input, a real SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+
+KEY = "sk-pdserve-test"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *extra]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not start")
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict]:
+        req = urllib.request.Request(
+            self.url + path, data=body, method=method, headers=headers or {}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def get(self, path: str, key: str | None = None) -> tuple[int, dict]:
+        return self.request("GET", path, headers=_auth(key))
+
+    def post(
+        self, path: str, raw: bytes, key: str | None = KEY, content_type: str = "application/json"
+    ) -> tuple[int, dict]:
+        return self.request("POST", path, raw, {"Content-Type": content_type, **_auth(key)})
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server("--api-key", KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_chat_with_the_openai_client(client: OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=32, temperature=0)
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "stop"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (37, 8)
+
+
+def test_chat_streaming_role_first_then_deltas_and_usage(client: OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=FRANCE,
+        max_completion_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "The capital of France is Paris."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+def test_completions_text_tokens_stop_and_length(client: OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert r.choices[0].text == " Paris.\n\nThe answer is:"
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["\n"]
+    )
+    assert r.choices[0].text == " Paris." and r.choices[0].finish_reason == "stop"
+    ids = [504, 3575, 282, 4649, 314]  # the same prompt as token ids
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    assert r.choices[0].text == " Paris." and r.usage.prompt_tokens == 5
+
+
+def test_streamed_completion_equals_the_whole_one(client: OpenAI) -> None:
+    stream = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].text for c in stream)
+    whole = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0
+    )
+    assert streamed == whole.choices[0].text and len(streamed) > 20
+
+
+def test_seed_reproducible(client: OpenAI) -> None:
+    kw = {
+        "model": MODEL,
+        "prompt": "My favourite animal is",
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "seed": 7,
+    }
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    c = client.completions.create(**{**kw, "seed": 8}).choices[0].text
+    assert a == b and a != c
+
+
+def test_models_and_errors_through_the_client(client: OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with pytest.raises(NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(BadRequestError, match=r"temperature must be at least 0, got -1\.0"):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+
+
+BAD = [
+    (b"{bad", "request body is not valid JSON", None),
+    (b"[1, 2]", "request body must be a JSON object", None),
+    (b'"text"', "request body must be a JSON object", None),
+    (b"{}", "prompt: Field required", "prompt"),
+    (b'{"prompt": ""}', "prompt must not be empty", "prompt"),
+    (b'{"prompt": []}', "prompt must not be empty", "prompt"),
+    (b'{"prompt": 5}', None, "prompt"),
+    (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens must be at least 1, got 0", "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": "3"}', None, "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": true}', None, "max_tokens"),
+    (
+        b'{"prompt": "hi", "temperature": -0.5}',
+        "temperature must be at least 0, got -0.5",
+        "temperature",
+    ),
+    (b'{"prompt": "hi", "top_p": 0}', "top_p must be in (0, 1], got 0.0", "top_p"),
+    (b'{"prompt": "hi", "top_p": 1.5}', "top_p must be in (0, 1], got 1.5", "top_p"),
+    (
+        b'{"prompt": "hi", "top_k": -2}',
+        "top_k must be -1 (disabled), 0 (disabled) or positive, got -2",
+        "top_k",
+    ),
+    (b'{"prompt": "hi", "min_p": 2}', "min_p must be between 0.0 and 1.0, got 2.0", "min_p"),
+    (
+        b'{"prompt": "hi", "presence_penalty": 3}',
+        "presence_penalty must be between -2.0 and 2.0, got 3.0",
+        "presence_penalty",
+    ),
+    (b'{"prompt": "hi", "logprobs": 21}', "logprobs must be between 0 and 20, got 21", "logprobs"),
+    (b'{"prompt": "hi", "stop": [""]}', "stop strings must not be empty", "stop"),
+    (b'{"prompt": "hi", "n": 2}', "n must be 1 (more choices are not supported yet)", "n"),
+    (b'{"prompt": "hi", "bogus": 1}', "unknown field 'bogus'", "bogus"),
+    (
+        b'{"prompt": [1, 49152]}',
+        "prompt token id 49152 is outside the vocabulary [0, 49152)",
+        "prompt",
+    ),
+    (b'{"prompt": [1, -1]}', "prompt token id -1 is outside the vocabulary [0, 49152)", "prompt"),
+    (
+        b'{"prompt": "hi", "stop_token_ids": [99999]}',
+        "stop token id 99999 is outside the vocabulary [0, 49152)",
+        "stop_token_ids",
+    ),
+    (
+        b'{"prompt": "hi", "max_tokens": 8192}',
+        "this model's maximum context length is 8192 tokens, but 1 prompt tokens plus "
+        "max_tokens=8192 would need 8193",
+        "max_tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "message", "param"), BAD, ids=[b[0].decode() for b in BAD])
+def test_bad_completion_bodies(
+    server: Server, raw: bytes, message: str | None, param: str | None
+) -> None:
+    status, body = server.post("/v1/completions", raw)
+    assert status == 400
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, 400)
+    if message is not None:
+        assert err["message"] == message
+    assert "Traceback" not in err["message"] and "/" not in err["message"].replace("(0, 1]", "")
+
+
+BAD_CHAT = [
+    (b'{"messages": []}', "messages"),
+    (b'{"messages": [{"role": "wizard", "content": "hi"}]}', "messages.0.role"),
+    (b'{"messages": [{"role": "user"}]}', "messages.0.content"),
+    (b'{"messages": "hi"}', "messages"),
+    (
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}',
+        "max_tokens",
+    ),
+    (
+        b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 50, "logprobs": true}',
+        "logprobs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "param"), BAD_CHAT, ids=[b[0].decode() for b in BAD_CHAT])
+def test_bad_chat_bodies(server: Server, raw: bytes, param: str) -> None:
+    status, body = server.post("/v1/chat/completions", raw)
+    assert status == 400 and body["error"]["param"] == param
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(server: Server) -> None:
+    status, body = server.post("/v1/completions", b'{"model": "nope", "prompt": "hi"}')
+    assert status == 404
+    assert body == {
+        "error": {
+            "message": "the model 'nope' does not exist",
+            "type": "not_found_error",
+            "param": "model",
+            "code": 404,
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")],
+)
+@pytest.mark.parametrize("key", [None, "wrong", KEY[:-1]])
+def test_api_key_guards_every_v1_route(server: Server, method: str, path: str, key) -> None:
+    body = b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}'
+    status, resp = server.request(
+        method,
+        path,
+        body if method == "POST" else None,
+        {"Content-Type": "application/json", **_auth(key)},
+    )
+    assert status == 401 and resp["error"]["type"] == "authentication_error"
+
+
+def test_open_routes_without_a_key(server: Server) -> None:
+    assert server.get("/health") == (200, {"status": "ok"})
+    status, body = server.get("/version")
+    assert status == 200 and body["version"]
+    assert server.get("/v1/models", key=KEY)[0] == 200
+
+
+def test_killed_engine_fails_health_and_requests(tmp_path) -> None:
+    s = Server("--max-model-len", "512")
+    try:
+        children = psutil.Process(s.proc.pid).children()
+        # The spawned engine core (multiprocessing's resource tracker is a child too).
+        engine = [p for p in children if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(engine) == 1
+        os.kill(engine[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and s.get("/health")[0] == 200:
+            time.sleep(0.1)
+        status, body = s.get("/health")
+        assert status == 500 and body["error"]["type"] == "internal_server_error"
+        status, body = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
+        assert status == 500 and body["error"]["message"].startswith("the engine is not available")
+    finally:
+        s.stop()
