@@ -77,6 +77,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    p.add_argument(
+        "--keep-running-on-engine-failure",
+        action="store_true",
+        help="keep answering (/health 500, requests 500) after the engine process dies "
+        "instead of exiting with status 1",
+    )
     p.set_defaults(func=_serve)
 
 

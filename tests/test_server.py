@@ -293,14 +293,27 @@ def test_open_routes_without_a_key(server: Server) -> None:
     assert server.get("/v1/models", key=KEY)[0] == 200
 
 
-def test_killed_engine_fails_health_and_requests(tmp_path) -> None:
+def engine_process(s: Server) -> psutil.Process:
+    children = psutil.Process(s.proc.pid).children()
+    # The spawned engine core (multiprocessing's resource tracker is a child too).
+    (engine,) = [p for p in children if "resource_tracker" not in " ".join(p.cmdline())]
+    return engine
+
+
+def test_server_exits_nonzero_when_the_engine_dies() -> None:
     s = Server("--max-model-len", "512")
     try:
-        children = psutil.Process(s.proc.pid).children()
-        # The spawned engine core (multiprocessing's resource tracker is a child too).
-        engine = [p for p in children if "resource_tracker" not in " ".join(p.cmdline())]
-        assert len(engine) == 1
-        os.kill(engine[0].pid, signal.SIGKILL)
+        engine_process(s).kill()
+        assert s.proc.wait(10) == 1
+        assert "the engine process died" in (s.proc.stderr.read() if s.proc.stderr else "")
+    finally:
+        s.stop()
+
+
+def test_killed_engine_fails_health_and_requests(tmp_path) -> None:
+    s = Server("--max-model-len", "512", "--keep-running-on-engine-failure")
+    try:
+        os.kill(engine_process(s).pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and s.get("/health")[0] == 200:
             time.sleep(0.1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.client import EngineClient
 from pdserve.model.loader import resolve_model
 from pdserve.server.app import ServerConfig, build_app
+
+_ENGINE_CHECK_S = 0.5
 
 
 def served_name(model: str | None) -> str:
@@ -32,8 +35,21 @@ async def serve(args: argparse.Namespace) -> int:
         server = uvicorn.Server(
             uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
         )
+        watch = None
+        if not args.keep_running_on_engine_failure:
+            watch = asyncio.create_task(_stop_when_engine_dies(client, server))
         print(f"pdserve: serving {name} at http://{args.host}:{args.port}/v1", file=sys.stderr)
         await server.serve()
+        if watch is not None and watch.done():
+            return 1
     finally:
         await client.shutdown()
     return 0
+
+
+async def _stop_when_engine_dies(client: EngineClient, server: uvicorn.Server) -> None:
+    """Without an engine the server can only fail requests: exit (non-zero) instead."""
+    while client.is_alive:
+        await asyncio.sleep(_ENGINE_CHECK_S)
+    print("pdserve: error: the engine process died; shutting down", file=sys.stderr)
+    server.should_exit = True
