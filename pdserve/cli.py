@@ -83,6 +83,11 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="keep answering (/health 500, requests 500) after the engine process dies "
         "instead of exiting with status 1",
     )
+    p.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve GET /debug/engine (engine counters and a KV-pool integrity check)",
+    )
     p.set_defaults(func=_serve)
 
 

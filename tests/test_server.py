@@ -323,3 +323,78 @@ def test_killed_engine_fails_health_and_requests(tmp_path) -> None:
         assert status == 500 and body["error"]["message"].startswith("the engine is not available")
     finally:
         s.stop()
+
+
+def test_64_concurrent_streams_and_16_disconnects_leave_the_pool_clean() -> None:
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    s = Server("--api-key", KEY, "--enable-debug-endpoints")
+    topics = ["rain", "chess", "bread", "stars", "rivers", "glass", "maps", "salt"]
+
+    def messages(i: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"One fact about {topics[i % 8]}."}]
+
+    async def scenario() -> None:
+        client = AsyncOpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        kw = {"model": MODEL, "max_tokens": 10, "temperature": 0}
+        refs = [
+            (await client.chat.completions.create(messages=messages(i), **kw))
+            .choices[0]
+            .message.content
+            for i in range(8)
+        ]
+
+        async def stream(i: int) -> str:
+            chunks = await client.chat.completions.create(messages=messages(i), stream=True, **kw)
+            return "".join([c.choices[0].delta.content or "" async for c in chunks])
+
+        texts = await asyncio.gather(*(stream(i) for i in range(64)))
+        assert texts == [refs[i % 8] for i in range(64)]
+
+        async def leave_stream(i: int) -> None:
+            long = {**kw, "max_tokens": 4000, "extra_body": {"ignore_eos": True}}
+            chunks = await client.chat.completions.create(messages=messages(i), stream=True, **long)
+            n = 0
+            async for _ in chunks:
+                n += 1
+                if n == 3:
+                    break
+            await chunks.close()
+
+        async def leave_plain(i: int) -> None:
+            """A non-streaming request whose client hangs up after 0.5 s (raw socket)."""
+            body = json.dumps(
+                {"model": MODEL, "prompt": topics[i % 8], "max_tokens": 4000, "ignore_eos": True}
+            ).encode()
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            _, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            writer.write(head + body)
+            await writer.drain()
+            await asyncio.sleep(0.5)
+            writer.close()
+            await writer.wait_closed()
+
+        await asyncio.gather(
+            *(leave_stream(i) for i in range(8)), *(leave_plain(i) for i in range(8))
+        )
+        await client.close()
+
+    try:
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 10  # far less than 4000 tokens would take
+        while True:
+            status, stats = s.get("/debug/engine", key=KEY)
+            assert status == 200
+            if stats["num_running"] + stats["num_waiting"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert (stats["num_running"], stats["num_waiting"], stats["num_swapped"]) == (0, 0, 0)
+        assert stats["num_used_blocks"] == 0 and stats["integrity_error"] is None
+    finally:
+        s.stop()

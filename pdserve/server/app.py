@@ -7,6 +7,8 @@ one error body of `server/errors.py`. The engine core runs in its own process.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -15,9 +17,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve import __version__
 from pdserve.engine.client import EngineClient, EngineDeadError
@@ -28,11 +31,15 @@ from pdserve.server import errors
 from pdserve.server.errors import APIError
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
+_DISCONNECT_POLL_S = 0.05
+
 
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str
     api_key: str | None = None
+    # GET /debug/engine: the core's counters and a KV-pool integrity check (tests, ops).
+    debug_endpoints: bool = False
 
 
 def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
@@ -57,6 +64,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     app.get("/v1/models", dependencies=auth)(api.models)
     app.post("/v1/completions", dependencies=auth)(api.completions)
     app.post("/v1/chat/completions", dependencies=auth)(api.chat)
+    if config.debug_endpoints:
+        app.get("/debug/engine", dependencies=auth)(api.debug_engine)
     return app
 
 
@@ -69,6 +78,13 @@ class _Api:
         if self.client.is_alive:
             return JSONResponse({"status": "ok"})
         return errors.error_response(500, "the engine process is not running")
+
+    async def debug_engine(self) -> dict[str, Any]:
+        try:
+            stats = await self.client.stats(check_integrity=True)
+        except EngineDeadError as e:
+            raise APIError(500, f"the engine is not available: {e}") from None
+        return msgspec.to_builtins(stats)
 
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
@@ -85,16 +101,18 @@ class _Api:
 
     # ---- completions ---------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest) -> Any:
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
         prompt = body.prompt
         if (isinstance(prompt, str) and not prompt) or (isinstance(prompt, list) and not prompt):
             raise APIError(400, "prompt must not be empty", "prompt")
         params = body.sampling_params(16)
         ids = self._encode(prompt)
-        return await self._respond(body, ids, params, "text_completion", _completion_choice)
+        return await self._respond(
+            request, body, ids, params, "text_completion", _completion_choice
+        )
 
-    async def chat(self, body: ChatCompletionRequest) -> Any:
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
         tok = self.client.tokenizer
         assert tok is not None
@@ -102,7 +120,7 @@ class _Api:
         ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
         default_max = max(1, self.client.max_model_len - len(ids))
         params = body.sampling_params(default_max)
-        return await self._respond(body, ids, params, "chat.completion", _chat_choice)
+        return await self._respond(request, body, ids, params, "chat.completion", _chat_choice)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -116,7 +134,13 @@ class _Api:
         return tok.encode(prompt)
 
     async def _respond(
-        self, body: Any, ids: list[int], params: SamplingParams, kind: str, choice: Any
+        self,
+        request: Request,
+        body: Any,
+        ids: list[int],
+        params: SamplingParams,
+        kind: str,
+        choice: Any,
     ) -> Any:
         if body.n != 1:
             raise APIError(400, "n must be 1 (more choices are not supported yet)", "n")
@@ -131,10 +155,40 @@ class _Api:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             sse = _sse(stream, first, meta, kind, choice, include_usage)
             return StreamingResponse(sse, media_type="text/event-stream")
+        final = await _until_done_or_gone(stream, first, request)
+        if final is None:
+            return Response(status_code=499)  # client closed the connection; request aborted
+        return {**meta, "object": kind, "choices": [choice(final, False)], "usage": _usage(final)}
+
+
+async def _until_done_or_gone(
+    stream: AsyncGenerator[RequestOutput, None], first: RequestOutput, request: Request
+) -> RequestOutput | None:
+    """The final output, or None if the client disconnected first (then the request
+    is aborted: closing the stream sends the abort to the engine)."""
+    if first.finished:
+        return first
+
+    async def last() -> RequestOutput:
         final = first
         async for out in stream:
             final = out
-        return {**meta, "object": kind, "choices": [choice(final, False)], "usage": _usage(final)}
+        return final
+
+    task = asyncio.create_task(last())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await stream.aclose()
 
 
 def _usage(out: RequestOutput) -> dict[str, int]:

@@ -31,7 +31,7 @@ async def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_name(args.model)
     client = await EngineClient.start(config)
     try:
-        app = build_app(client, ServerConfig(served_model_name=name, api_key=args.api_key))
+        app = build_app(client, ServerConfig(name, args.api_key, args.enable_debug_endpoints))
         server = uvicorn.Server(
             uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
         )
