@@ -398,3 +398,26 @@ def test_64_concurrent_streams_and_16_disconnects_leave_the_pool_clean() -> None
         assert stats["num_used_blocks"] == 0 and stats["integrity_error"] is None
     finally:
         s.stop()
+
+
+def test_logprobs_and_timings(client: OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and "".join(lp.tokens) == r.choices[0].text == " Paris.\n"
+    assert len(lp.token_logprobs) == 3 and all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(t) == 2 for t in lp.top_logprobs) and lp.text_offset == [0, 6, 7]
+    for tok, top, best in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs, strict=True):
+        assert max(top, key=top.get) == tok and top[tok] == best  # greedy = top-1
+    timings = r.model_extra["pdserve_timings"]
+    assert set(timings) == {"queue", "prefill", "decode", "ttft", "e2e"}
+    assert 0 <= timings["ttft"] <= timings["e2e"]
+
+    c = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=32, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = c.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == "The capital of France is Paris.<|im_end|>"
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in content)
+    assert all(bytes(e.bytes).decode() == e.token for e in content)

@@ -30,6 +30,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.server import errors
 from pdserve.server.errors import APIError
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.render import Renderer
 
 _DISCONNECT_POLL_S = 0.05
 
@@ -73,6 +74,8 @@ class _Api:
     def __init__(self, client: EngineClient, config: ServerConfig) -> None:
         self.client = client
         self.config = config
+        assert client.tokenizer is not None
+        self.render = Renderer(client.tokenizer)
 
     async def health(self) -> JSONResponse:
         if self.client.is_alive:
@@ -109,7 +112,7 @@ class _Api:
         params = body.sampling_params(16)
         ids = self._encode(prompt)
         return await self._respond(
-            request, body, ids, params, "text_completion", _completion_choice
+            request, body, ids, params, "text_completion", self.render.completion_choice
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -120,7 +123,9 @@ class _Api:
         ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
         default_max = max(1, self.client.max_model_len - len(ids))
         params = body.sampling_params(default_max)
-        return await self._respond(request, body, ids, params, "chat.completion", _chat_choice)
+        return await self._respond(
+            request, body, ids, params, "chat.completion", self.render.chat_choice
+        )
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -158,7 +163,8 @@ class _Api:
         final = await _until_done_or_gone(stream, first, request)
         if final is None:
             return Response(status_code=499)  # client closed the connection; request aborted
-        return {**meta, "object": kind, "choices": [choice(final, False)], "usage": _usage(final)}
+        body_out = {**meta, "object": kind, "choices": [choice(final, False)]}
+        return {**body_out, "usage": _usage(final), "pdserve_timings": _timings(final)}
 
 
 async def _until_done_or_gone(
@@ -191,27 +197,23 @@ async def _until_done_or_gone(
         await stream.aclose()
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def _completion_choice(out: RequestOutput, delta: bool) -> dict[str, Any]:
+def _timings(out: RequestOutput) -> dict[str, float | None] | None:
+    """Engine-side seconds per phase (clients that don't know the field ignore it)."""
+    m = out.metrics
+    if m is None:
+        return None
     return {
-        "index": 0,
-        "text": out.delta_text if delta else out.text,
-        "finish_reason": out.finish_reason,
-        "logprobs": None,
+        "queue": m.queue_time,
+        "prefill": m.prefill_time,
+        "decode": m.decode_time,
+        "ttft": m.ttft,
+        "e2e": m.e2e,
     }
 
 
-def _chat_choice(out: RequestOutput, delta: bool) -> dict[str, Any]:
-    key, content = (
-        ("delta", {"content": out.delta_text})
-        if delta
-        else ("message", {"role": "assistant", "content": out.text})
-    )
-    return {"index": 0, key: content, "finish_reason": out.finish_reason, "logprobs": None}
+def _usage(out: RequestOutput) -> dict[str, int]:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 async def _sse(
@@ -234,7 +236,10 @@ async def _sse(
             yield _event({**meta, "object": chunk_kind, "choices": [role]})
         yield _event({**meta, "object": chunk_kind, "choices": [choice(out, True)]})
         async for out in stream:
-            yield _event({**meta, "object": chunk_kind, "choices": [choice(out, True)]})
+            chunk = {**meta, "object": chunk_kind, "choices": [choice(out, True)]}
+            if out.finished:
+                chunk["pdserve_timings"] = _timings(out)
+            yield _event(chunk)
         if include_usage:
             yield _event({**meta, "object": chunk_kind, "choices": [], "usage": _usage(out)})
     except EngineDeadError as e:
