@@ -197,7 +197,8 @@ BAD = [
     ),
     (b'{"prompt": "hi", "logprobs": 21}', "logprobs must be between 0 and 20, got 21", "logprobs"),
     (b'{"prompt": "hi", "stop": [""]}', "stop strings must not be empty", "stop"),
-    (b'{"prompt": "hi", "n": 2}', "n must be 1 (more choices are not supported yet)", "n"),
+    (b'{"prompt": "hi", "n": 0}', "n must be between 1 and 16, got 0", "n"),
+    (b'{"prompt": "hi", "n": 17}', "n must be between 1 and 16, got 17", "n"),
     (b'{"prompt": "hi", "bogus": 1}', "unknown field 'bogus'", "bogus"),
     (
         b'{"prompt": [1, 49152]}',
@@ -421,3 +422,30 @@ def test_logprobs_and_timings(client: OpenAI) -> None:
     assert "".join(e.token for e in content) == "The capital of France is Paris.<|im_end|>"
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in content)
     assert all(bytes(e.bytes).decode() == e.token for e in content)
+
+
+def test_n_choices_streamed_and_whole(client: OpenAI) -> None:
+    kw = {
+        "model": MODEL,
+        "prompt": "My favourite animal is",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 3,
+    }
+    whole = client.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.text for c in whole.choices]
+    assert len(set(texts)) == 3  # seeds 11, 12, 13
+    assert whole.usage.completion_tokens == 36 and whole.usage.prompt_tokens == 4
+    again = client.completions.create(**kw)
+    assert [c.text for c in again.choices] == texts
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+    chat = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=32, temperature=0, n=2
+    )
+    assert [c.message.content for c in chat.choices] == ["The capital of France is Paris."] * 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -147,24 +148,49 @@ class _Api:
         kind: str,
         choice: Any,
     ) -> Any:
-        if body.n != 1:
-            raise APIError(400, "n must be 1 (more choices are not supported yet)", "n")
+        if not 1 <= body.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", "n")
         rid = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        stream = self.client.generate(ids, params, rid)
-        try:
-            first = await stream.__anext__()  # refusals surface here, before any byte is sent
-        except EngineDeadError as e:
-            raise APIError(500, f"the engine is not available: {e}") from None
+        streams = [
+            self.client.generate(ids, _choice_params(params, i), f"{rid}-{i}")
+            for i in range(body.n)
+        ]
+        firsts = await _first_outputs(streams)  # refusals surface before any byte is sent
         meta = {"id": rid, "created": int(time.time()), "model": self.config.served_model_name}
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            sse = _sse(stream, first, meta, kind, choice, include_usage)
+            sse = _sse(streams, firsts, meta, kind, choice, include_usage)
             return StreamingResponse(sse, media_type="text/event-stream")
-        final = await _until_done_or_gone(stream, first, request)
-        if final is None:
-            return Response(status_code=499)  # client closed the connection; request aborted
-        body_out = {**meta, "object": kind, "choices": [choice(final, False)]}
-        return {**body_out, "usage": _usage(final), "pdserve_timings": _timings(final)}
+        finals = await asyncio.gather(
+            *(_until_done_or_gone(s, f, request) for s, f in zip(streams, firsts, strict=True))
+        )
+        if any(f is None for f in finals):
+            return Response(status_code=499)  # client closed the connection; requests aborted
+        done = [f for f in finals if f is not None]
+        choices = [{**choice(f, False), "index": i} for i, f in enumerate(done)]
+        body_out = {**meta, "object": kind, "choices": choices, "usage": _usage(done)}
+        return {**body_out, "pdserve_timings": _timings(done[0])}
+
+
+MAX_CHOICES = 16
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of n: the request's seed + i, so seeded choices differ but reproduce."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
+
+
+async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
+    try:
+        return [await s.__anext__() for s in streams]
+    except BaseException as e:
+        for s in streams:
+            await s.aclose()
+        if isinstance(e, EngineDeadError):
+            raise APIError(500, f"the engine is not available: {e}") from None
+        raise
 
 
 async def _until_done_or_gone(
@@ -211,42 +237,79 @@ def _timings(out: RequestOutput) -> dict[str, float | None] | None:
     }
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
+def _usage(outs: list[RequestOutput]) -> dict[str, int]:
+    p, c = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 async def _sse(
-    stream: AsyncGenerator[RequestOutput, None],
-    first: RequestOutput,
+    streams: list[AsyncGenerator[RequestOutput, None]],
+    firsts: list[RequestOutput],
     meta: dict[str, Any],
     kind: str,
     choice: Any,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
-    out = first
+
+    def chunk(i: int, out: RequestOutput) -> dict[str, Any]:
+        c = {**meta, "object": chunk_kind, "choices": [{**choice(out, True), "index": i}]}
+        if out.finished:
+            c["pdserve_timings"] = _timings(out)
+        return c
+
+    finals: dict[int, RequestOutput] = {}
     try:
         if kind == "chat.completion":
-            role = {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "finish_reason": None,
-            }
-            yield _event({**meta, "object": chunk_kind, "choices": [role]})
-        yield _event({**meta, "object": chunk_kind, "choices": [choice(out, True)]})
-        async for out in stream:
-            chunk = {**meta, "object": chunk_kind, "choices": [choice(out, True)]}
+            roles = [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                for i in range(len(streams))
+            ]
+            yield _event({**meta, "object": chunk_kind, "choices": roles})
+        async for i, out in _merge(streams, firsts):
             if out.finished:
-                chunk["pdserve_timings"] = _timings(out)
-            yield _event(chunk)
+                finals[i] = out
+            yield _event(chunk(i, out))
         if include_usage:
-            yield _event({**meta, "object": chunk_kind, "choices": [], "usage": _usage(out)})
+            usage = _usage([finals[i] for i in sorted(finals)])
+            yield _event({**meta, "object": chunk_kind, "choices": [], "usage": usage})
     except EngineDeadError as e:
         yield _event(errors.error_body(500, f"the engine is not available: {e}"))
     finally:
-        await stream.aclose()  # a client that went away aborts its request
+        for s in streams:
+            await s.aclose()  # a client that went away aborts its requests
     yield "data: [DONE]\n\n"
+
+
+async def _merge(
+    streams: list[AsyncGenerator[RequestOutput, None]], firsts: list[RequestOutput]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        await queue.put((i, firsts[i]))
+        if firsts[i].finished:
+            return
+        try:
+            async for out in streams[i]:
+                await queue.put((i, out))
+        except Exception as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= item.finished
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _event(payload: dict[str, Any]) -> str:
