@@ -449,3 +449,21 @@ def test_n_choices_streamed_and_whole(client: OpenAI) -> None:
         model=MODEL, messages=FRANCE, max_tokens=32, temperature=0, n=2
     )
     assert [c.message.content for c in chat.choices] == ["The capital of France is Paris."] * 2
+
+
+def test_prometheus_metrics_are_open_and_count_requests(server: Server, client: OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples['pdserve_requests_total{outcome="length"}'] >= 1
+    assert samples["pdserve_generation_tokens_total"] >= 4
+    assert samples["pdserve_time_to_first_token_seconds_count"] >= 1
+    assert samples["pdserve_num_requests_running"] == 0
+    assert samples["pdserve_kv_cache_usage_ratio"] == 0
+    assert 0 < samples["pdserve_prefix_cache_hit_rate"] < 1  # repeated prompts earlier

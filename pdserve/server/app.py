@@ -22,6 +22,7 @@ import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve import __version__
 from pdserve.engine.client import EngineClient, EngineDeadError
@@ -30,6 +31,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
 from pdserve.server import errors
 from pdserve.server.errors import APIError
+from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.render import Renderer
 
@@ -63,6 +65,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     auth = [Depends(check_key)]
     app.get("/health")(api.health)
     app.get("/version")(api.version)
+    app.get("/metrics")(api.prometheus)
     app.get("/v1/models", dependencies=auth)(api.models)
     app.post("/v1/completions", dependencies=auth)(api.completions)
     app.post("/v1/chat/completions", dependencies=auth)(api.chat)
@@ -77,6 +80,7 @@ class _Api:
         self.config = config
         assert client.tokenizer is not None
         self.render = Renderer(client.tokenizer)
+        self.metrics = ServerMetrics()
 
     async def health(self) -> JSONResponse:
         if self.client.is_alive:
@@ -89,6 +93,12 @@ class _Api:
         except EngineDeadError as e:
             raise APIError(500, f"the engine is not available: {e}") from None
         return msgspec.to_builtins(stats)
+
+    async def prometheus(self) -> Response:
+        stats = None
+        with contextlib.suppress(EngineDeadError, TimeoutError):
+            stats = await self.client.stats(timeout=5.0)
+        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
@@ -159,7 +169,7 @@ class _Api:
         meta = {"id": rid, "created": int(time.time()), "model": self.config.served_model_name}
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            sse = _sse(streams, firsts, meta, kind, choice, include_usage)
+            sse = _sse(streams, firsts, meta, kind, choice, include_usage, self.metrics)
             return StreamingResponse(sse, media_type="text/event-stream")
         finals = await asyncio.gather(
             *(_until_done_or_gone(s, f, request) for s, f in zip(streams, firsts, strict=True))
@@ -167,6 +177,8 @@ class _Api:
         if any(f is None for f in finals):
             return Response(status_code=499)  # client closed the connection; requests aborted
         done = [f for f in finals if f is not None]
+        for f in done:
+            self.metrics.finished(f)
         choices = [{**choice(f, False), "index": i} for i, f in enumerate(done)]
         body_out = {**meta, "object": kind, "choices": choices, "usage": _usage(done)}
         return {**body_out, "pdserve_timings": _timings(done[0])}
@@ -249,6 +261,7 @@ async def _sse(
     kind: str,
     choice: Any,
     include_usage: bool,
+    metrics: ServerMetrics,
 ) -> AsyncIterator[str]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
 
@@ -269,6 +282,7 @@ async def _sse(
         async for i, out in _merge(streams, firsts):
             if out.finished:
                 finals[i] = out
+                metrics.finished(out)
             yield _event(chunk(i, out))
         if include_usage:
             usage = _usage([finals[i] for i in sorted(finals)])

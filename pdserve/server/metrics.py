@@ -1,0 +1,69 @@
+"""Prometheus metrics of the HTTP frontend (prometheus-client, one registry per app).
+
+Request outcomes and latencies are observed here when a request ends; engine gauges
+(running / waiting requests, KV usage, prefix-cache hit rate) are read from the
+engine process at scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdserve.engine.messages import EngineStats
+from pdserve.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "pdserve_requests", "Finished requests by outcome", ["outcome"], registry=r
+        )
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Generated tokens", registry=r
+        )
+        self.ttft = self._hist("pdserve_time_to_first_token_seconds", "Time to first token")
+        self.tpot = self._hist(
+            "pdserve_time_per_output_token_seconds", "Mean inter-token time of a request"
+        )
+        self.e2e = self._hist("pdserve_e2e_request_latency_seconds", "End-to-end latency")
+        self.queue = self._hist("pdserve_queue_time_seconds", "Time waiting to be scheduled")
+        self.running = Gauge("pdserve_num_requests_running", "Requests holding KV", registry=r)
+        self.waiting = Gauge("pdserve_num_requests_waiting", "Queued requests", registry=r)
+        self.kv_usage = Gauge(
+            "pdserve_kv_cache_usage_ratio", "Used / total device KV blocks", registry=r
+        )
+        self.hit_rate = Gauge(
+            "pdserve_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens",
+            registry=r,
+        )
+
+    def _hist(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def finished(self, out: RequestOutput) -> None:
+        self.requests.labels(out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+        m = out.metrics
+        if m is None:
+            return
+        for hist, value in ((self.ttft, m.ttft), (self.e2e, m.e2e), (self.queue, m.queue_time)):
+            if value is not None:
+                hist.observe(value)
+        if m.decode_time is not None and len(out.token_ids) > 1:
+            self.tpot.observe(m.decode_time / (len(out.token_ids) - 1))
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        if stats is not None:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting + stats.num_swapped)
+            total = stats.num_free_blocks + stats.num_used_blocks + stats.num_cached_blocks
+            self.kv_usage.set(stats.num_used_blocks / total if total else 0.0)
+            queries = stats.prefix_cache_queries
+            self.hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
+        return generate_latest(self.registry)
