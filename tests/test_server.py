@@ -36,14 +36,15 @@ class Server:
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *extra]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 if self.get("/health")[0] == 200:
                     return
             except OSError:
                 time.sleep(0.3)
         self.stop()
-        raise RuntimeError("server did not start")
+        err = self.proc.stderr.read() if self.proc.stderr else ""
+        raise RuntimeError(f"server did not start (exit {self.proc.returncode}): {err[-2000:]}")
 
     def request(
         self,
