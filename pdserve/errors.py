@@ -26,3 +26,7 @@ class ModelLoadError(PdserveError):
 
     The message names the file and what is wrong with it.
     """
+
+
+class EngineDeadError(PdserveError):
+    """The engine (its loop thread or its process) has stopped; no request can progress."""

@@ -26,11 +26,7 @@ from dataclasses import dataclass
 from pdserve.engine.engine import Engine, Prompt
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import PdserveError
-
-
-class EngineDeadError(PdserveError):
-    """The engine loop failed; no request can make progress."""
+from pdserve.errors import EngineDeadError
 
 
 @dataclass(frozen=True)

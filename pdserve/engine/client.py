@@ -52,17 +52,13 @@ from pdserve.engine.messages import (
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.errors import EngineDeadError, InvalidRequestError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 
 _WATCHDOG_S = 0.2
 
 Item = RequestOutput | BaseException
-
-
-class EngineDeadError(PdserveError):
-    """The engine core process is gone; no request can make progress."""
 
 
 class EngineClient:

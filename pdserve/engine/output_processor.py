@@ -82,8 +82,3 @@ class OutputProcessor:
         if result.finished:
             del self._states[out.request_id]
         return result, (stop_string if out.finish_reason is None else None)
-
-    def aborted(self, request_id: str, num_cached_tokens: int = 0) -> RequestOutput | None:
-        """The final output of a request the caller aborted (None if untracked)."""
-        out = EngineOutput(request_id, (), "abort", num_cached_tokens=num_cached_tokens)
-        return self.process(out)[0]
