@@ -78,6 +78,34 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="at most this many requests run at once"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="token budget of one engine step (prefill chunks and decodes together)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 503 to new requests while this many wait for the engine (default: no limit)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="answer 413 to request bodies larger than this (default: 4 MiB)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM / Ctrl-C, let in-flight requests finish for up to this many "
+        "seconds (new ones get 503), then cancel them and exit; a second signal exits now",
+    )
+    p.add_argument(
         "--keep-running-on-engine-failure",
         action="store_true",
         help="keep answering (/health 500, requests 500) after the engine process dies "

@@ -36,10 +36,15 @@ class SchedulerConfig:
     # At most this many requests hold KV and run at once.
     max_num_seqs: int = 64
     preemption_mode: PreemptionMode = PreemptionMode.SWAP
+    # New requests are refused (EngineOverloadedError, HTTP 503) while this many
+    # wait for admission; None: no limit.
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_waiting_requests is not None:
+            _at_least("max_waiting_requests", self.max_waiting_requests, 0)
 
 
 @dataclass(frozen=True)

@@ -30,3 +30,11 @@ class ModelLoadError(PdserveError):
 
 class EngineDeadError(PdserveError):
     """The engine (its loop thread or its process) has stopped; no request can progress."""
+
+
+class EngineOverloadedError(PdserveError):
+    """The engine's waiting queue is full; the request was refused (retry later)."""
+
+
+class RequestCancelledError(PdserveError):
+    """The server ended the request itself (it is shutting down and the drain timed out)."""

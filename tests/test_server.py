@@ -13,7 +13,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
+import httpx
 import psutil
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
@@ -312,13 +314,35 @@ def test_server_exits_nonzero_when_the_engine_dies() -> None:
         s.stop()
 
 
-def test_killed_engine_fails_health_and_requests(tmp_path) -> None:
+def sse(url: str, body: dict, key: str | None = None) -> Iterator[dict | str]:
+    """A streamed response's events as they arrive: dicts, then the final '[DONE]'."""
+    with httpx.stream("POST", url, json=body, headers=_auth(key), timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                yield data if data == "[DONE]" else json.loads(data)
+
+
+def test_killed_engine_mid_stream_ends_the_stream_with_an_error_event() -> None:
     s = Server("--max-model-len", "512", "--keep-running-on-engine-failure")
     try:
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = sse(s.url + "/v1/completions", body)
+        assert next(events)["choices"][0]["text"]  # streaming has started
+        killed = time.monotonic()
         os.kill(engine_process(s).pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and s.get("/health")[0] == 200:
-            time.sleep(0.1)
+        rest = list(events)
+        assert time.monotonic() - killed < 5
+        assert rest[-1] == "[DONE]"
+        error = rest[-2]["error"]
+        assert (error["type"], error["code"], error["param"]) == (
+            "internal_server_error",
+            500,
+            None,
+        )
+        assert error["message"].startswith("the engine is not available: the engine process")
+        assert all("error" not in e for e in rest[:-2])  # ordinary chunks before it
         status, body = s.get("/health")
         assert status == 500 and body["error"]["type"] == "internal_server_error"
         status, body = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
@@ -468,3 +492,186 @@ def test_prometheus_metrics_are_open_and_count_requests(server: Server, client: 
     assert samples["pdserve_num_requests_running"] == 0
     assert samples["pdserve_kv_cache_usage_ratio"] == 0
     assert 0 < samples["pdserve_prefix_cache_hit_rate"] < 1  # repeated prompts earlier
+
+
+def test_batched_prompts_with_n_choices_in_prompt_major_order(client: OpenAI) -> None:
+    prompts = ["The capital of France is", "Once upon a time"]
+    single = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+        for p in prompts
+    ]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    want = [one.choices[0].text for one in single for _ in range(2)]
+    assert [c.text for c in r.choices] == want
+    prompt_tokens = sum(one.usage.prompt_tokens for one in single)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, 24)
+    ids = [[504, 3575, 282, 4649, 314], [504, 3575, 282, 4649, 314]]  # token-id batch
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    assert [c.text for c in r.choices] == [" Paris."] * 2 and r.usage.prompt_tokens == 10
+    streamed = ["", ""]
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [one.choices[0].text for one in single]
+
+
+def test_echo_returns_the_prompt_before_the_completion(client: OpenAI) -> None:
+    kw = {"model": MODEL, "max_tokens": 2, "temperature": 0, "echo": True}
+    r = client.completions.create(prompt="The capital of France is", **kw)
+    assert r.choices[0].text == "The capital of France is Paris."
+    r = client.completions.create(prompt=[1, 504, 3575, 282, 4649, 314], **kw)
+    assert r.choices[0].text == "<|im_start|>The capital of France is Paris."
+    chunks = list(client.completions.create(prompt="The capital of France is", stream=True, **kw))
+    assert chunks[0].choices[0].text == "The capital of France is"
+    assert "".join(c.choices[0].text for c in chunks) == "The capital of France is Paris."
+
+
+MORE_BAD = [
+    (b'{"prompt": ["hi", ""]}', 400, "prompt 1 of the batch is empty", "prompt"),
+    (b'{"prompt": [[1, 2], []]}', 400, "prompt 1 of the batch is empty", "prompt"),
+    (
+        json.dumps({"prompt": ["hi"] * 257}).encode(),
+        400,
+        "a request may hold at most 256 prompts, got 257",
+        "prompt",
+    ),
+    (
+        b'{"prompt": "hi", "echo": true, "logprobs": 1}',
+        400,
+        "echo with logprobs is not supported (no prompt logprobs)",
+        "echo",
+    ),
+    (b'{"prompt": "hi", "echo": 1}', 400, None, "echo"),
+    (b'{"prompt": ["hi", 3]}', 400, None, "prompt"),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "message", "param"), MORE_BAD, ids=[b[0][:40].decode() for b in MORE_BAD]
+)
+def test_more_bad_completion_bodies(
+    server: Server, raw: bytes, status: int, message: str | None, param: str | None
+) -> None:
+    got, body = server.post("/v1/completions", raw)
+    assert got == status and set(body["error"]) == {"message", "type", "param", "code"}
+    assert (body["error"]["type"], body["error"]["param"]) == ("invalid_request_error", param)
+    if message is not None:
+        assert body["error"]["message"] == message
+
+
+def test_unknown_routes_and_methods_use_the_error_shape(server: Server) -> None:
+    status, body = server.get("/v1/nothing", key=KEY)
+    assert (status, body["error"]["type"], body["error"]["code"]) == (404, "not_found_error", 404)
+    status, body = server.request("GET", "/v1/completions", headers=_auth(KEY))
+    assert (status, body["error"]["message"], body["error"]["code"]) == (
+        405,
+        "Method Not Allowed",
+        405,
+    )
+
+
+def test_oversized_bodies_are_413_whether_declared_or_streamed(server: Server) -> None:
+    limit = 4 * 1024 * 1024
+    big = json.dumps({"prompt": "x" * limit}).encode()
+    status, body = server.post("/v1/completions", big)
+    assert status == 413
+    assert body["error"] == {
+        "message": f"request body is larger than the limit of {limit} bytes "
+        f"(Content-Length: {len(big)})",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": 413,
+    }
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: chunked transfer encoding
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536]
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), headers=_auth(KEY), timeout=60)
+    assert r.status_code == 413
+    assert r.json()["error"]["message"] == f"request body is larger than the limit of {limit} bytes"
+    assert server.get("/health")[0] == 200  # and the server is fine
+
+
+def test_full_waiting_queue_answers_503_and_keeps_the_rest() -> None:
+    s = Server("--max-num-seqs", "1", "--max-queued-requests", "2", "--enable-debug-endpoints")
+    url = s.url + "/v1/completions"
+    long = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    try:
+        running = sse(url, long)
+        assert next(running)["choices"][0]["text"]  # it holds the only sequence slot
+        waiting = [sse(url, long) for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            firsts = [pool.submit(next, w) for w in waiting]  # they queue in the engine
+            deadline = time.monotonic() + 30
+            while s.get("/debug/engine")[1]["num_waiting"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status, body = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
+            assert status == 503
+            assert body["error"] == {
+                "message": "the server is overloaded: its queue of 2 waiting requests is full; "
+                "retry later",
+                "type": "service_unavailable_error",
+                "param": None,
+                "code": 503,
+            }
+            running.close()  # the running request leaves: a waiting one takes its slot,
+            for _ in range(2):  # then leaves too, and the last one runs
+                done, _ = wait(firsts, timeout=60, return_when=FIRST_COMPLETED)
+                (first,) = done
+                assert first.result()["choices"][0]["text"]
+                waiting[firsts.index(first)].close()
+                firsts.remove(first)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stats = s.get("/debug/engine")[1]
+            if stats["num_running"] + stats["num_waiting"] == 0:
+                break
+            time.sleep(0.05)
+        assert stats["num_used_blocks"] == 0 and stats["integrity_error"] is None
+        status, body = s.post("/v1/completions", b'{"prompt": "hi", "max_tokens": 1}', key=None)
+        assert status == 200 and body["usage"]["completion_tokens"] == 1
+    finally:
+        s.stop()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_with_no_child_left() -> None:
+    s = Server("--shutdown-timeout", "4")
+    url = s.url + "/v1/completions"
+    long = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    short = {**long, "max_tokens": 24, "stream_options": {"include_usage": True}}
+    children = psutil.Process(s.proc.pid).children(recursive=True)
+    assert children  # the engine core (and multiprocessing's resource tracker)
+    with ThreadPoolExecutor(3) as pool:
+        finishing, cancelled = sse(url, short), sse(url, long)
+        assert next(finishing)["choices"] and next(cancelled)["choices"]
+        plain = pool.submit(
+            s.post, "/v1/completions", json.dumps(long | {"stream": False}).encode(), None
+        )
+        time.sleep(0.3)  # the non-streaming request is in flight too
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        status, body = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
+        assert status == 503
+        assert (
+            body["error"]["message"] == "the server is shutting down; no new requests are accepted"
+        )
+        assert s.get("/health")[0] == 503
+        rest = pool.submit(list, finishing).result(60)
+        assert rest[-1] == "[DONE]" and rest[-2]["usage"]["completion_tokens"] == 24
+        assert rest[-3]["choices"][0]["finish_reason"] == "length"  # it ran to its end
+        cut = list(cancelled)
+        assert cut[-1] == "[DONE]"
+        assert cut[-2]["error"]["code"] == 503
+        assert cut[-2]["error"]["message"] == (
+            "the server is shutting down and the request did not finish within the "
+            "shutdown timeout of 4 s"
+        )
+        status, body = plain.result(60)
+        assert status == 503 and body["error"]["message"] == cut[-2]["error"]["message"]
+    assert s.proc.wait(30) == 0
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert alive == []

@@ -8,8 +8,8 @@ binds in a private temporary directory.
 Contract
 --------
 * `generate` yields `RequestOutput`s; the last has `finished=True`. A request the
-  core refuses raises `InvalidRequestError` from the first iteration; nothing was
-  allocated for it.
+  core refuses raises `InvalidRequestError` (or `EngineOverloadedError` when its
+  waiting queue is full) from the first iteration; nothing was allocated for it.
 * A consumer that stops iterating (client gone, task cancelled) aborts its request;
   the core applies the abort before its next step, so the request's KV blocks are
   back in the pool within one step.
@@ -26,6 +26,7 @@ import itertools
 import multiprocessing
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncGenerator, Sequence
 from multiprocessing.process import BaseProcess
 
@@ -52,7 +53,7 @@ from pdserve.engine.messages import (
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import EngineDeadError, InvalidRequestError
+from pdserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 
@@ -77,7 +78,7 @@ class EngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._queues: dict[str, asyncio.Queue[Item]] = {}
-        self._stats: asyncio.Queue[EngineStats] = asyncio.Queue()
+        self._stats: dict[int, asyncio.Future[EngineStats]] = {}
         self._processor: OutputProcessor | None = None
         self._dead: EngineDeadError | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -167,12 +168,11 @@ class EngineClient:
         self._processor.add(rid, token_ids, params)
         finished = False
         try:
-            await self._send(AddRequest(rid, token_ids, params))
+            await self._send(AddRequest(rid, token_ids, params, time.monotonic()))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
-                    raise item
+                    raise item  # the finally below aborts it in the core if it is there
                 finished = item.finished
                 yield item
         finally:
@@ -181,6 +181,13 @@ class EngineClient:
             if not finished and self._dead is None:
                 with contextlib.suppress(EngineDeadError):
                     await self._send(AbortRequests([rid]))
+
+    def cancel_all(self, error: Exception) -> int:
+        """End every open request with `error` (each consumer then aborts its request
+        in the core, freeing its KV). Returns how many were open."""
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        return len(self._queues)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         assert self.tokenizer is not None
@@ -194,8 +201,13 @@ class EngineClient:
         """Counters of the core (and, on request, its KV pool integrity check)."""
         if self._dead is not None:
             raise self._dead
-        await self._send(StatsRequest(check_integrity))
-        return await asyncio.wait_for(self._stats.get(), timeout)
+        sid = next(self._ids)
+        reply = self._stats[sid] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(StatsRequest(sid, check_integrity))
+            return await asyncio.wait_for(reply, timeout)
+        finally:
+            self._stats.pop(sid, None)
 
     async def _send(self, msg: EngineInput) -> None:
         """Queue a message for the core; never blocks (EngineDeadError if no core is
@@ -213,9 +225,11 @@ class EngineClient:
             if isinstance(msg, OutputBatch):
                 await self._dispatch(msg)
             elif isinstance(msg, RequestRejected):
-                self._put(msg.request_id, InvalidRequestError(msg.message, msg.param))
+                self._put(msg.request_id, _rejection(msg))
             elif isinstance(msg, EngineStats):
-                self._stats.put_nowait(msg)
+                reply = self._stats.get(msg.request_id)
+                if reply is not None and not reply.done():
+                    reply.set_result(msg)
             elif isinstance(msg, EngineFailed):
                 self._fail_all(EngineDeadError(msg.message))
 
@@ -244,3 +258,12 @@ class EngineClient:
             self._dead = error
         for queue in self._queues.values():
             queue.put_nowait(self._dead)
+        for reply in self._stats.values():
+            if not reply.done():
+                reply.set_exception(self._dead)
+
+
+def _rejection(msg: RequestRejected) -> Exception:
+    if msg.overloaded:
+        return EngineOverloadedError(msg.message)
+    return InvalidRequestError(msg.message, msg.param)

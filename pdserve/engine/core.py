@@ -20,7 +20,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampledToken, SamplingRow, sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.kv.cache import KVCache
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.manager import KVManager
@@ -56,18 +56,35 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival: float | None = None,
     ) -> Request:
-        """Validate and queue. Raises InvalidRequestError; nothing is allocated then."""
+        """Validate and queue. Raises InvalidRequestError or EngineOverloadedError;
+        nothing is allocated then. `arrival` (time.monotonic(), system-wide) is when
+        the request reached the frontend, so queue time includes the trip here."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         prompt = list(prompt_token_ids)
         self._validate(prompt, params)
+        self._check_queue()
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(request_id, prompt, params, gen)
+        if arrival is not None:
+            req.times.arrival = arrival
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _check_queue(self) -> None:
+        limit = self.scheduler.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: its queue of {limit} waiting requests is full; "
+                "retry later"
+            )
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         vocab = self.model.config.vocab_size

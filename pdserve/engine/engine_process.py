@@ -37,7 +37,7 @@ from pdserve.engine.messages import (
     Shutdown,
     StatsRequest,
 )
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 
@@ -85,9 +85,11 @@ class _Loop:
             return False
         if isinstance(msg, AddRequest):
             try:
-                self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+                self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival)
             except InvalidRequestError as e:
                 self.send(RequestRejected(msg.request_id, e.message, e.param))
+            except EngineOverloadedError as e:
+                self.send(RequestRejected(msg.request_id, str(e), None, overloaded=True))
         elif isinstance(msg, AbortRequests):
             aborted = [self.core.abort(rid) for rid in msg.request_ids]
             if any(aborted):
@@ -95,10 +97,10 @@ class _Loop:
         elif isinstance(msg, FinishRequest):
             self.core.finish_request(msg.request_id, msg.stop_reason)
         elif isinstance(msg, StatsRequest):
-            self.send(self.stats(msg.check_integrity))
+            self.send(self.stats(msg.request_id, msg.check_integrity))
         return True
 
-    def stats(self, check: bool) -> EngineStats:
+    def stats(self, request_id: int, check: bool) -> EngineStats:
         s, kv = self.core.scheduler, self.core.kv
         error = None
         if check:
@@ -107,6 +109,7 @@ class _Loop:
             except AssertionError as e:
                 error = str(e) or "integrity check failed"
         return EngineStats(
+            request_id=request_id,
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             num_swapped=len(s.swapped),

@@ -42,6 +42,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    arrival: float | None = None  # time.monotonic() at the frontend (system-wide clock)
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True):
@@ -62,6 +63,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
 class StatsRequest(msgspec.Struct, frozen=True, tag=True):
     """Ask for an `EngineStats` reply (metrics, health checks, tests)."""
 
+    request_id: int  # echoed in the reply, so concurrent askers get their own answer
     check_integrity: bool = False
 
 
@@ -80,11 +82,13 @@ class OutputBatch(msgspec.Struct, frozen=True, tag=True):
 
 
 class RequestRejected(msgspec.Struct, frozen=True, tag=True):
-    """`add_request` refused it (InvalidRequestError); nothing was allocated."""
+    """`add_request` refused it; nothing was allocated. `overloaded`: the waiting
+    queue was full (EngineOverloadedError), else the request was invalid."""
 
     request_id: str
     message: str
     param: str | None
+    overloaded: bool = False
 
 
 class EngineFailed(msgspec.Struct, frozen=True, tag=True):
@@ -94,6 +98,7 @@ class EngineFailed(msgspec.Struct, frozen=True, tag=True):
 
 
 class EngineStats(msgspec.Struct, frozen=True, tag=True):
+    request_id: int  # of the StatsRequest this answers
     num_running: int
     num_waiting: int
     num_swapped: int

@@ -23,13 +23,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from pdserve import __version__
-from pdserve.engine.client import EngineClient, EngineDeadError
+from pdserve.engine.client import EngineClient
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import EngineDeadError, InvalidRequestError, PdserveError
 from pdserve.server import errors
+from pdserve.server.admission import Admission, AdmissionGate
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,15 +46,25 @@ class ServerConfig:
     api_key: str | None = None
     # GET /debug/engine: the core's counters and a KV-pool integrity check (tests, ops).
     debug_endpoints: bool = False
+    # Request bodies above this are refused with 413.
+    max_body_bytes: int = 4 * 1024 * 1024
 
 
-def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
+def build_app(
+    client: EngineClient, config: ServerConfig, admission: Admission | None = None
+) -> FastAPI:
+    """The routes over `client`; `admission` (body limit, drain) is shared with the
+    shutdown sequence of `launch.py`."""
     app = FastAPI(title="pdserve", version=__version__)
     app.add_exception_handler(APIError, errors.on_api_error)
     app.add_exception_handler(InvalidRequestError, errors.on_invalid_request)
+    app.add_exception_handler(PdserveError, errors.on_engine_error)
     app.add_exception_handler(RequestValidationError, errors.on_validation_error)
+    app.add_exception_handler(HTTPException, errors.on_http_error)
     app.add_exception_handler(Exception, errors.on_unexpected)
-    api = _Api(client, config)
+    admission = admission or Admission(config.max_body_bytes)
+    app.add_middleware(AdmissionGate, admission=admission)
+    api = _Api(client, config, admission)
 
     def check_key(request: Request) -> None:
         if config.api_key is None:
@@ -75,17 +87,20 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
 
 
 class _Api:
-    def __init__(self, client: EngineClient, config: ServerConfig) -> None:
+    def __init__(self, client: EngineClient, config: ServerConfig, admission: Admission) -> None:
         self.client = client
         self.config = config
+        self.admission = admission
         assert client.tokenizer is not None
         self.render = Renderer(client.tokenizer)
         self.metrics = ServerMetrics()
 
     async def health(self) -> JSONResponse:
-        if self.client.is_alive:
-            return JSONResponse({"status": "ok"})
-        return errors.error_response(500, "the engine process is not running")
+        if not self.client.is_alive:
+            return errors.error_response(500, "the engine process is not running")
+        if self.admission.draining:
+            return errors.error_response(503, "the server is shutting down")
+        return JSONResponse({"status": "ok"})
 
     async def debug_engine(self) -> dict[str, Any]:
         try:
@@ -117,13 +132,19 @@ class _Api:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
-        prompt = body.prompt
-        if (isinstance(prompt, str) and not prompt) or (isinstance(prompt, list) and not prompt):
-            raise APIError(400, "prompt must not be empty", "prompt")
+        prompts = body.prompt_list()
         params = body.sampling_params(16)
-        ids = self._encode(prompt)
+        if body.echo and params.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
+        ids = [self._encode(p) for p in prompts]
         return await self._respond(
-            request, body, ids, params, "text_completion", self.render.completion_choice
+            request,
+            body,
+            ids,
+            params,
+            "text_completion",
+            self.render.completion_choice,
+            prompts if body.echo else None,
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -135,7 +156,7 @@ class _Api:
         default_max = max(1, self.client.max_model_len - len(ids))
         params = body.sampling_params(default_max)
         return await self._respond(
-            request, body, ids, params, "chat.completion", self.render.chat_choice
+            request, body, [ids], params, "chat.completion", self.render.chat_choice
         )
 
     def _check_model(self, name: str | None) -> None:
@@ -153,23 +174,33 @@ class _Api:
         self,
         request: Request,
         body: Any,
-        ids: list[int],
+        prompts: list[list[int]],
         params: SamplingParams,
         kind: str,
         choice: Any,
+        echo: list[str | list[int]] | None = None,
     ) -> Any:
+        """Run n choices of every prompt; choice k = prompt k // n, sample k % n.
+        `echo`: the prompts as given, to be sent back before each choice's text."""
         if not 1 <= body.n <= MAX_CHOICES:
             raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", "n")
         rid = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        jobs = [(ids, i) for ids in prompts for i in range(body.n)]
         streams = [
-            self.client.generate(ids, _choice_params(params, i), f"{rid}-{i}")
-            for i in range(body.n)
+            self.client.generate(ids, _choice_params(params, i), f"{rid}-{k}")
+            for k, (ids, i) in enumerate(jobs)
         ]
         firsts = await _first_outputs(streams)  # refusals surface before any byte is sent
         meta = {"id": rid, "created": int(time.time()), "model": self.config.served_model_name}
+        prefixes = None
+        if echo is not None:  # decoded only now: the engine has checked the ids
+            texts = [p if isinstance(p, str) else self.render.text(p) for p in echo]
+            prefixes = [texts[k // body.n] for k in range(len(jobs))]
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            sse = _sse(streams, firsts, meta, kind, choice, include_usage, self.metrics)
+            render = _Render(meta, kind, choice, prefixes)
+            usage_of = prompts if include_usage else None
+            sse = _sse(streams, firsts, render, usage_of, self.metrics)
             return StreamingResponse(sse, media_type="text/event-stream")
         finals = await asyncio.gather(
             *(_until_done_or_gone(s, f, request) for s, f in zip(streams, firsts, strict=True))
@@ -179,8 +210,12 @@ class _Api:
         done = [f for f in finals if f is not None]
         for f in done:
             self.metrics.finished(f)
-        choices = [{**choice(f, False), "index": i} for i, f in enumerate(done)]
-        body_out = {**meta, "object": kind, "choices": choices, "usage": _usage(done)}
+        choices = [{**choice(f, False), "index": k} for k, f in enumerate(done)]
+        if prefixes is not None:
+            for c, prefix in zip(choices, prefixes, strict=True):
+                c["text"] = prefix + c["text"]
+        usage = _usage(prompts, done)
+        body_out = {**meta, "object": kind, "choices": choices, "usage": usage}
         return {**body_out, "pdserve_timings": _timings(done[0])}
 
 
@@ -195,14 +230,15 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
-    try:
-        return [await s.__anext__() for s in streams]
-    except BaseException as e:
-        for s in streams:
-            await s.aclose()
-        if isinstance(e, EngineDeadError):
-            raise APIError(500, f"the engine is not available: {e}") from None
-        raise
+    """Every stream's first output, all requests submitted at once (one engine step
+    can admit them together). If any is refused, all are aborted and it is raised."""
+    results = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is None:
+        return [r for r in results if isinstance(r, RequestOutput)]
+    for s in streams:
+        await s.aclose()
+    raise failure
 
 
 async def _until_done_or_gone(
@@ -249,46 +285,74 @@ def _timings(out: RequestOutput) -> dict[str, float | None] | None:
     }
 
 
-def _usage(outs: list[RequestOutput]) -> dict[str, int]:
-    p, c = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+def _usage(prompts: list[list[int]], outs: list[RequestOutput]) -> dict[str, int]:
+    p, c = sum(len(ids) for ids in prompts), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+@dataclass(frozen=True)
+class _Render:
+    """How one response's stream chunks look."""
+
+    meta: dict[str, Any]
+    kind: str  # "text_completion" | "chat.completion"
+    choice: Any  # Renderer.completion_choice | Renderer.chat_choice
+    echo: list[str] | None  # per choice: the prompt text sent first (completions echo)
+
+    @property
+    def chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self.meta, "object": self.chunk_kind, "choices": choices}
+
+    def output(self, k: int, out: RequestOutput) -> dict[str, Any]:
+        c = self.chunk([{**self.choice(out, True), "index": k}])
+        if out.finished:
+            c["pdserve_timings"] = _timings(out)
+        return c
+
+    def opening(self, n: int) -> dict[str, Any] | None:
+        """Chat: the role first. Completions with echo: each prompt's text first."""
+        if self.kind == "chat.completion":
+            delta = {"role": "assistant", "content": ""}
+            return self.chunk(
+                [{"index": k, "delta": delta, "finish_reason": None} for k in range(n)]
+            )
+        if self.echo is not None:
+            return self.chunk(
+                [
+                    {"index": k, "text": t, "finish_reason": None, "logprobs": None}
+                    for k, t in enumerate(self.echo)
+                ]
+            )
+        return None
 
 
 async def _sse(
     streams: list[AsyncGenerator[RequestOutput, None]],
     firsts: list[RequestOutput],
-    meta: dict[str, Any],
-    kind: str,
-    choice: Any,
-    include_usage: bool,
+    render: _Render,
+    usage_of: list[list[int]] | None,
     metrics: ServerMetrics,
 ) -> AsyncIterator[str]:
-    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
-
-    def chunk(i: int, out: RequestOutput) -> dict[str, Any]:
-        c = {**meta, "object": chunk_kind, "choices": [{**choice(out, True), "index": i}]}
-        if out.finished:
-            c["pdserve_timings"] = _timings(out)
-        return c
-
+    """The SSE body; a failure after the first byte is an error event, then [DONE].
+    `usage_of`: the request's prompts, when a final usage chunk was asked for."""
     finals: dict[int, RequestOutput] = {}
     try:
-        if kind == "chat.completion":
-            roles = [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                for i in range(len(streams))
-            ]
-            yield _event({**meta, "object": chunk_kind, "choices": roles})
-        async for i, out in _merge(streams, firsts):
+        opening = render.opening(len(streams))
+        if opening is not None:
+            yield _event(opening)
+        async for k, out in _merge(streams, firsts):
             if out.finished:
-                finals[i] = out
+                finals[k] = out
                 metrics.finished(out)
-            yield _event(chunk(i, out))
-        if include_usage:
-            usage = _usage([finals[i] for i in sorted(finals)])
-            yield _event({**meta, "object": chunk_kind, "choices": [], "usage": usage})
-    except EngineDeadError as e:
-        yield _event(errors.error_body(500, f"the engine is not available: {e}"))
+            yield _event(render.output(k, out))
+        if usage_of is not None:
+            usage = _usage(usage_of, [finals[k] for k in sorted(finals)])
+            yield _event(render.chunk([]) | {"usage": usage})
+    except Exception as e:
+        yield _event(errors.error_body(*errors.status_of(e)))
     finally:
         for s in streams:
             await s.aclose()  # a client that went away aborts its requests

@@ -7,13 +7,20 @@ import json
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestCancelledError,
+)
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
@@ -27,7 +34,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
-    return {"error": {"message": message, "type": _TYPES[status], "param": param, "code": status}}
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -39,9 +47,28 @@ async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.param)
 
 
+async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own refusals (unknown route 404, wrong method 405, 413) in our shape."""
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, str(exc.detail))
+
+
 async def on_invalid_request(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, InvalidRequestError)
     return error_response(400, exc.message, exc.param)
+
+
+def status_of(exc: Exception) -> tuple[int, str]:
+    """HTTP status and message for an engine-side failure of a request."""
+    if isinstance(exc, EngineDeadError):
+        return 500, f"the engine is not available: {exc}"
+    if isinstance(exc, EngineOverloadedError | RequestCancelledError):
+        return 503, str(exc)
+    return 500, "internal server error"
+
+
+async def on_engine_error(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(*status_of(exc))
 
 
 async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:

@@ -1,20 +1,32 @@
-"""`pdserve serve`: start the engine process, then the HTTP server on top of it."""
+"""`pdserve serve`: start the engine process, then the HTTP server on top of it.
+
+Shutdown (SIGTERM or Ctrl-C): new `/v1/*` requests get 503 and `/health` turns 503
+at once; in-flight requests run to completion for up to `--shutdown-timeout`
+seconds, then the rest are cancelled (an error body, or an SSE error event); then
+uvicorn stops and the engine process is shut down. A second signal skips the wait.
+The exit status is 0 after a signal and 1 when the engine process died.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import sys
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
-from pdserve.config import CacheConfig, EngineConfig
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.client import EngineClient
+from pdserve.errors import RequestCancelledError
 from pdserve.model.loader import resolve_model
+from pdserve.server.admission import Admission
 from pdserve.server.app import ServerConfig, build_app
 
 _ENGINE_CHECK_S = 0.5
+_CANCEL_GRACE_S = 5.0  # for cancelled requests to send their error and close
 
 
 def served_name(model: str | None) -> str:
@@ -22,19 +34,39 @@ def served_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else Path(path).name
 
 
-async def serve(args: argparse.Namespace) -> int:
-    config = EngineConfig(
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
         model=args.model,
         max_model_len=args.max_model_len,
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_waiting_requests=args.max_queued_requests,
+        ),
         cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory_gib),
     )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
+    config = engine_config(args)
     name = args.served_model_name or served_name(args.model)
     client = await EngineClient.start(config)
     try:
-        app = build_app(client, ServerConfig(name, args.api_key, args.enable_debug_endpoints))
-        server = uvicorn.Server(
-            uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+        admission = Admission(args.max_body_bytes)
+        server_config = ServerConfig(name, args.api_key, args.enable_debug_endpoints)
+        app = build_app(client, server_config, admission)
+        uv = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=int(_CANCEL_GRACE_S),
         )
+        server = _DrainingServer(uv, client, admission, args.shutdown_timeout)
         watch = None
         if not args.keep_running_on_engine_failure:
             watch = asyncio.create_task(_stop_when_engine_dies(client, server))
@@ -45,6 +77,54 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         await client.shutdown()
     return 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, but the first signal drains instead of closing the listener: requests
+    that arrive meanwhile are answered 503 rather than refused at the socket."""
+
+    def __init__(
+        self, config: uvicorn.Config, client: EngineClient, admission: Admission, timeout: float
+    ) -> None:
+        super().__init__(config)
+        self.client = client
+        self.admission = admission
+        self.timeout = timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs as a signal handler on the loop's thread: only schedule work here.
+        if self._loop is None or self.admission.draining:
+            self.should_exit = self.force_exit = True
+            return
+        self.admission.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        adm = self.admission
+        if adm.inflight:
+            print(
+                f"pdserve: shutting down: {adm.inflight} requests in flight, waiting up to "
+                f"{self.timeout:g} s (signal again to stop now)",
+                file=sys.stderr,
+            )
+        if not await adm.wait_idle(self.timeout):
+            error = RequestCancelledError(
+                f"the server is shutting down and the request did not finish within the "
+                f"shutdown timeout of {self.timeout:g} s"
+            )
+            cancelled = self.client.cancel_all(error)
+            print(f"pdserve: shutting down: cancelled {cancelled} requests", file=sys.stderr)
+            await adm.wait_idle(_CANCEL_GRACE_S)
+        self.should_exit = True
 
 
 async def _stop_when_engine_dies(client: EngineClient, server: uvicorn.Server) -> None:

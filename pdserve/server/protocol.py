@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidRequestError
 
 
 class _Body(BaseModel):
@@ -51,10 +52,31 @@ class _Body(BaseModel):
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
+MAX_PROMPTS = 256
+
+
 class CompletionRequest(_Body):
-    prompt: str | list[int]
+    # One prompt (text or token ids) or a batch of them (choice k of n for prompt p
+    # is index p * n + k in the response, as in the OpenAI API).
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts, each checked non-empty (InvalidRequestError naming `prompt`)."""
+        p = self.prompt
+        if not p:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        batch: list[str | list[int]]
+        batch = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        if len(batch) > MAX_PROMPTS:
+            raise InvalidRequestError(
+                f"a request may hold at most {MAX_PROMPTS} prompts, got {len(batch)}", "prompt"
+            )
+        empty = next((i for i, one in enumerate(batch) if not one), None)
+        if empty is not None:
+            raise InvalidRequestError(f"prompt {empty} of the batch is empty", "prompt")
+        return batch
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         fields = self.sampling_fields()

@@ -16,6 +16,10 @@ class Renderer:
     def token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def text(self, token_ids: Sequence[int]) -> str:
+        """A prompt given as token ids, as text (echo): special tokens kept."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
     def completion_choice(self, out: RequestOutput, delta: bool) -> dict[str, Any]:
         return {
             "index": 0,
