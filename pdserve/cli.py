@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from pdserve.bench.cli import add_bench_parser
 from pdserve.errors import InvalidRequestError, ModelLoadError
 
 
@@ -14,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub.add_parser("generate", help="complete one prompt and print the text"))
     _add_serve(sub.add_parser("serve", help="serve the OpenAI API over HTTP"))
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

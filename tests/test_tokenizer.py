@@ -120,3 +120,24 @@ def test_folder_without_tokenizer_files(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError) as info:
         Tokenizer.from_model_path(folder)
     assert str(info.value).startswith(f"{folder}: cannot load the tokenizer (")
+
+
+TEXTS = [
+    "Hello world",
+    "  leading spaces and trailing  ",
+    "Prefill, then decode: héllo wörld 123! 日本語 🚀",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "line one\n\n\tline two . , ; don't can't",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("special", [True, False])
+def test_direct_rust_path_equals_transformers(shipped: Tokenizer, special: bool) -> None:
+    """encode/decode call the Rust tokenizer directly; transformers' wrappers agree."""
+    hf = shipped.backend
+    for text in TEXTS:
+        ids = shipped.encode(text, add_special_tokens=special)
+        assert ids == hf.encode(text, add_special_tokens=special)
+        for skip in (True, False):
+            assert shipped.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip)

@@ -40,6 +40,7 @@ from pdserve.engine.messages import (
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.runtime import freeze_startup_heap
 
 _IDLE_POLL_MS = 100
 
@@ -138,6 +139,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     except Exception as e:  # report, then exit: the frontend shows the message
         out.send(encoder.encode(EngineFailed(f"engine failed to start: {e}")))
         sys.exit(1)
+    freeze_startup_heap()
     out.send(encoder.encode(EngineReady(core.max_model_len, model.config.vocab_size)))
     loop = _Loop(core, inp, out)
     try:

@@ -31,6 +31,13 @@ class Tokenizer:
 
     def __init__(self, backend: PreTrainedTokenizerBase, extra_stop_ids: Sequence[int] = ()):
         self._backend = backend
+        # transformers' encode/decode wrap the Rust `tokenizers` object in ~0.3 ms of
+        # Python per call (a third of the server's per-request CPU); call it directly.
+        # Decoding goes direct only if transformers would not post-process the text.
+        rust = getattr(backend, "backend_tokenizer", None)
+        self._rust_encode = rust
+        cleanup = getattr(backend, "clean_up_tokenization_spaces", False)
+        self._rust_decode = None if cleanup else rust
         eos = () if backend.eos_token_id is None else (int(backend.eos_token_id),)
         # dict.fromkeys: deduplicate, keep order (the tokenizer's eos first).
         self._stop_ids = tuple(dict.fromkeys((*eos, *(int(i) for i in extra_stop_ids))))
@@ -76,9 +83,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds BOS where the model's tokenizer does."""
+        if self._rust_encode is not None:
+            return list(self._rust_encode.encode(text, add_special_tokens=add_special_tokens).ids)
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._rust_decode is not None:
+            return str(self._rust_decode.decode(list(ids), skip_special_tokens=skip_special_tokens))
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(

@@ -1,9 +1,11 @@
-"""What every HTTP request passes before a route sees it: the body-size limit and
-the drain gate of a graceful shutdown (pure ASGI, so streamed bodies are counted
-too and no route code has to remember either rule).
+"""What every HTTP request passes before a route sees it: the API key, the
+body-size limit and the drain gate of a graceful shutdown (pure ASGI: streamed
+bodies are counted too, and no route has to remember any of these rules).
 
 Contract
 --------
+* With an API key set, `/v1/*` and `/debug/*` need `Authorization: Bearer KEY`
+  (compared in constant time), else 401. `/health`, `/version`, `/metrics` are open.
 * A body over `max_body_bytes` is refused with 413: at once when `Content-Length`
   says so, else the moment the streamed bytes pass the limit (`BodyTooLargeError`,
   an HTTPException, is raised from `receive`; the app's handler answers 413).
@@ -15,6 +17,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from typing import Any
 
@@ -24,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.server.errors import error_body
 
 _GATED_PREFIX = "/v1/"
+_KEYED_PREFIXES = ("/v1/", "/debug/")
 
 
 class BodyTooLargeError(HTTPException):
@@ -34,12 +38,20 @@ class BodyTooLargeError(HTTPException):
 class Admission:
     """Shared by the gate, the routes (/health) and the shutdown sequence."""
 
-    def __init__(self, max_body_bytes: int) -> None:
+    def __init__(self, max_body_bytes: int, api_key: str | None = None) -> None:
         self.max_body_bytes = max_body_bytes
+        self.api_key = None if api_key is None else api_key.encode()
         self.draining = False
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def authorized(self, scope: Scope) -> bool:
+        if self.api_key is None or not scope["path"].startswith(_KEYED_PREFIXES):
+            return True
+        header = _header(scope, b"authorization") or b""
+        given = header[7:].strip() if header.startswith(b"Bearer ") else b""
+        return hmac.compare_digest(given, self.api_key)
 
     async def wait_idle(self, timeout: float) -> bool:
         """True once no `/v1/*` request is inside; False if `timeout` passed first."""
@@ -71,6 +83,9 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         adm = self.admission
+        if not adm.authorized(scope):
+            await _reply(send, 401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
+            return
         gated = scope["path"].startswith(_GATED_PREFIX)
         if gated and adm.draining:
             await _reply(send, 503, "the server is shutting down; no new requests are accepted")
@@ -106,14 +121,19 @@ def _limited(receive: Receive, limit: int) -> Receive:
     return wrapped
 
 
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return bytes(value)
     return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    value = _header(scope, b"content-length")
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
 
 
 async def _reply(send: Send, status: int, message: str) -> None:
