@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -600,12 +600,12 @@ def test_full_waiting_queue_answers_503_and_keeps_the_rest() -> None:
     s = Server("--max-num-seqs", "1", "--max-queued-requests", "2", "--enable-debug-endpoints")
     url = s.url + "/v1/completions"
     long = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    short = json.dumps({"prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True})
     try:
         running = sse(url, long)
         assert next(running)["choices"][0]["text"]  # it holds the only sequence slot
-        waiting = [sse(url, long) for _ in range(2)]
         with ThreadPoolExecutor(2) as pool:
-            firsts = [pool.submit(next, w) for w in waiting]  # they queue in the engine
+            queued = [pool.submit(s.post, "/v1/completions", short.encode(), None) for _ in "ab"]
             deadline = time.monotonic() + 30
             while s.get("/debug/engine")[1]["num_waiting"] < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -618,22 +618,13 @@ def test_full_waiting_queue_answers_503_and_keeps_the_rest() -> None:
                 "param": None,
                 "code": 503,
             }
-            running.close()  # the running request leaves: a waiting one takes its slot,
-            for _ in range(2):  # then leaves too, and the last one runs
-                done, _ = wait(firsts, timeout=60, return_when=FIRST_COMPLETED)
-                (first,) = done
-                assert first.result()["choices"][0]["text"]
-                waiting[firsts.index(first)].close()
-                firsts.remove(first)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            stats = s.get("/debug/engine")[1]
-            if stats["num_running"] + stats["num_waiting"] == 0:
-                break
-            time.sleep(0.05)
-        assert stats["num_used_blocks"] == 0 and stats["integrity_error"] is None
-        status, body = s.post("/v1/completions", b'{"prompt": "hi", "max_tokens": 1}', key=None)
-        assert status == 200 and body["usage"]["completion_tokens"] == 1
+            running.close()  # the running request leaves: the queued ones run, in full
+            for future in queued:
+                status, body = future.result(60)
+                assert status == 200 and body["usage"]["completion_tokens"] == 4
+        stats = s.get("/debug/engine")[1]
+        assert (stats["num_running"], stats["num_waiting"], stats["num_used_blocks"]) == (0, 0, 0)
+        assert stats["integrity_error"] is None
     finally:
         s.stop()
 

@@ -27,6 +27,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.server.errors import error_body
 
 _GATED_PREFIX = "/v1/"
+# An oversized body is read and dropped (up to this much) before the 413 goes out:
+# clients that send the whole body before reading (urllib, httpx) would otherwise
+# see the connection reset instead of the answer.
+_DISCARD_CAP = 64 * 1024 * 1024
 _KEYED_PREFIXES = ("/v1/", "/debug/")
 
 
@@ -93,6 +97,7 @@ class AdmissionGate:
         declared = _content_length(scope)
         if declared is not None and declared > adm.max_body_bytes:
             limit = BodyTooLargeError(adm.max_body_bytes)
+            await _discard_body(receive, 0)
             await _reply(send, 413, f"{limit.detail} (Content-Length: {declared})")
             return
         receive = _limited(receive, adm.max_body_bytes)
@@ -115,10 +120,23 @@ def _limited(receive: Receive, limit: int) -> Receive:
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > limit:
+                if message.get("more_body", False):
+                    await _discard_body(receive, seen)
                 raise BodyTooLargeError(limit)
         return message
 
     return wrapped
+
+
+async def _discard_body(receive: Receive, seen: int) -> None:
+    """Read the rest of a request body (up to `_DISCARD_CAP` in all) and drop it."""
+    while seen <= _DISCARD_CAP:
+        message = await receive()
+        if message["type"] != "http.request":
+            return  # the client went away
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
