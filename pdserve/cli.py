@@ -118,7 +118,61 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve GET /debug/engine (engine counters and a KV-pool integrity check)",
     )
+    _add_cluster(p.add_argument_group("instances and disaggregation"))
     p.set_defaults(func=_serve)
+
+
+def _add_cluster(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N prefill instances (with --decode)",
+    )
+    g.add_argument(
+        "--decode", type=int, default=0, metavar="M", help="run M decode instances (with --prefill)"
+    )
+    g.add_argument(
+        "--colocated",
+        type=int,
+        default=None,
+        metavar="K",
+        help="run K colocated instances (both phases; default 1 when no --prefill/--decode)",
+    )
+    g.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="prefill instances: tokens per prefill-only chunk (default: --max-num-batched-tokens)",
+    )
+    g.add_argument(
+        "--transfer-mode",
+        choices=["pull", "layer-push", "request-push"],
+        default="pull",
+        help="how KV moves from prefill to decode (default: pull)",
+    )
+    g.add_argument("--kv-transport", choices=["shm", "tcp"], default="shm")
+    g.add_argument(
+        "--decode-policy", choices=["least-loaded", "power-of-two"], default="least-loaded"
+    )
+    g.add_argument(
+        "--instance-timeout",
+        type=float,
+        default=10.0,
+        help="mark an instance dead after this many seconds without a report",
+    )
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    g.add_argument(
+        "--kv-lease", type=float, default=60.0, help="pull: seconds unclaimed prefill KV is kept"
+    )
+    g.add_argument("--kv-verify-checksum", action="store_true", help="tcp: crc32 every payload")
+    g.add_argument("--kv-fault-rate", type=float, default=0.0, help="inject transfer failures")
+    g.add_argument("--kv-fault-delay", type=float, default=0.0, help="seconds added per transfer")
+    g.add_argument(
+        "--kv-fault-bandwidth", type=float, default=None, help="cap transfers at BYTES per second"
+    )
+    g.add_argument("--kv-fault-seed", type=int, default=None)
 
 
 def _serve(args: argparse.Namespace) -> int:

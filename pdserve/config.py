@@ -17,8 +17,16 @@ class Role(StrEnum):
     """What an engine instance does with prompts and generation (DistServe §3)."""
 
     COLOCATED = "colocated"  # both phases, chunked prefill + continuous batching
-    PREFILL = "prefill"  # prompts only; hands KV off (disaggregation issue)
-    DECODE = "decode"  # generation only from received KV (disaggregation issue)
+    PREFILL = "prefill"  # prompts only, in chunks; produces the first token, hands KV off
+    DECODE = "decode"  # generation only, from KV received from a prefill instance
+
+
+class TransferMode(StrEnum):
+    """How a finished prefill's KV reaches the decode instance."""
+
+    PULL = "pull"  # DistServe: the decode side fetches it when it has room
+    LAYER_PUSH = "layer-push"  # DejaVu: each layer is pushed as soon as it has run
+    REQUEST_PUSH = "request-push"  # MemServe by-req-agg: one aggregated push per request
 
 
 class PreemptionMode(StrEnum):
@@ -71,6 +79,51 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class TransferConfig:
+    """KV hand-off between prefill and decode instances (kv/transfer)."""
+
+    mode: TransferMode = TransferMode.PULL
+    # "shm" (one host, one copy between the two pools), "tcp" (across hosts), "inproc" (tests).
+    transport: str = "shm"
+    # Address the TCP transport listens on.
+    host: str = "127.0.0.1"
+    # A transfer that has not finished after this long fails (the request is retried or fails).
+    timeout_s: float = 30.0
+    # Pull mode: how long a prefill instance keeps KV that no decode instance has claimed.
+    lease_s: float = 60.0
+    # TCP: crc32 of every payload, checked by the receiver.
+    verify_checksum: bool = False
+    # Fault injection (tests, benchmarks): per-transfer failure probability, added delay,
+    # bandwidth cap in bytes/s; all off by default.
+    fault_failure_rate: float = 0.0
+    fault_delay_s: float = 0.0
+    fault_bandwidth: float | None = None
+    fault_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("shm", "tcp", "inproc"):
+            raise ValueError(f"transport must be shm, tcp or inproc, got {self.transport!r}")
+        for name in ("timeout_s", "lease_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.lease_s <= self.timeout_s:
+            raise ValueError(
+                f"lease_s ({self.lease_s}) must exceed timeout_s ({self.timeout_s}): a fetch "
+                "must never outlive the lease of the KV it reads"
+            )
+        if not 0.0 <= self.fault_failure_rate <= 1.0:
+            raise ValueError(f"fault_failure_rate must be in [0, 1], got {self.fault_failure_rate}")
+        if self.fault_delay_s < 0:
+            raise ValueError(f"fault_delay_s must be >= 0, got {self.fault_delay_s}")
+        if self.fault_bandwidth is not None and self.fault_bandwidth <= 0:
+            raise ValueError(f"fault_bandwidth must be > 0 bytes/s, got {self.fault_bandwidth}")
+
+    @property
+    def injects_faults(self) -> bool:
+        return bool(self.fault_failure_rate or self.fault_delay_s or self.fault_bandwidth)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     # HF folder, .gguf file, or None for the shipped SmolLM2.
     model: str | None = None
@@ -84,6 +137,11 @@ class EngineConfig:
     num_threads: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    # Names this instance in a cluster (KV region names, logs, load reports).
+    instance_name: str = "engine"
+    # Seconds between the load reports a cluster instance sends its controller.
+    report_interval_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

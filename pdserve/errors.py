@@ -36,5 +36,10 @@ class EngineOverloadedError(PdserveError):
     """The engine's waiting queue is full; the request was refused (retry later)."""
 
 
+class InstanceFailedError(PdserveError):
+    """A request's instance or KV transfer failed in a cluster and it could not be retried
+    (retries used up, or tokens were already streamed from the failed instance)."""
+
+
 class RequestCancelledError(PdserveError):
     """The server ended the request itself (it is shutting down and the drain timed out)."""

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.config import EngineConfig, Role
+from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
@@ -91,8 +91,6 @@ def load_model(config: EngineConfig) -> CausalLM:
 
 def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[int]) -> EngineCore:
     """The token-level engine over a loaded model; KV pool sized from the config."""
-    if config.role is not Role.COLOCATED:
-        raise ValueError(f"role {config.role.value!r} is not available yet (colocated only)")
     kv_config = kv_config_for(config, model.config)
     max_len = max_model_len_for(config, model.config, kv_config)
     eos = set(stop_token_ids) | set(model.config.eos_token_ids)

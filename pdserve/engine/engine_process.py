@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 import msgspec
@@ -25,6 +26,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model
 from pdserve.engine.messages import (
     AbortRequests,
+    AddPrefilled,
     AddRequest,
     EngineFailed,
     EngineInput,
@@ -32,8 +34,11 @@ from pdserve.engine.messages import (
     EngineReady,
     EngineStats,
     FinishRequest,
+    LoadReport,
     OutputBatch,
+    ReleaseKV,
     RequestRejected,
+    ReserveKV,
     Shutdown,
     StatsRequest,
 )
@@ -43,31 +48,75 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.runtime import freeze_startup_heap
 
 _IDLE_POLL_MS = 100
+_TRANSFER_POLL_MS = 1  # while only background KV moves are in flight
 
 
 class _Loop:
-    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket) -> None:
+    def __init__(
+        self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket, report: bool = False
+    ) -> None:
         self.core = core
         self.inp = inp
         self.out = out
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.encoder = msgspec.msgpack.Encoder()
         self.parent = os.getppid()
+        self.report_every = core.config.report_interval_s if report else None
+        self.last_report = 0.0
 
     def send(self, msg: EngineMessage) -> None:
         self.out.send(self.encoder.encode(msg))
 
     def run(self) -> None:
         while True:
-            busy = self.core.has_unfinished()
-            if not self.apply_inputs(0 if busy else _IDLE_POLL_MS):
+            if not self.apply_inputs(self.poll_timeout_ms()):
                 return
+            self.core.poll_transfers()
+            self.flush_messages()  # hand-off news before the outputs they precede
             if self.core.has_unfinished():
                 outputs = self.core.step()
                 if outputs:
                     self.send(OutputBatch(outputs))
             elif os.getppid() != self.parent:
                 return  # the frontend is gone: nobody to serve
+            self.flush_messages()
+
+    def poll_timeout_ms(self) -> int:
+        if self.core.has_unfinished():
+            return 0
+        if self.core.transfers_in_flight():
+            return _TRANSFER_POLL_MS
+        if self.report_every is not None:
+            return min(_IDLE_POLL_MS, int(self.report_every * 1000))
+        return _IDLE_POLL_MS
+
+    def flush_messages(self) -> None:
+        for msg in self.core.take_messages():
+            self.send(msg)
+        now = time.monotonic()
+        if self.report_every is not None and now - self.last_report >= self.report_every:
+            self.last_report = now
+            self.send(self.load_report(now))
+
+    def load_report(self, now: float) -> LoadReport:
+        core, s, kv = self.core, self.core.scheduler, self.core.kv
+        pending = sum(r.num_pending_tokens for r in s.waiting) + sum(
+            r.num_pending_tokens
+            for r in s.running
+            if r.num_computed_tokens < len(r.prompt_token_ids)
+        )
+        held, moving, reserved = role_counts(core)
+        return LoadReport(
+            sent_at=now,
+            num_waiting=len(s.waiting),
+            num_running=len(s.running),
+            num_waiting_tokens=pending,
+            num_obtainable_blocks=kv.num_obtainable_blocks,
+            num_blocks=kv.cfg.num_blocks,
+            num_held=held,
+            num_transferring=moving,
+            num_reserved=reserved,
+        )
 
     def apply_inputs(self, timeout_ms: int) -> bool:
         """Apply all queued inputs; False on Shutdown."""
@@ -86,11 +135,19 @@ class _Loop:
             return False
         if isinstance(msg, AddRequest):
             try:
-                self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival)
+                self.core.add_request(
+                    msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival, msg.handoff
+                )
             except InvalidRequestError as e:
                 self.send(RequestRejected(msg.request_id, e.message, e.param))
             except EngineOverloadedError as e:
                 self.send(RequestRejected(msg.request_id, str(e), None, overloaded=True))
+        elif isinstance(msg, AddPrefilled):
+            self.core.add_prefilled(msg)
+        elif isinstance(msg, ReserveKV):
+            self.core.reserve(msg)
+        elif isinstance(msg, ReleaseKV):
+            self.core.release(msg.request_ids)
         elif isinstance(msg, AbortRequests):
             aborted = [self.core.abort(rid) for rid in msg.request_ids]
             if any(aborted):
@@ -103,6 +160,7 @@ class _Loop:
 
     def stats(self, request_id: int, check: bool) -> EngineStats:
         s, kv = self.core.scheduler, self.core.kv
+        held, moving, reserved = role_counts(self.core)
         error = None
         if check:
             try:
@@ -120,11 +178,29 @@ class _Loop:
             prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_queries=kv.prefix_cache_queries,
             integrity_error=error,
+            num_held=held,
+            num_transferring=moving,
+            num_reserved=reserved,
         )
 
 
-def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Process entry point (spawned by `EngineClient`)."""
+def role_counts(core: EngineCore) -> tuple[int, int, int]:
+    """(held prompt KV, KV moves in flight, reservations + KV-waiting requests)."""
+    held = moving = reserved = 0
+    if core.prefill_role is not None:
+        held = core.prefill_role.num_held
+        moving += core.prefill_role.num_transferring
+    if core.decode_role is not None:
+        moving += core.decode_role.num_transferring
+        reserved = core.decode_role.num_reserved
+    return held, moving, reserved
+
+
+def run_engine_process(
+    config: EngineConfig, input_addr: str, output_addr: str, report: bool = False
+) -> None:
+    """Process entry point (spawned by `EngineClient` or a cluster instance handle).
+    `report`: send a `LoadReport` every `config.report_interval_s`."""
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
@@ -141,7 +217,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
         sys.exit(1)
     freeze_startup_heap()
     out.send(encoder.encode(EngineReady(core.max_model_len, model.config.vocab_size)))
-    loop = _Loop(core, inp, out)
+    loop = _Loop(core, inp, out, report)
     try:
         loop.run()
     except Exception as e:
@@ -149,6 +225,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
         out.send(encoder.encode(EngineFailed(f"engine step failed: {type(e).__name__}: {e}")))
         sys.exit(1)
     finally:
+        core.close()
         inp.close(0)
         out.close()
         ctx.term()

@@ -22,6 +22,9 @@ class RequestMetrics:
     ttft: float | None  # arrival -> first token
     e2e: float | None  # arrival -> finished
     num_preemptions: int = 0
+    # Disaggregated serving only (DistServe §6.3 breakdown); None when colocated.
+    transfer_time: float | None = None  # the KV move itself
+    decode_queue_time: float | None = None  # prefill done -> decode side runs it, minus transfer
 
 
 @dataclass

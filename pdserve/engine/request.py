@@ -15,6 +15,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; holds no KV
     RUNNING = "running"  # holds device KV; prefilling or decoding
     SWAPPED = "swapped"  # preempted; its KV lives in the host tier
+    HANDING_OFF = "handing_off"  # prefill role: first token out; KV kept until moved
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: prompt KV not here yet
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context limit
     FINISHED_ABORTED = "abort"  # cancelled by the caller

@@ -67,6 +67,20 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """Admit a request whose KV is already in its block table (decode role: it
+        arrived from a prefill instance). Joins the batch as the newest."""
+        req.status = RequestStatus.RUNNING
+        if req.times.first_scheduled is None:
+            req.times.first_scheduled = time.monotonic()
+        self.running.append(req)
+
+    def detach(self, req: Request) -> None:
+        """Take a running request out of the batch but keep its KV (prefill role: the
+        blocks now wait to be handed off; whoever detaches frees them)."""
+        self.running.remove(req)
+        req.status = RequestStatus.HANDING_OFF
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

@@ -37,11 +37,20 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        device_tensor: torch.Tensor | None = None,
     ) -> None:
+        """`device_tensor`: memory to use for the device tier (a KV transfer region that
+        peers can reach); zero-filled, of the layout's shape and dtype."""
         self.block_size = block_size
-        self.device_tensor = torch.zeros(
-            kv_shape(config, num_blocks, block_size), dtype=dtype, device=device
-        )
+        shape = kv_shape(config, num_blocks, block_size)
+        if device_tensor is None:
+            device_tensor = torch.zeros(shape, dtype=dtype, device=device)
+        elif tuple(device_tensor.shape) != shape or device_tensor.dtype != dtype:
+            raise ValueError(
+                f"KV tensor has shape {tuple(device_tensor.shape)} {device_tensor.dtype}, "
+                f"expected {shape} {dtype}"
+            )
+        self.device_tensor = device_tensor
         pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
         self.host_tensor = torch.zeros(
             kv_shape(config, num_host_blocks, block_size), dtype=dtype, pin_memory=pin

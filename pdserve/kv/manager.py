@@ -124,6 +124,11 @@ class KVManager:
         return self._pool.num_idle_held
 
     @property
+    def num_obtainable_blocks(self) -> int:
+        """Device blocks an allocation could get now: free plus evictable cached."""
+        return self._num_obtainable()
+
+    @property
     def usage(self) -> float:
         """Fraction of device blocks referenced by requests (cached blocks count as free)."""
         return self._pool.num_used / self._pool.num_blocks

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over an `EngineClient` (FastAPI).
+"""The OpenAI-compatible HTTP API (FastAPI) over a `ServingBackend`: one engine or a cluster.
 
 The HTTP process owns text: it applies chat templates and tokenizes, streams the
 client's detokenized deltas as Server-Sent Events, and turns every failure into the
@@ -25,12 +25,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from pdserve import __version__
-from pdserve.engine.client import EngineClient
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import EngineDeadError, InvalidRequestError, PdserveError
 from pdserve.server import errors
 from pdserve.server.admission import Admission, AdmissionGate
+from pdserve.server.backend import ServingBackend
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -50,7 +50,7 @@ class ServerConfig:
 
 
 def build_app(
-    client: EngineClient, config: ServerConfig, admission: Admission | None = None
+    client: ServingBackend, config: ServerConfig, admission: Admission | None = None
 ) -> FastAPI:
     """The routes over `client`; `admission` (body limit, drain) is shared with the
     shutdown sequence of `launch.py`."""
@@ -73,11 +73,12 @@ def build_app(
     app.post("/v1/chat/completions")(api.chat)
     if config.debug_endpoints:
         app.get("/debug/engine")(api.debug_engine)
+        app.get("/debug/cluster")(api.debug_cluster)
     return app
 
 
 class _Api:
-    def __init__(self, client: EngineClient, config: ServerConfig, admission: Admission) -> None:
+    def __init__(self, client: ServingBackend, config: ServerConfig, admission: Admission) -> None:
         self.client = client
         self.config = config
         self.admission = admission
@@ -98,6 +99,18 @@ class _Api:
         except EngineDeadError as e:
             raise APIError(500, f"the engine is not available: {e}") from None
         return msgspec.to_builtins(stats)
+
+    async def debug_cluster(self) -> dict[str, Any]:
+        """Per instance (role, pid, liveness, load, counters, integrity); one row for a
+        single-engine server."""
+        rows = getattr(self.client, "instance_stats", None)
+        if rows is None:
+            return {
+                "instances": [
+                    {"name": "engine", "role": "colocated", "alive": self.client.is_alive}
+                ]
+            }
+        return {"instances": await rows()}
 
     async def prometheus(self) -> Response:
         stats = None
@@ -269,6 +282,8 @@ def _timings(out: RequestOutput) -> dict[str, float | None] | None:
     return {
         "queue": m.queue_time,
         "prefill": m.prefill_time,
+        "transfer": m.transfer_time,
+        "decode_queue": m.decode_queue_time,
         "decode": m.decode_time,
         "ttft": m.ttft,
         "e2e": m.e2e,

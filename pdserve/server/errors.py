@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException
 from pdserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
+    InstanceFailedError,
     InvalidRequestError,
     RequestCancelledError,
 )
@@ -62,7 +63,7 @@ def status_of(exc: Exception) -> tuple[int, str]:
     """HTTP status and message for an engine-side failure of a request."""
     if isinstance(exc, EngineDeadError):
         return 500, f"the engine is not available: {exc}"
-    if isinstance(exc, EngineOverloadedError | RequestCancelledError):
+    if isinstance(exc, EngineOverloadedError | RequestCancelledError | InstanceFailedError):
         return 503, str(exc)
     return 500, "internal server error"
 

@@ -19,13 +19,16 @@ from types import FrameType
 
 import uvicorn
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.cluster.config import ClusterConfig, DecodePolicy
+from pdserve.cluster.controller import Cluster, instance_configs
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferConfig, TransferMode
 from pdserve.engine.client import EngineClient
 from pdserve.errors import RequestCancelledError
 from pdserve.model.loader import resolve_model
 from pdserve.runtime import freeze_startup_heap
 from pdserve.server.admission import Admission
 from pdserve.server.app import ServerConfig, build_app
+from pdserve.server.backend import ServingBackend
 
 _ENGINE_CHECK_S = 0.5
 _CANCEL_GRACE_S = 5.0  # for cancelled requests to send their error and close
@@ -46,7 +49,46 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_waiting_requests=args.max_queued_requests,
         ),
         cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory_gib),
+        transfer=TransferConfig(
+            mode=TransferMode(args.transfer_mode),
+            transport=args.kv_transport,
+            timeout_s=args.kv_transfer_timeout,
+            lease_s=args.kv_lease,
+            verify_checksum=args.kv_verify_checksum,
+            fault_failure_rate=args.kv_fault_rate,
+            fault_delay_s=args.kv_fault_delay,
+            fault_bandwidth=args.kv_fault_bandwidth,
+            fault_seed=args.kv_fault_seed,
+        ),
     )
+
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
+    """None: today's single engine process (no --prefill/--decode, --colocated 1)."""
+    disaggregated = bool(args.prefill or args.decode)
+    colocated = args.colocated if args.colocated is not None else (0 if disaggregated else 1)
+    if not disaggregated and colocated == 1:
+        return None
+    return ClusterConfig(
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        num_colocated=colocated,
+        decode_policy=DecodePolicy(args.decode_policy),
+        instance_timeout_s=args.instance_timeout,
+        prefill_chunk_size=args.chunk_size,
+    )
+
+
+async def start_backend(args: argparse.Namespace, config: EngineConfig) -> ServingBackend:
+    cluster = cluster_config(args)
+    if cluster is None:
+        return await EngineClient.start(config)
+    for cfg in instance_configs(cluster, config):
+        print(
+            f"pdserve: instance {cfg.instance_name}: {cfg.threads} CPU threads",
+            file=sys.stderr,
+        )
+    return await Cluster.start(cluster, config)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -56,7 +98,7 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
     config = engine_config(args)
     name = args.served_model_name or served_name(args.model)
-    client = await EngineClient.start(config)
+    client = await start_backend(args, config)
     try:
         admission = Admission(args.max_body_bytes, args.api_key)
         server_config = ServerConfig(name, args.api_key, args.enable_debug_endpoints)
@@ -90,7 +132,7 @@ class _DrainingServer(uvicorn.Server):
     that arrive meanwhile are answered 503 rather than refused at the socket."""
 
     def __init__(
-        self, config: uvicorn.Config, client: EngineClient, admission: Admission, timeout: float
+        self, config: uvicorn.Config, client: ServingBackend, admission: Admission, timeout: float
     ) -> None:
         super().__init__(config)
         self.client = client
@@ -133,7 +175,7 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def _stop_when_engine_dies(client: EngineClient, server: uvicorn.Server) -> None:
+async def _stop_when_engine_dies(client: ServingBackend, server: uvicorn.Server) -> None:
     """Without an engine the server can only fail requests: exit (non-zero) instead."""
     while client.is_alive:
         await asyncio.sleep(_ENGINE_CHECK_S)

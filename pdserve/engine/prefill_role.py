@@ -1,0 +1,325 @@
+"""Prefill role: what a prefill instance does with a request once its first token is out.
+
+Life cycle of a request on a prefill instance (DistServe §4.3, TetriInfer §3.3):
+
+1. `AddRequest` with a `Handoff` arrives. The scheduler runs the prompt in prefill-only
+   chunks of at most `max_num_batched_tokens` tokens, packed with other prompts (a
+   request's progress is its `num_computed_tokens`).
+2. The step that computes the last prompt token samples the first token. The core emits
+   it at once (TTFT does not wait for the KV to move) and calls `hand_off`: the request
+   leaves the batch but keeps its blocks.
+3. By mode:
+   - pull: the KV stays in the pool as a queue buffer. `KVHandedOff` says where it is and
+     until when (the lease). The blocks are freed on `ReleaseKV` (the controller sends it
+     once the decode side has fetched the KV, or gave up) or when the lease expires.
+   - layer-push: during every step, the forward hook flushed each layer of the request's
+     chunk into the decode instance's reserved blocks right after that layer ran, while
+     the next layers computed. Once the last flush is done the blocks are freed (retired
+     to the prefix cache) and `KVHandedOff` is sent.
+   - request-push: after the first token one background task gathers the prompt KV into
+     one contiguous buffer and flushes it in one call; then as layer-push.
+
+A failed flush sends `HandoffFailed`; the blocks are freed once no task reads them.
+
+Contract with the step loop: `begin_step` before the forward pass, `end_step` after it and
+before the scheduler commits the step (a commit may swap a block for an identical indexed
+one and free the original, which must not happen while a flush still reads it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.config import TransferConfig, TransferMode
+from pdserve.engine.messages import (
+    EngineMessage,
+    Handoff,
+    HandoffFailed,
+    KVHandedOff,
+    KVSource,
+    PushTarget,
+)
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.kv.manager import KVManager
+from pdserve.kv.transfer import (
+    KVLayout,
+    Region,
+    TransferPlan,
+    TransferState,
+    TransferTask,
+    TransferWorker,
+    Transport,
+    gather,
+    stream_out,
+)
+
+
+@dataclass
+class _Outgoing:
+    request: Request
+    handoff: Handoff
+    tasks: list[TransferTask] = field(default_factory=list)
+    pushed_upto: int = 0  # layer-push: tokens flushed for every layer
+    handed_off: bool = False  # the first token is out; the request left the batch
+    lease_deadline: float | None = None  # pull: when the KV may be freed unclaimed
+    dropped: bool = False  # aborted or released while tasks still read its blocks
+
+    @property
+    def target(self) -> PushTarget:
+        assert self.handoff.target is not None
+        return self.handoff.target
+
+    def tasks_done(self) -> bool:
+        return all(t.poll() in (TransferState.DONE, TransferState.FAILED) for t in self.tasks)
+
+    def failure(self) -> str | None:
+        return next(
+            (t.error or "transfer failed" for t in self.tasks if t.poll() == "failed"), None
+        )
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    entry: _Outgoing
+    blocks: list[int]
+    start: int
+    end: int
+
+
+class PrefillRole:
+    def __init__(
+        self,
+        kv: KVManager,
+        region: Region,
+        transport: Transport,
+        worker: TransferWorker,
+        config: TransferConfig,
+        send: Callable[[EngineMessage], None],
+    ) -> None:
+        self.kv = kv
+        self.region = region
+        self.layout: KVLayout = region.handle.layout
+        self.transport = transport
+        self.worker = worker
+        self.config = config
+        self.send = send
+        self.outgoing: dict[str, _Outgoing] = {}
+        self._step_chunks: list[_Chunk] = []
+        self._step_tasks: list[TransferTask] = []
+
+    # ---- counters ---------------------------------------------------------------
+
+    @property
+    def num_held(self) -> int:
+        return sum(1 for e in self.outgoing.values() if e.handed_off)
+
+    @property
+    def num_transferring(self) -> int:
+        return sum(1 for e in self.outgoing.values() if not e.tasks_done())
+
+    def busy(self) -> bool:
+        """Background work the step loop should keep polling for."""
+        return any(not e.tasks_done() for e in self.outgoing.values())
+
+    # ---- requests ---------------------------------------------------------------
+
+    def register(self, req: Request, handoff: Handoff) -> None:
+        mode = TransferMode(handoff.mode)
+        if mode is not TransferMode.PULL and handoff.target is None:
+            raise ValueError(f"transfer mode {mode.value!r} needs a push target")
+        self.outgoing[req.request_id] = _Outgoing(req, handoff)
+
+    def owns(self, request_id: str) -> bool:
+        entry = self.outgoing.get(request_id)
+        return entry is not None and entry.handed_off
+
+    def forget(self, request_id: str) -> None:
+        """The request finished before its hand-off (first token was the last)."""
+        self.outgoing.pop(request_id, None)
+
+    def hand_off(self, req: Request) -> None:
+        """The first token is out and `req` left the batch holding its blocks."""
+        entry = self.outgoing[req.request_id]
+        entry.handed_off = True
+        mode = TransferMode(entry.handoff.mode)
+        if mode is TransferMode.PULL:
+            entry.lease_deadline = time.monotonic() + self.config.lease_s
+            source = KVSource(
+                self.region.handle,
+                self.kv.block_table(req.request_id),
+                len(req.prompt_token_ids),
+                entry.lease_deadline,
+            )
+            self.send(self._handed_off(entry, source))
+        elif mode is TransferMode.REQUEST_PUSH:
+            entry.tasks.append(self._push_whole(entry))
+        # layer-push: every layer was flushed during the steps; `poll` finishes it.
+
+    def release(self, request_id: str) -> None:
+        """ReleaseKV from the controller: the decode side has the KV or gave up."""
+        entry = self.outgoing.get(request_id)
+        if entry is not None and entry.handed_off:
+            entry.dropped = True
+            self._free_when_idle(entry)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a handed-off request (True) or just its hand-off record (False: the
+        scheduler still owns it and the caller aborts it there)."""
+        entry = self.outgoing.get(request_id)
+        if entry is None:
+            return False
+        if not entry.handed_off:
+            del self.outgoing[request_id]
+            self._wait(entry.tasks)  # its blocks go back to the pool right after
+            self._confirm_stopped(entry)
+            return False
+        entry.dropped = True
+        self._free_when_idle(entry)
+        return True
+
+    # ---- the step loop ------------------------------------------------------------
+
+    def begin_step(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """Note this step's layer-push chunks (token range and block table)."""
+        self._step_chunks = []
+        for seq in seqs:
+            entry = self.outgoing.get(seq.request.request_id)
+            if entry is None or entry.handoff.mode != TransferMode.LAYER_PUSH:
+                continue
+            req = seq.request
+            start = max(entry.target.start, entry.pushed_upto)
+            end = min(req.num_computed_tokens + seq.num_new_tokens, len(req.prompt_token_ids))
+            if end > start:
+                blocks = self.kv.block_table(req.request_id)
+                self._step_chunks.append(_Chunk(entry, blocks, start, end))
+
+    def on_layer_done(self, layer: int) -> None:
+        """Forward hook: layer `layer` of this step is in the pool; push it."""
+        for chunk in self._step_chunks:
+            global_layer = self.layout.first_layer + layer
+            plan = stream_out(
+                self.layout,
+                chunk.blocks,
+                chunk.entry.target.region.layout,
+                chunk.entry.target.blocks,
+                chunk.start,
+                chunk.end,
+                layers=range(global_layer, global_layer + 1),
+            )
+            task = self._submit_flush(chunk.entry.target, plan)
+            chunk.entry.tasks.append(task)
+            self._step_tasks.append(task)
+
+    def end_step(self) -> None:
+        """Wait for this step's layer pushes (see the module contract)."""
+        self._wait(self._step_tasks)
+        for chunk in self._step_chunks:
+            chunk.entry.pushed_upto = chunk.end
+        self._step_chunks = []
+        self._step_tasks = []
+
+    def poll(self) -> None:
+        """Finish pushes whose last task is done; expire unclaimed pull leases."""
+        now = time.monotonic()
+        for entry in list(self.outgoing.values()):
+            if not entry.handed_off or not entry.tasks_done():
+                continue
+            if entry.dropped:
+                self._free(entry)
+                self._confirm_stopped(entry)
+            elif entry.handoff.mode != TransferMode.PULL:
+                self._finish_push(entry)
+            elif entry.lease_deadline is not None and now > entry.lease_deadline:
+                self._free(entry)
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _finish_push(self, entry: _Outgoing) -> None:
+        error = entry.failure()
+        self._free(entry)
+        rid = entry.request.request_id
+        if error is not None:
+            self.send(HandoffFailed(rid, f"pushing the KV to the decode instance failed: {error}"))
+        else:
+            self.send(self._handed_off(entry, None))
+
+    def _handed_off(self, entry: _Outgoing, source: KVSource | None) -> KVHandedOff:
+        req = entry.request
+        state = None
+        if req.generator is not None:
+            state = bytes(req.generator.get_state().numpy().tobytes())
+        return KVHandedOff(
+            req.request_id, source, state, req.times.first_scheduled, req.times.first_token
+        )
+
+    def _push_whole(self, entry: _Outgoing) -> TransferTask:
+        """request-push: gather the prompt KV into one buffer, flush it in one call."""
+        req, target = entry.request, entry.target
+        blocks = self.kv.block_table(req.request_id)
+        start, end = target.start, len(req.prompt_token_ids)
+
+        def run() -> None:
+            buf = gather(self.region.tensor, self.layout, blocks, start, end)
+            n = end - start
+            buf_layout = KVLayout(
+                num_layers=self.layout.num_layers,
+                num_blocks=n,
+                block_size=1,
+                num_kv_heads=self.layout.num_kv_heads,
+                head_dim=self.layout.head_dim,
+                dtype=self.layout.dtype,
+                first_layer=self.layout.first_layer,
+            )
+            # Token i of the request sits in buffer row i - start (block size 1).
+            buf_blocks = [0] * start + list(range(n))
+            plan = stream_out(
+                buf_layout, buf_blocks, target.region.layout, target.blocks, start, end
+            )
+            self.transport.flush(target.region, plan, buf.view(buf_layout.shape))
+
+        nbytes = 2 * self.layout.num_layers * (end - start) * self.layout.token_bytes
+        return self.worker.submit(run, nbytes=nbytes, deadline_s=self.config.timeout_s)
+
+    def _submit_flush(self, target: PushTarget, plan: TransferPlan) -> TransferTask:
+        local = self.region.tensor
+        return self.worker.submit(
+            lambda: self.transport.flush(target.region, plan, local),
+            nbytes=plan.nbytes,
+            deadline_s=self.config.timeout_s,
+        )
+
+    def _free_when_idle(self, entry: _Outgoing) -> None:
+        if entry.tasks_done():  # otherwise `poll` frees it when its tasks end
+            self._free(entry)
+            self._confirm_stopped(entry)
+
+    def _confirm_stopped(self, entry: _Outgoing) -> None:
+        """Push modes: tell the controller nothing writes into the target any more, so
+        the decode side may reuse the reserved blocks."""
+        if entry.handoff.target is not None:
+            rid = entry.request.request_id
+            self.send(HandoffFailed(rid, "aborted: no more writes into the reserved blocks"))
+
+    def _free(self, entry: _Outgoing) -> None:
+        rid = entry.request.request_id
+        if self.outgoing.pop(rid, None) is not None and rid in self.kv:
+            self.kv.free(rid)
+
+    @staticmethod
+    def _wait(tasks: Sequence[TransferTask]) -> None:
+        for task in tasks:
+            task.wait(None)
+
+
+def generator_from_state(state: bytes | None) -> torch.Generator | None:
+    """The decode side's sampling generator, continuing the prefill side's stream."""
+    if state is None:
+        return None
+    gen = torch.Generator()
+    gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return gen

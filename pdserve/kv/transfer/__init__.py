@@ -1,0 +1,76 @@
+"""KV transfer between instances: the three layers of moving a request's KV.
+
+- stream_out / stream_in (`plan`): given the sender's and the receiver's layouts and block
+  tables, which token runs of which layers go where (`TransferPlan`);
+- scatter / gather (`aggregate`): a request's scattered KV as one contiguous buffer;
+- flush / fetch (`transport`): move a plan's contiguous chunks through a `Transport`
+  (`inproc`, `shm`, `tcp`; `FaultyTransport` injects faults), off the step loop on a
+  `TransferWorker` whose `TransferTask`s the engines poll.
+
+See docs/transfer.md.
+"""
+
+from __future__ import annotations
+
+from pdserve.kv.transfer.aggregate import apply_plan, copy_runs, gather, scatter
+from pdserve.kv.transfer.errors import (
+    ChecksumError,
+    LayoutMismatchError,
+    PeerUnavailableError,
+    TransferError,
+    TransferTimeoutError,
+)
+from pdserve.kv.transfer.faults import FaultConfig, FaultyTransport
+from pdserve.kv.transfer.inproc import InProcessTransport
+from pdserve.kv.transfer.layout import KVLayout, token_view
+from pdserve.kv.transfer.plan import (
+    TokenRun,
+    TransferPlan,
+    plan_runs,
+    split_plan,
+    stream_in,
+    stream_out,
+)
+from pdserve.kv.transfer.shm import SharedMemoryTransport
+from pdserve.kv.transfer.tcp import TcpTransport
+from pdserve.kv.transfer.transport import (
+    Region,
+    RegionHandle,
+    Transport,
+    check_plan,
+    make_transport,
+)
+from pdserve.kv.transfer.worker import TransferState, TransferTask, TransferWorker
+
+__all__ = [
+    "ChecksumError",
+    "FaultConfig",
+    "FaultyTransport",
+    "InProcessTransport",
+    "KVLayout",
+    "LayoutMismatchError",
+    "PeerUnavailableError",
+    "Region",
+    "RegionHandle",
+    "SharedMemoryTransport",
+    "TcpTransport",
+    "TokenRun",
+    "TransferError",
+    "TransferPlan",
+    "TransferState",
+    "TransferTask",
+    "TransferTimeoutError",
+    "TransferWorker",
+    "Transport",
+    "apply_plan",
+    "check_plan",
+    "copy_runs",
+    "gather",
+    "make_transport",
+    "plan_runs",
+    "scatter",
+    "split_plan",
+    "stream_in",
+    "stream_out",
+    "token_view",
+]

@@ -1,0 +1,200 @@
+"""Scatter/gather: one contiguous buffer per request instead of one piece per block and layer.
+
+MemServe's block aggregation: `gather` packs tokens [start, end) of a request (scattered
+over its blocks) into one contiguous `[L, 2, n, heads, head_dim]` tensor; `scatter` writes
+such a buffer back into a pool. Both copy with one strided torch copy per coalesced run
+(all layers and K/V at once), so they run near memcpy speed; `copy_runs` is the same
+primitive the in-process and shared-memory transports use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from pdserve.kv.transfer.errors import LayoutMismatchError
+from pdserve.kv.transfer.layout import KVLayout, token_view
+from pdserve.kv.transfer.plan import (
+    TransferPlan,
+    check_range,
+    check_table,
+    runs_between,
+    token_slots,
+)
+
+PARALLEL_MIN_BYTES = 4 << 20  # smaller copies run on the calling thread only
+_pool: ThreadPoolExecutor | None = None
+_pool_workers = 0
+_pool_lock = threading.Lock()
+
+
+def copy_runs(
+    src_flat: torch.Tensor, dst_flat: torch.Tensor, runs: Iterable[Sequence[int]]
+) -> None:
+    """For each (src_slot, dst_slot, n): `dst_flat[:, :, dst:dst+n] = src_flat[:, :, src:src+n]`.
+
+    Both tensors are token-flat `[L, 2, slots, row]` with the same L and row. One strided
+    copy per run covers every layer and K/V. Between CPU tensors of one dtype the copies
+    are numpy byte copies (about 2 us per call against torch's 10+) spread over
+    `torch.get_num_threads()` threads once the copy reaches PARALLEL_MIN_BYTES: scattered
+    12 KB pieces are latency-bound on one core. Otherwise (a cast, a GPU tensor) they are
+    torch `copy_`s, which cast.
+    """
+    pieces = [(int(s), int(d), int(n)) for s, d, n in runs]
+    if not pieces:
+        return
+    cpu = src_flat.device.type == "cpu" and dst_flat.device.type == "cpu"
+    if src_flat.dtype != dst_flat.dtype or not cpu:
+        for s, d, n in pieces:
+            dst_flat[:, :, d : d + n].copy_(src_flat[:, :, s : s + n])
+        return
+    src, dst = _np_bytes(src_flat), _np_bytes(dst_flat)
+    nbytes = sum(r[2] for r in pieces) * src.shape[0] * 2 * src.shape[3]
+    threads = torch.get_num_threads() if nbytes >= PARALLEL_MIN_BYTES else 1
+    parts = _partition(src, dst, pieces, threads)
+    if len(parts) == 1:
+        _np_copy(*parts[0])
+        return
+    futures = [_executor(len(parts) - 1).submit(_np_copy, *part) for part in parts[1:]]
+    _np_copy(*parts[0])
+    for f in futures:
+        f.result()
+
+
+def _np_bytes(flat: torch.Tensor) -> np.ndarray:
+    """A CPU tensor `[L, 2, slots, row]` as a uint8 ndarray `[L, 2, slots, row_bytes]`."""
+    return flat.view(torch.uint8).numpy()
+
+
+def _np_copy(src: np.ndarray, dst: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> None:
+    for s, d, n in runs:
+        np.copyto(dst[:, :, d : d + n], src[:, :, s : s + n])
+
+
+_Part = tuple[np.ndarray, np.ndarray, Sequence[tuple[int, int, int]]]
+
+
+def _partition(
+    src: np.ndarray, dst: np.ndarray, runs: list[tuple[int, int, int]], k: int
+) -> list[_Part]:
+    """Up to k disjoint pieces of about equal bytes: groups of runs when there are enough
+    runs, else groups of layers."""
+    if k <= 1:
+        return [(src, dst, runs)]
+    if len(runs) >= k:
+        total = sum(r[2] for r in runs)
+        parts: list[_Part] = []
+        group: list[tuple[int, int, int]] = []
+        acc = 0
+        for r in runs:
+            group.append(r)
+            acc += r[2]
+            if acc * k >= total * (len(parts) + 1) and len(parts) < k - 1:
+                parts.append((src, dst, group))
+                group = []
+        if group:
+            parts.append((src, dst, group))
+        return parts
+    n_layers = src.shape[0]
+    cuts = [n_layers * i // k for i in range(k + 1)]
+    return [(src[a:b], dst[a:b], runs) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    """The shared copy thread pool (grown to `workers` threads when needed)."""
+    global _pool, _pool_workers
+    with _pool_lock:
+        if _pool is None or _pool_workers < workers:
+            old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="kv-copy")
+            _pool_workers = workers
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def gather(
+    pool: torch.Tensor,
+    layout: KVLayout,
+    blocks: Sequence[int],
+    start: int,
+    end: int,
+    layers: range | None = None,
+) -> torch.Tensor:
+    """Tokens [start, end) of a request as a new contiguous `[L, 2, end - start, H, D]` tensor.
+
+    `layers` (global indices, within the pool's) defaults to all the pool holds. The result
+    is on the pool's device, in its dtype, and shares no memory with it.
+    """
+    _check_pool(pool, layout)
+    check_range(start, end)
+    check_table("source", blocks, layout.block_size, end)
+    lo, hi = local_layers(layout, layers)
+    n = end - start
+    buf = torch.empty((hi - lo, 2, n, layout.row_elems), dtype=pool.dtype, device=pool.device)
+    runs = runs_between(token_slots(blocks, layout.block_size, start, end), np.arange(n))
+    copy_runs(token_view(pool)[lo:hi], buf, runs)
+    return buf.view(hi - lo, 2, n, layout.num_kv_heads, layout.head_dim)
+
+
+def scatter(
+    buf: torch.Tensor,
+    pool: torch.Tensor,
+    layout: KVLayout,
+    blocks: Sequence[int],
+    start: int,
+    layers: range | None = None,
+) -> None:
+    """Write `buf` (`[L, 2, n, H, D]`, as `gather` returns) into tokens [start, start + n).
+
+    `layers` must have L layers (default: all the pool holds); casts when dtypes differ.
+    """
+    _check_pool(pool, layout)
+    lo, hi = local_layers(layout, layers)
+    heads_dim = (layout.num_kv_heads, layout.head_dim)
+    if buf.dim() != 5 or tuple(buf.shape[:2]) != (hi - lo, 2) or tuple(buf.shape[3:]) != heads_dim:
+        raise LayoutMismatchError(
+            f"scatter buffer has shape {tuple(buf.shape)}, expected "
+            f"[{hi - lo}, 2, n, {layout.num_kv_heads}, {layout.head_dim}]"
+        )
+    n = buf.shape[2]
+    check_table("destination", blocks, layout.block_size, start + n)
+    runs = runs_between(np.arange(n), token_slots(blocks, layout.block_size, start, start + n))
+    flat_buf = buf.reshape(hi - lo, 2, n, layout.row_elems)
+    copy_runs(flat_buf, token_view(pool)[lo:hi], runs)
+
+
+def apply_plan(plan: TransferPlan, src_pool: torch.Tensor, dst_pool: torch.Tensor) -> None:
+    """Execute a plan between two pools this process can address (one copy per run).
+
+    Casts when the dtypes differ. The caller guarantees the plan fits both pools
+    (see `transport.check_plan`).
+    """
+    s0, s1 = plan.src_layers
+    d0, d1 = plan.dst_layers
+    copy_runs(token_view(src_pool)[s0:s1], token_view(dst_pool)[d0:d1], plan.runs)
+
+
+def local_layers(layout: KVLayout, layers: range | None) -> tuple[int, int]:
+    """[start, stop) local indices of global `layers` (all when None); must lie in the pool."""
+    if layers is None:
+        return 0, layout.num_layers
+    have = layout.layers
+    if layers.step != 1 or layers.start < have.start or layers.stop > have.stop or not layers:
+        raise LayoutMismatchError(
+            f"layers [{layers.start}, {layers.stop}) are not within the pool's "
+            f"[{have.start}, {have.stop})"
+        )
+    return layers.start - layout.first_layer, layers.stop - layout.first_layer
+
+
+def _check_pool(pool: torch.Tensor, layout: KVLayout) -> None:
+    if tuple(pool.shape) != layout.shape or pool.dtype != layout.torch_dtype:
+        raise LayoutMismatchError(
+            f"pool tensor has shape {tuple(pool.shape)} {pool.dtype}, layout says "
+            f"{layout.shape} {layout.torch_dtype}"
+        )

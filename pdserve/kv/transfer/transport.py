@@ -1,0 +1,170 @@
+"""Flush/fetch: the transport interface that moves a plan's contiguous chunks between pools.
+
+A `Transport` owns the regions it creates (`create_region`): KV pools that peers can read
+(`fetch`: remote is the plan's source) and write (`flush`: remote is the plan's
+destination). Peers name a region by its `RegionHandle`, plain data that travels in engine
+messages. Implementations: `inproc` (same process, tests), `shm` (same host, one copy
+between the two pools), `tcp` (any host, one stream per request); `FaultyTransport` wraps
+any of them to inject failures, delays and corruption.
+
+Concurrency: `fetch` and `flush` block the calling thread and may be called from several
+threads at once. Nothing orders transfers against the pool's other users: the engines make
+sure no one writes blocks a transfer reads, or reads blocks it writes, until it is done.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+
+from pdserve.kv.transfer.errors import LayoutMismatchError
+from pdserve.kv.transfer.layout import KVLayout
+from pdserve.kv.transfer.plan import TransferPlan
+
+if TYPE_CHECKING:
+    from pdserve.kv.transfer.faults import FaultConfig
+
+TRANSPORTS = ("inproc", "shm", "tcp")
+
+
+class RegionHandle(msgspec.Struct, frozen=True):
+    """How a peer reaches a region: plain data, safe to send to other processes."""
+
+    transport: str  # "inproc" | "shm" | "tcp"
+    address: str  # inproc: registry key; shm: segment name; tcp: "host:port"
+    name: str  # region name within that address
+    layout: KVLayout
+
+    def describe(self) -> str:
+        """ "<transport> region '<name>' at <address>", for error messages."""
+        return f"{self.transport} region {self.name!r} at {self.address}"
+
+
+@dataclass(frozen=True, eq=False)
+class Region:
+    """A local KV pool that peers can read and write.
+
+    Owned by the transport that created it: `Transport.close` withdraws it from peers (and
+    unlinks its shared memory), but `tensor` stays valid for as long as it is referenced.
+    """
+
+    tensor: torch.Tensor  # the pool, shape handle.layout.shape
+    handle: RegionHandle
+
+
+class Transport(ABC):
+    """Moves `TransferPlan`s between a local tensor and a peer's region (see module doc)."""
+
+    kind: str
+
+    @abstractmethod
+    def create_region(self, name: str, layout: KVLayout) -> Region:
+        """Allocate a zeroed pool that peers can reach; `name` is unique per transport."""
+
+    @abstractmethod
+    def fetch(self, remote: RegionHandle, plan: TransferPlan, local: torch.Tensor) -> None:
+        """Pull: copy the plan's chunks from `remote` (plan source) into `local` (plan
+        destination, a pool-shaped tensor). Blocks until done; thread-safe."""
+
+    @abstractmethod
+    def flush(self, remote: RegionHandle, plan: TransferPlan, local: torch.Tensor) -> None:
+        """Push: copy the plan's chunks from `local` (plan source) into `remote` (plan
+        destination). Blocks until the data is in the remote pool; thread-safe."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the regions this transport created, stop its threads, close its
+        connections. Idempotent; fetch/flush afterwards raise TransferError."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def check_plan(plan: TransferPlan, src: KVLayout, dst: KVLayout, *, can_cast: bool = True) -> None:
+    """LayoutMismatchError unless the plan's layers and slots lie within both pools and the
+    rows match (and, without `can_cast`, the dtypes)."""
+    if src.row_elems != dst.row_elems:
+        raise LayoutMismatchError(
+            f"token row differs: source has {src.num_kv_heads}x{src.head_dim}, "
+            f"destination has {dst.num_kv_heads}x{dst.head_dim}"
+        )
+    if not can_cast and src.dtype != dst.dtype:
+        raise LayoutMismatchError(
+            f"dtype differs: source has {src.dtype}, destination has {dst.dtype} "
+            "(this transport moves bytes and cannot cast)"
+        )
+    check_side(plan, "source", src)
+    check_side(plan, "destination", dst)
+
+
+def check_side(plan: TransferPlan, side: str, layout: KVLayout) -> None:
+    """LayoutMismatchError unless the plan's `side` ("source" | "destination") layers and
+    slots lie within a pool of `layout`."""
+    lo, hi = plan.src_layers if side == "source" else plan.dst_layers
+    col = 0 if side == "source" else 1
+    if not (0 <= lo <= hi <= layout.num_layers and hi - lo == plan.num_layers):
+        raise LayoutMismatchError(
+            f"plan layers [{lo}, {hi}) do not fit the {side} pool of {layout.num_layers} layers"
+        )
+    slot_lo = min((r[col] for r in plan.runs), default=0)
+    slot_hi = max((r[col] + r[2] for r in plan.runs), default=0)
+    if slot_lo < 0 or slot_hi > layout.num_slots:
+        raise LayoutMismatchError(
+            f"plan slots [{slot_lo}, {slot_hi}) do not fit the {side} pool of "
+            f"{layout.num_slots} slots"
+        )
+
+
+def local_layout(tensor: torch.Tensor) -> KVLayout:
+    """Layout of a local pool tensor (validates shape, dtype and contiguity)."""
+    layout = KVLayout.of(tensor)
+    if not tensor.is_contiguous():
+        raise LayoutMismatchError(f"a KV pool must be contiguous, got {tuple(tensor.shape)}")
+    return layout
+
+
+def make_transport(
+    kind: str,
+    *,
+    host: str = "127.0.0.1",
+    timeout_s: float = 30.0,
+    verify_checksum: bool = False,
+    faults: FaultConfig | None = None,
+) -> Transport:
+    """A transport of `kind` ("inproc" | "shm" | "tcp"), wrapped in a `FaultyTransport`
+    when `faults` injects anything.
+
+    `host` (tcp: the address to listen on and to advertise), `timeout_s` (tcp: every
+    socket operation) and `verify_checksum` (tcp: crc32 of every payload) are ignored by
+    the in-memory transports: their copies cannot stall or corrupt in transit.
+    """
+    from pdserve.kv.transfer.faults import FaultyTransport
+    from pdserve.kv.transfer.inproc import InProcessTransport
+    from pdserve.kv.transfer.shm import SharedMemoryTransport
+    from pdserve.kv.transfer.tcp import TcpTransport
+
+    inner: Transport
+    if kind == "inproc":
+        inner = InProcessTransport()
+    elif kind == "shm":
+        inner = SharedMemoryTransport()
+    elif kind == "tcp":
+        inner = TcpTransport(host=host, timeout_s=timeout_s, verify_checksum=verify_checksum)
+    else:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {kind!r}")
+    if faults is not None and faults.active:
+        return FaultyTransport(inner, faults)
+    return inner

@@ -1,0 +1,34 @@
+"""What the HTTP layer needs from whatever runs the requests.
+
+`EngineClient` (one engine process) and `cluster.Cluster` (a controller in front of
+prefill / decode / colocated instances) both provide it, so the routes do not know
+which one they serve from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from typing import Protocol
+
+from pdserve.engine.messages import EngineStats
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.tokenizer import Tokenizer
+
+
+class ServingBackend(Protocol):
+    tokenizer: Tokenizer | None
+    max_model_len: int
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]: ...
+
+    async def stats(self, check_integrity: bool = False, timeout: float = 10.0) -> EngineStats: ...
+
+    def cancel_all(self, error: Exception) -> int: ...
+
+    async def shutdown(self, timeout: float = 10.0) -> None: ...

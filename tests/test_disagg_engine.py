@@ -1,0 +1,345 @@
+"""Prefill and decode roles of the engine core, in one process: a prefill core and a
+decode core over one model, a tiny synchronous router passing their messages (the
+cluster controller's job, tested with real processes in test_disagg_server.py).
+
+Checked exactly: greedy tokens equal the colocated core's, the decode pool holds the
+prefill pool's KV bit for bit, and block accounting is back to zero on both sides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from helpers.tiny_models import make_tiny_model
+
+from pdserve.config import CacheConfig, EngineConfig, Role, SchedulerConfig, TransferConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.engine import build_core, load_model
+from pdserve.engine.messages import (
+    AddPrefilled,
+    EngineMessage,
+    Handoff,
+    HandoffFailed,
+    KVHandedOff,
+    KVReceived,
+    KVReserved,
+    ReserveKV,
+)
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv.transfer import gather
+from pdserve.model.base import CausalLM
+
+MODES = ["pull", "layer-push", "request-push"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("disagg"), "LlamaForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> CausalLM:
+    return load_model(EngineConfig(model=str(model_dir), num_threads=1))
+
+
+def make_core(
+    model_dir: Path,
+    model: CausalLM,
+    role: Role,
+    mode: str = "pull",
+    transport: str = "inproc",
+    block_size: int = 16,
+    num_blocks: int = 256,
+    chunk: int = 64,
+    **transfer: object,
+) -> EngineCore:
+    config = EngineConfig(
+        model=str(model_dir),
+        role=role,
+        instance_name=f"{role.value}-{transport}-{block_size}-{id(object())}",
+        num_threads=1,
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=64),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, num_host_blocks=64),
+        transfer=TransferConfig(mode=mode, transport=transport, **transfer),  # type: ignore[arg-type]
+    )
+    return build_core(config, model, [])
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(3, 90, (n,), generator=g)]
+    return [torch.randint(5, vocab, (n_,), generator=g).tolist() for n_ in lengths]
+
+
+def colocated_outputs(core: EngineCore, batch: list[list[int]], params: SamplingParams) -> dict:
+    for i, p in enumerate(batch):
+        core.add_request(f"r{i}", p, params)
+    return drain(core)
+
+
+def drain(core: EngineCore) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(t.token_id for t in o.new_tokens)
+    return out
+
+
+class Router:
+    """Plays the controller between one prefill and one decode core, synchronously.
+
+    A spy on the prefill role's `hand_off` snapshots each prompt's KV at the moment it
+    leaves the batch; at `KVReceived` the decode pool must hold exactly that."""
+
+    def __init__(
+        self,
+        prefill: EngineCore,
+        decode: EngineCore,
+        mode: str,
+        batch: list[list[int]],
+        params: SamplingParams,
+    ) -> None:
+        self.prefill, self.decode, self.mode = prefill, decode, mode
+        self.batch, self.params = batch, params
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.failures: dict[str, str] = {}
+        self.kv_equal: dict[str, bool] = {}
+        self.snapshots: dict[str, torch.Tensor] = {}
+        role = prefill.prefill_role
+        assert role is not None
+        original = role.hand_off
+
+        def spy(req):  # type: ignore[no-untyped-def]
+            blocks = prefill.kv.block_table(req.request_id)
+            n = len(req.prompt_token_ids)
+            self.snapshots[req.request_id] = gather(
+                prefill.runner.cache.device_tensor, prefill.kv_layout, blocks, 0, n
+            ).clone()
+            original(req)
+
+        role.hand_off = spy  # type: ignore[method-assign]
+
+    def run(self, max_iters: int = 20000) -> None:
+        for i, p in enumerate(self.batch):
+            if self.mode == "pull":
+                self.prefill.add_request(f"r{i}", p, self.params, handoff=Handoff("pull"))
+            else:
+                self.decode.reserve(ReserveKV(f"r{i}", p))
+        for _ in range(max_iters):
+            self.tick(self.prefill)
+            self.tick(self.decode)
+            if len(self.finished) + len(self.failures) == len(self.batch) and self.idle():
+                return
+        raise AssertionError("the pair did not finish")
+
+    def idle(self) -> bool:
+        cores = (self.prefill, self.decode)
+        return not any(c.has_unfinished() or c.transfers_in_flight() for c in cores)
+
+    def tick(self, core: EngineCore) -> None:
+        core.poll_transfers()
+        if core.has_unfinished():
+            for o in core.step():
+                self.tokens.setdefault(o.request_id, []).extend(t.token_id for t in o.new_tokens)
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+        for msg in core.take_messages():
+            self.route(msg)
+
+    def route(self, msg: EngineMessage) -> None:
+        if isinstance(msg, KVReserved):
+            p = self.batch[int(msg.request_id[1:])]
+            handoff = Handoff(self.mode, msg.target)
+            self.prefill.add_request(msg.request_id, p, self.params, handoff=handoff)
+        elif isinstance(msg, KVHandedOff):
+            p = self.batch[int(msg.request_id[1:])]
+            first = list(self.tokens[msg.request_id])
+            self.decode.add_prefilled(
+                AddPrefilled(
+                    msg.request_id, p, first, self.params, 0.0, msg.source, msg.generator_state
+                )
+            )
+        elif isinstance(msg, KVReceived):
+            self.kv_equal[msg.request_id] = self.same_kv(msg.request_id)
+            self.prefill.release([msg.request_id])
+        elif isinstance(msg, HandoffFailed):
+            self.failures[msg.request_id] = msg.message
+            self.prefill.release([msg.request_id])
+            self.decode.release([msg.request_id])
+
+    def same_kv(self, rid: str) -> bool:
+        want = self.snapshots[rid]
+        blocks = self.decode.kv.block_table(rid)
+        got = gather(
+            self.decode.runner.cache.device_tensor, self.decode.kv_layout, blocks, 0, want.shape[2]
+        )
+        return bool(torch.equal(want, got))
+
+
+def assert_clean(*cores: EngineCore) -> None:
+    for core in cores:
+        core.kv.check_integrity()
+        assert core.kv.num_used_blocks == 0
+        assert not core.requests and not core.has_unfinished()
+        if core.prefill_role is not None:
+            assert not core.prefill_role.outgoing
+        if core.decode_role is not None:
+            d = core.decode_role
+            assert not (d.queue or d.fetching or d.reservations)
+
+
+def run_pair(
+    model_dir: Path,
+    model: CausalLM,
+    mode: str,
+    params: SamplingParams,
+    batch: list[list[int]],
+    transport: str = "inproc",
+    p_block: int = 16,
+    d_block: int = 16,
+    **transfer: object,
+) -> tuple[Router, EngineCore, EngineCore]:
+    p = make_core(model_dir, model, Role.PREFILL, mode, transport, p_block, **transfer)
+    d = make_core(model_dir, model, Role.DECODE, mode, transport, d_block, **transfer)
+    router = Router(p, d, mode, batch, params)
+    router.run()
+    return router, p, d
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
+@pytest.mark.parametrize("mode", MODES)
+def test_disaggregated_pair_matches_colocated_and_moves_kv_bit_exact(
+    model_dir: Path, model: CausalLM, mode: str, transport: str
+) -> None:
+    batch = prompts(32, model.config.vocab_size)
+    reference = colocated_outputs(make_core(model_dir, model, Role.COLOCATED), batch, GREEDY)
+    router, p, d = run_pair(model_dir, model, mode, GREEDY, batch, transport)
+    try:
+        assert router.failures == {}
+        assert router.tokens == reference
+        assert router.kv_equal == {f"r{i}": True for i in range(len(batch))}
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("d_block", [8, 32, 5])
+@pytest.mark.parametrize("mode", MODES)
+def test_instances_with_different_block_sizes_exchange_kv(
+    model_dir: Path, model: CausalLM, mode: str, d_block: int
+) -> None:
+    batch = prompts(12, model.config.vocab_size, seed=1)
+    reference = colocated_outputs(make_core(model_dir, model, Role.COLOCATED), batch, GREEDY)
+    router, p, d = run_pair(model_dir, model, mode, GREEDY, batch, "shm", 16, d_block)
+    try:
+        assert router.failures == {}
+        assert router.tokens == reference
+        assert all(router.kv_equal.values()) and len(router.kv_equal) == len(batch)
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_seeded_sampling_continues_the_same_random_stream(
+    model_dir: Path, model: CausalLM, mode: str
+) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    batch = prompts(6, model.config.vocab_size, seed=2)
+    reference = colocated_outputs(make_core(model_dir, model, Role.COLOCATED), batch, params)
+    router, p, d = run_pair(model_dir, model, mode, params, batch)
+    try:
+        assert router.tokens == reference
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_transfer_failing_frees_every_block_on_both_sides(
+    model_dir: Path, model: CausalLM, mode: str
+) -> None:
+    batch = prompts(8, model.config.vocab_size, seed=3)
+    router, p, d = run_pair(
+        model_dir, model, mode, GREEDY, batch, "shm", fault_failure_rate=1.0, fault_seed=0
+    )
+    try:
+        assert sorted(router.failures) == sorted(f"r{i}" for i in range(len(batch)))
+        side = "fetching" if mode == "pull" else "pushing"
+        for message in router.failures.values():
+            assert message.startswith(f"{side} the KV")
+            assert "injected transfer failure" in message
+        # The first token was produced by the prefill side; nothing after it.
+        assert all(len(t) == 1 for t in router.tokens.values())
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_decode_side_prefix_cache_fetches_only_the_uncached_tail(
+    model_dir: Path, model: CausalLM
+) -> None:
+    shared = prompts(1, model.config.vocab_size, seed=4)[0][:40] * 2  # 80 tokens
+    batch = [shared, [*shared[:64], 7, 8, 9]]
+    p = make_core(model_dir, model, Role.PREFILL, "pull", "shm")
+    d = make_core(model_dir, model, Role.DECODE, "pull", "shm")
+    received: list[KVReceived] = []
+    try:
+        for prompt in batch:  # one after the other: the second finds the first's blocks
+            router = Router(p, d, "pull", [prompt], GREEDY)
+            original = router.route
+
+            def spy(msg: EngineMessage, original=original) -> None:  # type: ignore[no-untyped-def]
+                if isinstance(msg, KVReceived):
+                    received.append(msg)
+                original(msg)
+
+            router.route = spy  # type: ignore[method-assign]
+            router.run()
+            assert router.kv_equal == {"r0": True}
+        per_token = 2 * model.config.num_hidden_layers * d.kv_layout.token_bytes
+        # 64 of the second prompt's tokens (4 full blocks) were already on the decode side.
+        assert [m.nbytes for m in received] == [80 * per_token, 3 * per_token]
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_fetch_past_the_lease_fails_instead_of_reading_reused_blocks(
+    model_dir: Path, model: CausalLM
+) -> None:
+    p = make_core(model_dir, model, Role.PREFILL, "pull", "shm", lease_s=2.0, timeout_s=1.0)
+    d = make_core(model_dir, model, Role.DECODE, "pull", "shm", lease_s=2.0, timeout_s=1.0)
+    batch = prompts(1, model.config.vocab_size, seed=5)
+    router = Router(p, d, "pull", batch, GREEDY)
+    original = router.route
+
+    def late(msg: EngineMessage) -> None:
+        if isinstance(msg, KVHandedOff) and msg.source is not None:
+            source = msgspec.structs.replace(
+                msg.source, lease_deadline=msg.source.lease_deadline - 1.5
+            )
+            msg = msgspec.structs.replace(msg, source=source)
+        original(msg)
+
+    router.route = late  # type: ignore[method-assign]
+    try:
+        router.run()
+        assert router.failures == {
+            "r0": "the prefill instance's lease on the KV ran out before it was fetched"
+        }
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
