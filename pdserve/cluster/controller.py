@@ -34,6 +34,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import msgspec
 import zmq.asyncio
 
 from pdserve.cluster.config import ClusterConfig
@@ -127,6 +128,8 @@ class Cluster:
         self._ids = itertools.count()
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
+        self.num_retries = 0  # attempts started again from the prompt
+        self.num_failed = 0  # requests ended with an instance / transfer error
 
     # ---- life cycle ----------------------------------------------------------------
 
@@ -293,6 +296,8 @@ class Cluster:
 
     def _forward(self, rec: _Record, inst: Instance, out: EngineOutput) -> None:
         assert self._processor is not None
+        if out.request_id != rec.request_id:  # a retry's key: the client knows the id
+            out = msgspec.structs.replace(out, request_id=rec.request_id)
         result, stop_string = self._processor.process(out)
         if result is None:
             return
@@ -419,11 +424,14 @@ class Cluster:
             self._fail(rec, InstanceFailedError(f"the request failed{tries}: {why}"))
             return
         self.records.pop(rec.key, None)
+        self.num_retries += 1
         rec.attempts += 1
         self.records[rec.key] = rec
         self._dispatch(rec)
 
     def _fail(self, rec: _Record, error: Exception) -> None:
+        if isinstance(error, InstanceFailedError):
+            self.num_failed += 1
         self._release(rec, abort=True)
         rec.queue.put_nowait(error)
 

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from pdserve.config import TransferConfig, TransferMode
@@ -85,9 +86,10 @@ class _Outgoing:
 
 @dataclass(frozen=True)
 class _Chunk:
+    """One request's tokens computed this step, planned once for all layers."""
+
     entry: _Outgoing
-    blocks: list[int]
-    start: int
+    plan: TransferPlan  # every layer; `on_layer_done` narrows it to one
     end: int
 
 
@@ -111,6 +113,7 @@ class PrefillRole:
         self.outgoing: dict[str, _Outgoing] = {}
         self._step_chunks: list[_Chunk] = []
         self._step_tasks: list[TransferTask] = []
+        self.last_tail_s = 0.0  # layer-push: wait after the last layer, previous step
 
     # ---- counters ---------------------------------------------------------------
 
@@ -195,29 +198,34 @@ class PrefillRole:
             start = max(entry.target.start, entry.pushed_upto)
             end = min(req.num_computed_tokens + seq.num_new_tokens, len(req.prompt_token_ids))
             if end > start:
-                blocks = self.kv.block_table(req.request_id)
-                self._step_chunks.append(_Chunk(entry, blocks, start, end))
+                target = entry.target
+                plan = stream_out(
+                    self.layout,
+                    self.kv.block_table(req.request_id),
+                    target.region.layout,
+                    target.blocks,
+                    start,
+                    end,
+                )
+                self._step_chunks.append(_Chunk(entry, plan, end))
 
     def on_layer_done(self, layer: int) -> None:
-        """Forward hook: layer `layer` of this step is in the pool; push it."""
+        """Forward hook: layer `layer` of this step is in the pool; push it. Runs between
+        two layers of the forward pass, so it only narrows a ready plan and queues it."""
         for chunk in self._step_chunks:
-            global_layer = self.layout.first_layer + layer
-            plan = stream_out(
-                self.layout,
-                chunk.blocks,
-                chunk.entry.target.region.layout,
-                chunk.entry.target.blocks,
-                chunk.start,
-                chunk.end,
-                layers=range(global_layer, global_layer + 1),
-            )
+            plan = _one_layer(chunk.plan, layer)
+            if plan is None:
+                continue  # the receiver does not hold this layer
             task = self._submit_flush(chunk.entry.target, plan)
             chunk.entry.tasks.append(task)
             self._step_tasks.append(task)
 
     def end_step(self) -> None:
-        """Wait for this step's layer pushes (see the module contract)."""
+        """Wait for this step's layer pushes (see the module contract). The wait is the
+        transfer time the forward pass did not hide (`last_tail_s`)."""
+        t0 = time.monotonic()
         self._wait(self._step_tasks)
+        self.last_tail_s = time.monotonic() - t0 if self._step_tasks else 0.0
         for chunk in self._step_chunks:
             chunk.entry.pushed_upto = chunk.end
         self._step_chunks = []
@@ -314,6 +322,17 @@ class PrefillRole:
     def _wait(tasks: Sequence[TransferTask]) -> None:
         for task in tasks:
             task.wait(None)
+
+
+def _one_layer(plan: TransferPlan, local_layer: int) -> TransferPlan | None:
+    """The part of an all-layer plan that moves the sender's local layer `local_layer`."""
+    lo, hi = plan.src_layers
+    if not lo <= local_layer < hi:
+        return None
+    dst = plan.dst_layers[0] + local_layer - lo
+    return msgspec.structs.replace(
+        plan, src_layers=(local_layer, local_layer + 1), dst_layers=(dst, dst + 1)
+    )
 
 
 def generator_from_state(state: bytes | None) -> torch.Generator | None:

@@ -110,7 +110,11 @@ class _Api:
                     {"name": "engine", "role": "colocated", "alive": self.client.is_alive}
                 ]
             }
-        return {"instances": await rows()}
+        counters = {
+            "retries": getattr(self.client, "num_retries", 0),
+            "failed": getattr(self.client, "num_failed", 0),
+        }
+        return {"instances": await rows(), "controller": counters}
 
     async def prometheus(self) -> Response:
         stats = None

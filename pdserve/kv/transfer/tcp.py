@@ -15,9 +15,13 @@ per-block round trips. The sender passes memoryview slices of its pool straight 
 `socket.sendmsg` (scatter-gather, at most IOV_MAX buffers per call); the receiver fills its
 pool's slices with `recvmsg_into` (no intermediate buffer: two copies in all, user to
 kernel and kernel to user). Payloads of at least `stream_min_bytes` are split into
-`streams` sub-plans sent over parallel connections (a single loopback stream is bound by
-one core's copy rate). Bytes cannot be cast on the wire: plans between different dtypes
-raise LayoutMismatchError.
+`streams` sub-plans sent over parallel connections (one loopback stream is bound by one
+core). Bytes cannot be cast on the wire: plans between different dtypes raise
+LayoutMismatchError. A request body is at most MAX_BODY_BYTES.
+
+Sockets are blocking, with SO_RCVTIMEO/SO_SNDTIMEO as the timeout: a call that makes no
+progress for `timeout_s` fails. (Blocking calls let `recvmsg_into(MSG_WAITALL)` fill a whole
+batch of pieces per call.) Idle connections wait for the next request without limit.
 
 Errors: socket timeouts -> TransferTimeoutError; refused, reset or closed connections and
 unknown regions -> PeerUnavailableError; with `verify_checksum`, a crc32 mismatch ->
@@ -67,6 +71,7 @@ _CRC = struct.Struct("!I")
 OP_READ, OP_WRITE = 1, 2
 FLAG_CRC = 1
 SOCK_BUF_BYTES = 4 << 20
+MAX_BODY_BYTES = 64 << 20  # a plan of millions of runs
 
 
 class Status(enum.IntEnum):
@@ -258,7 +263,7 @@ class TcpTransport(Transport):
             yield sock
         except BaseException as e:
             self._drop(conns, remote.address)
-            if isinstance(e, TimeoutError):
+            if isinstance(e, TimeoutError | BlockingIOError):
                 raise TransferTimeoutError(
                     f"tcp {what} {remote.describe()}: no progress within {self.timeout_s} s"
                 ) from None
@@ -271,7 +276,7 @@ class TcpTransport(Transport):
     def _connect(self, address: str) -> socket.socket:
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
-        tune(sock, self.sock_buf_bytes)
+        tune(sock, self.sock_buf_bytes, self.timeout_s)
         with self._lock:
             if self._closed:
                 sock.close()
@@ -353,7 +358,7 @@ class _Server:
                 self._start(conn)
 
     def _start(self, conn: socket.socket) -> None:
-        tune(conn, self._sock_buf_bytes)
+        tune(conn, self._sock_buf_bytes, self._timeout_s)
         with self._lock:
             if self._closed:
                 conn.close()
@@ -369,14 +374,12 @@ class _Server:
         """Requests on one connection until the client leaves or breaks the protocol."""
         try:
             while True:
-                conn.settimeout(None)  # idle between requests
-                header = recv_exact(conn, _HEADER.size, eof_ok=True)
+                header = wait_header(conn)
                 if header is None:
                     return
                 magic, op, flags, _, body_len, payload = _HEADER.unpack(header)
-                if magic != MAGIC:
+                if magic != MAGIC or body_len > MAX_BODY_BYTES:
                     return
-                conn.settimeout(self._timeout_s)
                 self._handle(conn, op, flags, recv_exact(conn, body_len), payload)
         except (OSError, EOFError):
             return  # the client went away mid-request (or timed out): drop it
@@ -496,7 +499,14 @@ class Chunks:
         return crc
 
 
-def tune(sock: socket.socket, buf_bytes: int | None) -> None:
+def tune(sock: socket.socket, buf_bytes: int | None, timeout_s: float) -> None:
+    """TCP_NODELAY, buffer sizes, and blocking mode with kernel timeouts: a call blocked
+    for `timeout_s` without progress fails with EAGAIN (BlockingIOError)."""
+    sock.settimeout(None)
+    sec = int(timeout_s)
+    timeval = struct.pack("ll", sec, int((timeout_s - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if buf_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf_bytes)
@@ -519,7 +529,7 @@ def recv_batches(sock: socket.socket, batches: Iterable[list[memoryview]]) -> No
     for batch in batches:
         left = sum(v.nbytes for v in batch)
         while left:
-            got = sock.recvmsg_into(batch)[0]
+            got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
             if got == 0:
                 raise EOFError("the peer closed the connection mid-transfer")
             left -= got
@@ -541,17 +551,34 @@ def _advance(views: list[memoryview], nbytes: int) -> int:
     return i
 
 
-def recv_exact(sock: socket.socket, n: int, *, eof_ok: bool = False) -> bytes:
-    """Exactly `n` bytes; EOFError on a closed connection (None when `eof_ok` and nothing
-    was read)."""
+def wait_header(conn: socket.socket) -> bytes | None:
+    """The next request header; None when the client has left. Waits indefinitely
+    (an idle persistent connection), unlike the request's other reads."""
+    buf = bytearray(_HEADER.size)
+    got = 0
+    while got < len(buf):
+        try:
+            k = conn.recv_into(memoryview(buf)[got:])
+        except (BlockingIOError, TimeoutError):
+            if got:
+                raise
+            continue
+        if k == 0:
+            if got:
+                raise EOFError("the peer closed the connection")
+            return None
+        got += k
+    return bytes(buf)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly `n` bytes; EOFError when the connection closes first."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            if eof_ok and got == 0:
-                return None  # type: ignore[return-value]
             raise EOFError("the peer closed the connection")
         got += k
     return bytes(buf)

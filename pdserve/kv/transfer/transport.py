@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import msgspec
 import torch
@@ -81,7 +81,7 @@ class Transport(ABC):
         """Release the regions this transport created, stop its threads, close its
         connections. Idempotent; fetch/flush afterwards raise TransferError."""
 
-    def __enter__(self) -> Transport:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -17,7 +17,6 @@ stays TRANSFERRING until its function returns; the transports' own timeouts boun
 from __future__ import annotations
 
 import enum
-import itertools
 import queue
 import threading
 import time
@@ -41,7 +40,7 @@ class TransferTask:
     `finished` (time.monotonic) from any thread: a state is published only after the fields
     it implies (`error` and `finished` before FAILED/DONE, `started` before TRANSFERRING)."""
 
-    def __init__(self, fn: Callable[[], None], nbytes: int, deadline: float | None) -> None:
+    def __init__(self, fn: Callable[[], object], nbytes: int, deadline: float | None) -> None:
         self.fn = fn
         self.nbytes = nbytes
         self.deadline = deadline  # time.monotonic() by which it must have started
@@ -149,8 +148,6 @@ class TransferWorker:
     `submit` is thread-safe and never blocks. With several threads, transfers overlap.
     """
 
-    _ids = itertools.count()
-
     def __init__(self, num_threads: int = 1, name: str = "kv-transfer") -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
@@ -166,7 +163,7 @@ class TransferWorker:
             thread.start()
 
     def submit(
-        self, fn: Callable[[], None], nbytes: int = 0, deadline_s: float | None = None
+        self, fn: Callable[[], object], nbytes: int = 0, deadline_s: float | None = None
     ) -> TransferTask:
         """Queue `fn` (WAITING); a worker thread runs it (TRANSFERRING), then DONE, or
         FAILED with `error = f"{type(e).__name__}: {e}"`. A task still WAITING
