@@ -22,7 +22,7 @@ import numpy as np
 from pdserve.bench.config import SLO
 from pdserve.bench.records import RequestRecord
 
-PHASES = ("queue", "prefill", "transfer", "decode")
+PHASES = ("queue", "prefill", "transfer", "decode_queue", "decode")
 """Server-reported phases (`pdserve_timings`), summed into the breakdown plot."""
 
 

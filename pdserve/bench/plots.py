@@ -3,7 +3,7 @@
 attainment_vs_rate.png      SLO attainment vs rate, target line, goodput marked
 attainment_vs_slo_scale.png attainment vs SLO scale at each swept rate
 ttft_cdf.png, tpot_cdf.png  CDFs over successful requests, one curve per (server, rate)
-latency_breakdown.png       mean server phases (queue, prefill, transfer, decode) and
+latency_breakdown.png       mean server phases (queue, prefill, transfer, decode queue, decode) and
                             the rest of the client-seen E2E; or TTFT / decode without them
 """
 
