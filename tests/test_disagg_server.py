@@ -231,6 +231,28 @@ def test_killing_an_instance_under_load_keeps_serving(victim: str) -> None:
         server.stop()
 
 
+def test_an_instance_that_stops_reporting_is_marked_dead_and_avoided() -> None:
+    server = Server(
+        "--prefill", "1", "--decode", "2", "--instance-timeout", "2", "--enable-debug-endpoints"
+    )
+    try:
+        pid = next(r["pid"] for r in cluster_rows(server) if r["name"] == "decode-0")
+        os.kill(pid, signal.SIGSTOP)  # alive but silent: no outputs, no load reports
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            rows = {r["name"]: r for r in cluster_rows(server)}
+            if not rows["decode-0"]["alive"]:
+                break
+            time.sleep(0.2)
+        assert rows["decode-0"]["alive"] is False
+        assert rows["decode-0"]["dead_reason"].startswith("sent nothing for ")
+        results = run_concurrently(server, mixed_prompts(6), 4)
+        assert [s for s, _ in results] == [200] * 6
+        wait_clean(server)
+    finally:
+        server.stop()
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_segments() -> Iterator[None]:
     before = set(os.listdir("/dev/shm"))
