@@ -8,6 +8,7 @@ prefill pool's KV bit for bit, and block accounting is back to zero on both side
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import msgspec
@@ -123,17 +124,20 @@ class Router:
 
         role.hand_off = spy  # type: ignore[method-assign]
 
-    def run(self, max_iters: int = 20000) -> None:
+    def run(self, timeout_s: float = 60.0) -> None:
         for i, p in enumerate(self.batch):
             if self.mode == "pull":
                 self.prefill.add_request(f"r{i}", p, self.params, handoff=Handoff("pull"))
             else:
                 self.decode.reserve(ReserveKV(f"r{i}", p))
-        for _ in range(max_iters):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             self.tick(self.prefill)
             self.tick(self.decode)
             if len(self.finished) + len(self.failures) == len(self.batch) and self.idle():
                 return
+            if not (self.prefill.has_unfinished() or self.decode.has_unfinished()):
+                time.sleep(0.0002)  # only transfers run: leave the GIL to their thread
         raise AssertionError("the pair did not finish")
 
     def idle(self) -> bool:

@@ -64,6 +64,16 @@ def complete(server: Server, prompts: list[str], max_tokens: int = 8) -> list[st
     body = {"model": MODEL, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0}
     status, reply = server.post("/v1/completions", json.dumps(body).encode(), key=None)
     assert status == 200, reply
+    phases = set(reply["pdserve_timings"])
+    assert phases == {"queue", "prefill", "decode", "ttft", "e2e"} or phases == {
+        "queue",
+        "prefill",
+        "transfer",
+        "decode_queue",
+        "decode",
+        "ttft",
+        "e2e",
+    }
     choices = sorted(reply["choices"], key=lambda c: c["index"])
     return [c["text"] for c in choices]
 
@@ -144,6 +154,11 @@ def test_disaggregated_outputs_equal_colocated(
     )
     try:
         assert complete(server, PROMPTS) == reference
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        _, reply = server.post("/v1/completions", json.dumps(body).encode(), key=None)
+        timings = reply["pdserve_timings"]
+        assert {"transfer", "decode_queue"} <= set(timings)
+        assert all(timings[k] >= 0 for k in ("queue", "prefill", "transfer", "decode_queue"))
         wait_clean(server)
         roles = sorted(r["role"] for r in cluster_rows(server))
         assert roles == ["decode", "prefill"]

@@ -554,6 +554,8 @@ def _sum_stats(live: list[Instance], replies: Sequence[EngineStats | BaseExcepti
                 totals[name] = totals.get(name, 0) + value
         if reply.integrity_error:
             errors.append(f"{inst.name}: {reply.integrity_error}")
+    if not totals:
+        raise EngineDeadError("no instance answered: " + "; ".join(errors))
     return EngineStats(request_id=0, integrity_error="; ".join(errors) or None, **totals)
 
 

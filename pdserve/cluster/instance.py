@@ -58,6 +58,7 @@ class Instance:
         self.report: LoadReport | None = None
         self.last_heard = time.monotonic()
         self.dead: str | None = None  # why, once dead
+        self._announced = False  # `check` has returned the reason
         # Controller-side load (what it assigned and has not seen finish).
         self.assigned_prefill_tokens = 0
         self.assigned_requests = 0
@@ -106,15 +107,17 @@ class Instance:
                 )
 
     def check(self, now: float) -> str | None:
-        """Mark the instance dead if it is; returns the reason the first time."""
-        if self.dead is not None:
+        """Mark the instance dead if it is. Returns the reason exactly once, the first
+        check after it died (whichever way: exit, silence, or a reported failure)."""
+        if self.dead is None:
+            if not self.process.is_alive():
+                self.mark_dead(f"process exited (exit code {self.process.exitcode})")
+            elif (silent := now - self.last_heard) > self.timeout_s:
+                self.mark_dead(f"sent nothing for {silent:.1f} s")
+        if self.dead is None or self._announced:
             return None
-        if not self.process.is_alive():
-            return self.mark_dead(f"process exited (exit code {self.process.exitcode})")
-        silent = now - self.last_heard
-        if silent > self.timeout_s:
-            return self.mark_dead(f"sent nothing for {silent:.1f} s")
-        return None
+        self._announced = True
+        return self.dead
 
     def mark_dead(self, reason: str) -> str:
         self.dead = reason

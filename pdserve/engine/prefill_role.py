@@ -79,9 +79,8 @@ class _Outgoing:
         return all(t.poll() in (TransferState.DONE, TransferState.FAILED) for t in self.tasks)
 
     def failure(self) -> str | None:
-        return next(
-            (t.error or "transfer failed" for t in self.tasks if t.poll() == "failed"), None
-        )
+        failed = (t for t in self.tasks if t.poll() == TransferState.FAILED)
+        return next((t.error or "transfer failed" for t in failed), None)
 
 
 @dataclass(frozen=True)

@@ -283,11 +283,11 @@ def _timings(out: RequestOutput) -> dict[str, float | None] | None:
     m = out.metrics
     if m is None:
         return None
+    disaggregated = {"transfer": m.transfer_time, "decode_queue": m.decode_queue_time}
     return {
         "queue": m.queue_time,
         "prefill": m.prefill_time,
-        "transfer": m.transfer_time,
-        "decode_queue": m.decode_queue_time,
+        **{k: v for k, v in disaggregated.items() if v is not None},
         "decode": m.decode_time,
         "ttft": m.ttft,
         "e2e": m.e2e,
