@@ -217,11 +217,7 @@ class Cluster:
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         assert self.tokenizer is not None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return self.tokenizer.prompt_ids(prompt)
 
     # ---- dispatch ------------------------------------------------------------------
 

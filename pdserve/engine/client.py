@@ -191,11 +191,7 @@ class EngineClient:
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         assert self.tokenizer is not None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return self.tokenizer.prompt_ids(prompt)
 
     async def stats(self, check_integrity: bool = False, timeout: float = 10.0) -> EngineStats:
         """Counters of the core (and, on request, its KV pool integrity check)."""

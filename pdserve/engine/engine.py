@@ -16,7 +16,6 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import InvalidRequestError
 from pdserve.kv.config import KVCacheConfig
 from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
@@ -48,12 +47,7 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> str:
         """Tokenize (if text), validate and queue. Raises InvalidRequestError."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
+        token_ids = self.tokenizer.prompt_ids(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = self.core.add_request(rid, token_ids, params)
         self.processor.add(rid, req.prompt_token_ids, params)

@@ -87,6 +87,15 @@ class Tokenizer:
             return list(self._rust_encode.encode(text, add_special_tokens=add_special_tokens).ids)
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens))
 
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt as the engine takes it: text is encoded, token ids are copied.
+        Empty text raises InvalidRequestError (empty id lists are the core's to refuse)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            return self.encode(prompt)
+        return list(prompt)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._rust_decode is not None:
             return str(self._rust_decode.decode(list(ids), skip_special_tokens=skip_special_tokens))
