@@ -42,7 +42,8 @@ def core(model: CausalLM, role: Role, mode: str, chunk: int, name: str) -> Engin
         instance_name=name,
         num_threads=1,
         scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
-        cache=CacheConfig(kv_cache_memory_gib=0.5, swap_space_gib=0.01),
+        # No prefix reuse between repeats: every run computes (and moves) the whole prompt.
+        cache=CacheConfig(kv_cache_memory_gib=0.5, swap_space_gib=0.01, enable_prefix_cache=False),
         transfer=TransferConfig(mode=mode, transport="shm"),  # type: ignore[arg-type]
     )
     return build_core(config, model, [])
@@ -98,8 +99,6 @@ def main() -> None:
         )
         for m in ("pull", "layer-push")
     }
-    for p, _ in cores.values():
-        p.kv._index = None  # no prefix reuse between repeats: every run computes
     vocab = model.config.vocab_size
     print(
         "| prompt tokens | prefill, no transfer (ms) | prefill, layer-push (ms) | slowdown | "

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.config import TransferConfig
 from pdserve.engine.messages import (
     AddPrefilled,
-    EngineMessage,
     HandoffFailed,
     KVReceived,
     KVReserved,
@@ -36,13 +33,10 @@ from pdserve.engine.messages import (
     ReserveKV,
 )
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv.manager import KVManager
+from pdserve.engine.transfer_role import TransferRole
 from pdserve.kv.transfer import (
-    Region,
     TransferState,
     TransferTask,
-    TransferWorker,
-    Transport,
     stream_in,
 )
 
@@ -66,22 +60,8 @@ class _Reservation:
     granted: bool = False
 
 
-class DecodeRole:
-    def __init__(
-        self,
-        kv: KVManager,
-        region: Region,
-        transport: Transport,
-        worker: TransferWorker,
-        config: TransferConfig,
-        send: Callable[[EngineMessage], None],
-    ) -> None:
-        self.kv = kv
-        self.region = region
-        self.transport = transport
-        self.worker = worker
-        self.config = config
-        self.send = send
+class DecodeRole(TransferRole):
+    def _init_state(self) -> None:
         self.queue: deque[_Incoming] = deque()  # pull: waiting for room
         self.fetching: dict[str, _Incoming] = {}
         self.reservations: dict[str, _Reservation] = {}
@@ -212,7 +192,7 @@ class DecodeRole:
         plan = stream_in(
             source.region.layout,
             source.blocks,
-            self.region.handle.layout,
+            self.layout,
             self.kv.block_table(rid),
             start,
             source.num_tokens,

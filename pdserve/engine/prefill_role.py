@@ -29,15 +29,14 @@ one and free the original, which must not happen while a flush still reads it).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
 
-from pdserve.config import TransferConfig, TransferMode
+from pdserve.config import TransferMode
 from pdserve.engine.messages import (
-    EngineMessage,
     Handoff,
     HandoffFailed,
     KVHandedOff,
@@ -46,15 +45,12 @@ from pdserve.engine.messages import (
 )
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledSeq
-from pdserve.kv.manager import KVManager
+from pdserve.engine.transfer_role import TransferRole
 from pdserve.kv.transfer import (
     KVLayout,
-    Region,
     TransferPlan,
     TransferState,
     TransferTask,
-    TransferWorker,
-    Transport,
     gather,
     stream_out,
 )
@@ -92,23 +88,8 @@ class _Chunk:
     end: int
 
 
-class PrefillRole:
-    def __init__(
-        self,
-        kv: KVManager,
-        region: Region,
-        transport: Transport,
-        worker: TransferWorker,
-        config: TransferConfig,
-        send: Callable[[EngineMessage], None],
-    ) -> None:
-        self.kv = kv
-        self.region = region
-        self.layout: KVLayout = region.handle.layout
-        self.transport = transport
-        self.worker = worker
-        self.config = config
-        self.send = send
+class PrefillRole(TransferRole):
+    def _init_state(self) -> None:
         self.outgoing: dict[str, _Outgoing] = {}
         self._step_chunks: list[_Chunk] = []
         self._step_tasks: list[TransferTask] = []
