@@ -1,0 +1,168 @@
+"""The simulator against the real system: SLO attainment across a rate sweep.
+
+1. `pdserve profile` fits the latency model on this machine (profile JSON);
+2. this script starts `pdserve serve` (colocated by default, or --prefill/--decode),
+   runs `pdserve bench run` over the rates, and stops the server;
+3. every measured request (its prompt and output length and the moment it was sent)
+   is replayed through the simulator with the profile, configured like the server;
+4. it prints measured vs simulated attainment (and mean TTFT / TPOT) per rate.
+
+    .venv/bin/python bench/sim_vs_real.py --profile profile.json \
+        --rates 1,2,3,4 --num-prompts 100 --slo ttft:1000 tpot:100 [--results FILE]
+
+With --results FILE it skips steps 2 (re-analyses an earlier sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pdserve.planner.simulator import (
+    ColocatedSystem,
+    DisaggSystem,
+    InstanceSpec,
+    SimResult,
+    simulate,
+)
+from pdserve.planner.workload import SimWorkload
+
+from pdserve.planner.hardware import load_profile
+from pdserve.planner.latency import step_cost
+from pdserve.planner.model_spec import resolve_model_spec
+
+KV_GIB = 1.0  # CacheConfig.kv_cache_memory_gib default
+MAX_NUM_SEQS = 64  # SchedulerConfig.max_num_seqs default
+BUDGET = 512  # SchedulerConfig.max_num_batched_tokens default (and --chunk-size default)
+
+
+def start_server(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise SystemExit("server did not become healthy in 180 s")
+
+
+def run_sweep(args: argparse.Namespace, out: Path) -> None:
+    extra = []
+    if args.prefill:
+        extra += ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+    proc = start_server(args.port, extra)
+    try:
+        cmd = [
+            sys.executable, "-m", "pdserve.cli", "bench", "run",
+            "--port", str(args.port), "--workload", args.workload,
+            "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
+            "--request-rates", args.rates, "--slo", *args.slo,
+            "--result-file", str(out), "--no-plots", "--disable-tqdm",
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def workload_of(run: dict[str, Any]) -> SimWorkload:
+    recs = sorted(run["records"], key=lambda r: r["sent_at_s"])
+    t0 = recs[0]["sent_at_s"]
+    return SimWorkload(
+        arrivals=np.array([r["sent_at_s"] - t0 for r in recs], dtype=np.float64),
+        input_lens=np.array(
+            [r["server_prompt_tokens"] or r["prompt_len"] for r in recs], dtype=np.int64
+        ),
+        output_lens=np.array([r["output_len"] for r in recs], dtype=np.int64),
+        name=f"replay@{run['rate']}",
+    )
+
+
+def system_for(args: argparse.Namespace) -> ColocatedSystem | DisaggSystem:
+    hw = load_profile(args.profile)
+    spec = resolve_model_spec(None)
+    cost = step_cost(spec, hw.coefficients)
+    kv_tokens = int(KV_GIB * 2**30 // spec.kv_bytes_per_token)
+    if not args.prefill:
+        inst = InstanceSpec(cost, kv_tokens, MAX_NUM_SEQS, BUDGET, chunked=True)
+        return ColocatedSystem((inst,))
+    pre = InstanceSpec(cost, kv_tokens, MAX_NUM_SEQS, BUDGET, chunked=True)
+    dec = InstanceSpec(cost, kv_tokens, MAX_NUM_SEQS, BUDGET, chunked=True)
+    bw = 1.0 / hw.coefficients.c4  # shm transfer: one copy at memory bandwidth
+    return DisaggSystem((pre,) * args.prefill, (dec,) * args.decode, spec.kv_bytes_per_token, bw)
+
+
+def measured(run: dict[str, Any]) -> tuple[float, float, float]:
+    s = run["summary"]
+    return s["attainment"], s["mean_ttft_ms"] / 1e3, s["mean_tpot_ms"] / 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--profile", required=True)
+    p.add_argument("--results", default=None, help="analyse this bench JSON instead of running")
+    p.add_argument("--rates", default="1,2,3,4")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--workload", default="chatbot")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", nargs="+", default=["ttft:1000", "tpot:100"])
+    p.add_argument("--port", type=int, default=8390)
+    p.add_argument("--prefill", type=int, default=0)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--output", default="bench-results/sim_vs_real.json")
+    args = p.parse_args()
+    os.makedirs("bench-results", exist_ok=True)
+    results = Path(args.results) if args.results else Path(args.output).with_suffix(".bench.json")
+    if not args.results:
+        run_sweep(args, results)
+    doc = json.loads(results.read_text())
+    slo = doc["slo"]
+    ttft_slo = slo["ttft_ms"] / 1e3 if slo.get("ttft_ms") else None
+    tpot_slo = slo["tpot_ms"] / 1e3 if slo.get("tpot_ms") else None
+    system = system_for(args)
+    rows = []
+    print(f"{'rate':>6} {'measured':>9} {'simulated':>9} {'diff pp':>8} "
+          f"{'TTFT meas/sim (s)':>18} {'TPOT meas/sim (ms)':>19}")  # fmt: skip
+    for run in doc["runs"]:
+        if run["rate"] is None:
+            continue
+        w = workload_of(run)
+        sim: SimResult = simulate(system, w)
+        att_sim = sim.attainment(ttft_slo, tpot_slo)
+        att, ttft, tpot = measured(run)
+        ok = sim.tpot[w.output_lens > 1]
+        row = {
+            "rate": run["rate"],
+            "measured_attainment": att,
+            "simulated_attainment": att_sim,
+            "diff_pp": 100 * (att_sim - att),
+            "measured_mean_ttft_s": ttft,
+            "simulated_mean_ttft_s": float(sim.ttft.mean()),
+            "measured_mean_tpot_s": tpot,
+            "simulated_mean_tpot_s": float(ok.mean()) if len(ok) else math.nan,
+        }
+        rows.append(row)
+        print(
+            f"{run['rate']:>6g} {att:>9.1%} {att_sim:>9.1%} {row['diff_pp']:>+8.1f} "
+            f"{ttft:>8.3f}/{row['simulated_mean_ttft_s']:<9.3f} "
+            f"{1e3 * tpot:>8.1f}/{1e3 * row['simulated_mean_tpot_s']:<9.1f}"
+        )
+    Path(args.output).write_text(json.dumps({"profile": args.profile, "rows": rows}, indent=2))
+    print(f"max |diff| {max(abs(r['diff_pp']) for r in rows):.1f} pp; wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

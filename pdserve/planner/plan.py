@@ -1,0 +1,171 @@
+"""One planning run: search, size for the rate, verify by whole-cluster simulation.
+
+`make_plan` is what `pdserve plan` and the replanning hook call. It returns a
+`PlanResult`: the chosen disaggregated placement, the best colocated one, the
+runner-ups, the instance counts for the requested rate, and the attainment a
+simulation of the whole sized cluster gives at that rate (the search judges each
+phase alone; this checks the assembled system).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.planner.candidates import make_instance
+from pdserve.planner.latency import Parallelism
+from pdserve.planner.model_spec import PlanInputError
+from pdserve.planner.search import Placement, SearchContext, SearchOutcome, search
+from pdserve.planner.simulator import ColocatedSystem, DisaggSystem, simulate
+
+
+@dataclass
+class PlanResult:
+    ctx: SearchContext
+    outcome: SearchOutcome
+    rate: float | None
+    sizing: dict[str, int] | None  # chosen placement's instances for `rate`
+    colocated_sizing: dict[str, int] | None
+    verified_attainment: float | None  # whole sized cluster simulated at `rate`
+
+    @property
+    def best(self) -> Placement:
+        assert self.outcome.best is not None
+        return self.outcome.best
+
+    @property
+    def gain_over_colocated(self) -> float | None:
+        colo = self.outcome.best_colocated
+        if colo is None or colo.per_device_goodput <= 0:
+            return None
+        return self.best.per_device_goodput / colo.per_device_goodput
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.ctx
+        colo = self.outcome.best_colocated
+        return {
+            "model": c.spec.to_dict(),
+            "hardware": c.hw.to_dict(),
+            "hardware_is_estimate": c.hw.is_estimate,
+            "cluster": {
+                "nodes": c.cluster.nodes,
+                "devices_per_node": c.cluster.devices_per_node,
+                "device_memory_gb": c.cluster.device_memory_bytes / 1e9,
+                "intra_node_bandwidth_gbps": c.cluster.intra_node_bandwidth / 1e9,
+                "inter_node_bandwidth_gbps": c.cluster.inter_node_bandwidth / 1e9,
+                "memory_utilization": c.cluster.memory_utilization,
+            },
+            "workload": c.workload.name,
+            "num_simulated_requests": len(c.workload.arrivals),
+            "slo": {"ttft_s": c.slo.ttft, "tpot_s": c.slo.tpot, "attainment": c.slo.attainment},
+            "knobs": vars(c.knobs),
+            "chosen": self.best.to_dict(),
+            "best_colocated": colo.to_dict() if colo else None,
+            "gain_over_colocated": self.gain_over_colocated,
+            "runner_ups": [p.to_dict() for p in self.outcome.disaggregated[1:6]],
+            "colocated_runner_ups": [p.to_dict() for p in self.outcome.colocated[1:4]],
+            "rate": self.rate,
+            "instances": self.sizing,
+            "colocated_instances": self.colocated_sizing,
+            "verified_attainment": self.verified_attainment,
+            "tasks": self.outcome.tasks,
+        }
+
+
+def make_plan(
+    ctx: SearchContext,
+    rate: float | None,
+    affinity: str = "both",
+    workers: int | None = None,
+    progress_factory: Callable[[int], Callable[[int], None]] | None = None,
+) -> PlanResult:
+    outcome = search(ctx, affinity, workers, progress_factory)
+    if outcome.best is None:
+        raise PlanInputError(explain_unmeetable(ctx))
+    sizing = colo_sizing = None
+    verified = None
+    if rate is not None:
+        sizing = outcome.best.instances_for(rate)
+        if sizing["devices"] > ctx.cluster.num_devices:
+            raise PlanInputError(explain_rate(ctx, outcome.best, rate, sizing["devices"]))
+        if outcome.best_colocated is not None:
+            colo_sizing = outcome.best_colocated.instances_for(rate)
+        system = build_system(ctx, outcome.best, rate)
+        verified = simulate(system, ctx.workload.with_rate(rate)).attainment(
+            ctx.slo.ttft, ctx.slo.tpot
+        )
+    return PlanResult(ctx, outcome, rate, sizing, colo_sizing, verified)
+
+
+def build_system(
+    ctx: SearchContext, placement: Placement, rate: float
+) -> DisaggSystem | ColocatedSystem:
+    """The whole cluster `placement` sizes for `rate`, as the simulator takes it."""
+    spec, hw, cluster, knobs = ctx.spec, ctx.hw, ctx.cluster, ctx.knobs
+    n = placement.instances_for(rate)
+    if placement.kind == "colocated":
+        (r,) = placement.results
+        inst = make_instance(
+            spec, hw, r.task.par, cluster, knobs, chunked=r.task.chunked, colocated=True
+        )
+        return ColocatedSystem((inst,) * n["colocated"])
+    if placement.kind.startswith("disaggregated (high"):
+        p, d = placement.results
+        pre_par, dec_par = p.task.par, d.task.par
+        bandwidth = cluster.inter_node_bandwidth
+    else:
+        (r,) = placement.results
+        assert r.task.decode_par is not None
+        pre_par, dec_par = r.task.par, r.task.decode_par
+        bandwidth = cluster.intra_node_bandwidth
+    pre = make_instance(spec, hw, pre_par, cluster, knobs, chunked=False)
+    dec = make_instance(spec, hw, dec_par, cluster, knobs)
+    return DisaggSystem(
+        (pre,) * n["prefill"], (dec,) * n["decode"], spec.kv_bytes_per_token, bandwidth
+    )
+
+
+def attainment_curve(
+    ctx: SearchContext, placement: Placement, size_rate: float, rates: list[float]
+) -> list[float]:
+    """Attainment of the cluster sized for `size_rate`, at each of `rates`."""
+    system = build_system(ctx, placement, size_rate)
+    return [
+        simulate(system, ctx.workload.with_rate(r)).attainment(ctx.slo.ttft, ctx.slo.tpot)
+        for r in rates
+    ]
+
+
+def explain_unmeetable(ctx: SearchContext) -> str:
+    """Why no configuration meets the SLOs: the zero-load latencies of the fastest one."""
+    from pdserve.planner.candidates import instance_cost, parallel_configs
+
+    w = ctx.workload
+    prompt = int(sorted(w.input_lens)[len(w.input_lens) // 2])
+    configs = parallel_configs(ctx.spec, ctx.cluster) or [Parallelism()]
+    best_ttft = min(
+        (instance_cost(ctx.spec, ctx.hw, p, ctx.cluster).prefill_time([prompt]), str(p))
+        for p in configs
+    )
+    best_tpot = min(
+        (instance_cost(ctx.spec, ctx.hw, p, ctx.cluster).decode_time(1, prompt), str(p))
+        for p in configs
+    )
+    return (
+        f"no placement meets TTFT {ctx.slo.ttft:g} s and TPOT {ctx.slo.tpot:g} s for "
+        f"{ctx.slo.attainment:.0%} of requests: even with no queueing, the fastest "
+        f"configuration takes {best_ttft[0]:.3g} s ({best_ttft[1]}) to prefill the median "
+        f"prompt of {prompt} tokens and {best_tpot[0]:.3g} s ({best_tpot[1]}) per output "
+        f"token on {ctx.hw.label}"
+    )
+
+
+def explain_rate(ctx: SearchContext, best: Placement, rate: float, devices: int) -> str:
+    cap = best.per_device_goodput * ctx.cluster.num_devices
+    return (
+        f"--rate {rate:g} req/s is beyond this cluster: the best placement "
+        f"({best.describe()}) serves {best.per_device_goodput:.3g} req/s per device, so it "
+        f"needs {devices} devices; the cluster has {ctx.cluster.num_devices} "
+        f"(at most about {cap:.3g} req/s)"
+    )

@@ -1,0 +1,423 @@
+"""Latency model, configuration enumeration, goodput search, placement (Alg. 1 / 2),
+replanning and the `pdserve plan` CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pdserve.planner.workload import sample_workload
+
+from pdserve.cli import main as cli_main
+from pdserve.planner.candidates import (
+    InstanceKnobs,
+    explain_no_fit,
+    kv_capacity_tokens,
+    parallel_configs,
+)
+from pdserve.planner.goodput import max_rate
+from pdserve.planner.hardware import (
+    ClusterSpec,
+    HardwareProfile,
+    datasheet_profile,
+    load_profile,
+)
+from pdserve.planner.latency import (
+    Coefficients,
+    Interconnect,
+    Parallelism,
+    step_cost,
+    step_features,
+)
+from pdserve.planner.model_spec import PRESETS, ModelSpec, PlanInputError
+from pdserve.planner.plan import make_plan
+from pdserve.planner.replan import WorkloadStats, advise_replan
+from pdserve.planner.search import (
+    SearchContext,
+    SLOTarget,
+    Task,
+    attainment_function,
+    run_task,
+    search,
+)
+
+TOY = ModelSpec(
+    name="toy",
+    num_layers=4,
+    hidden_size=256,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=64,
+    intermediate_size=1024,
+    vocab_size=1000,
+    ffn_matrices=2,
+    dtype_bytes=2,
+    max_context=2048,
+)
+TOY_HW = HardwareProfile(
+    name="toy-device",
+    kind="estimate",
+    coefficients=Coefficients(c1=1.6e-11, c2=2e-11, c3=1e-3, c4=1e-9, c5=1e-9, c6=1.6e-11),
+    device_memory_bytes=0.05e9,
+    tp_bandwidth=50e9,
+    tp_latency_s=5e-6,
+)
+TOY_CLUSTER = ClusterSpec(1, 4, 0.05e9, 50e9, 5e9)
+
+
+def toy_context(n: int = 200, slo: SLOTarget | None = None) -> SearchContext:
+    return SearchContext(
+        TOY,
+        TOY_HW,
+        TOY_CLUSTER,
+        InstanceKnobs(max_batch_size=64, prefill_batch_tokens=512, colocated_chunk_tokens=512),
+        slo or SLOTarget(ttft=0.05, tpot=0.012, attainment=0.9),
+        sample_workload("chatbot", n, 1.0, seed=3),
+        rel_tol=0.01,
+    )
+
+
+# ---- latency model ----------------------------------------------------------------------
+
+
+def test_features_dot_coefficients_is_the_step_cost() -> None:
+    c = Coefficients(1e-11, 2e-12, 3e-3, 4e-10, 5e-10, 6e-11)
+    cost = step_cost(TOY, c)
+    counts = (300, 300**2 + 17**2, 2, 7, 900)
+    feats = step_features(TOY, *counts)
+    expected = float(np.dot(feats, [c.c1, c.c2, c.c3, c.c4, c.c5, c.c6]))
+    assert cost.stage_time(*counts) == pytest.approx(expected, rel=1e-12)
+
+
+def test_opt_sizes_match_the_paper() -> None:
+    # DistServe Table 1: OPT-66B 132 GB, OPT-175B 350 GB in fp16; §3.3: a 512-token
+    # OPT-66B request holds about 1.13 GB of KV.
+    assert PRESETS["opt-66b"].weight_bytes / 1e9 == pytest.approx(131.4, abs=0.1)
+    assert PRESETS["opt-175b"].weight_bytes / 1e9 == pytest.approx(349.1, abs=0.1)
+    assert 512 * PRESETS["opt-66b"].kv_bytes_per_token / 1e9 == pytest.approx(1.208, abs=1e-3)
+    assert PRESETS["opt-13b"].linear_params_per_layer == 4 * 5120**2 + 2 * 5120 * 20480
+
+
+def test_tensor_parallelism_divides_work_and_adds_all_reduces() -> None:
+    link = Interconnect(tp_bandwidth=100e9, tp_latency_s=1e-5, pp_bandwidth=10e9)
+    one = step_cost(TOY, TOY_HW.coefficients, Parallelism(1, 1), link)
+    two = step_cost(TOY, TOY_HW.coefficients, Parallelism(2, 1), link)
+    act = TOY.hidden_size * TOY.dtype_bytes
+    all_reduce = 2 * TOY.num_layers * (2 * 1 / 2) * act / 100e9
+    assert two.prompt_token == pytest.approx(one.prompt_token / 2 + all_reduce)
+    assert two.base == pytest.approx(
+        TOY_HW.coefficients.c3 + (one.base - TOY_HW.coefficients.c3) / 2 + 2 * 4 * 1e-5
+    )
+    assert two.context_token == pytest.approx(one.context_token / 2)
+
+
+def test_pipeline_parallelism_splits_layers_into_stages() -> None:
+    link = Interconnect(pp_bandwidth=10e9)
+    one = step_cost(TOY, TOY_HW.coefficients, Parallelism(1, 1), link)
+    two = step_cost(TOY, TOY_HW.coefficients, Parallelism(1, 2), link)
+    assert two.stages == 2
+    assert two.prompt_unit == pytest.approx(one.prompt_unit / 2)
+    hop = TOY.hidden_size * TOY.dtype_bytes / 10e9
+    st = two.stage_time(100, 100**2, 1)
+    assert two.prefill_time([100]) == pytest.approx(2 * st + hop * 100)
+    with pytest.raises(PlanInputError, match="4 layers do not split into 3"):
+        step_cost(TOY, TOY_HW.coefficients, Parallelism(1, 3), link)
+
+
+# ---- hardware profiles and cluster ----------------------------------------------------------
+
+
+def test_datasheet_profile_is_marked_estimate_and_round_trips(tmp_path: Path) -> None:
+    hw = datasheet_profile("a100")
+    assert hw.is_estimate and "estimate" in hw.label
+    assert hw.coefficients.c1 == pytest.approx(1 / (312e12 * 0.6))
+    path = tmp_path / "a100.json"
+    hw.save(path)
+    assert load_profile(str(path)) == hw
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"name": "x", "kind": "measured", "device_memory_gb": 1}', "no 'coefficients'"),
+        (
+            '{"name": "x", "kind": "measured", "device_memory_gb": 1, "coefficients": {"c1": 1}}',
+            r"missing \['c2', 'c3', 'c4', 'c5'\]",
+        ),
+        (
+            '{"name": "x", "kind": "guess", "device_memory_gb": 1, '
+            '"coefficients": {"c1": 1, "c2": 1, "c3": 1, "c4": 1, "c5": 1}}',
+            "kind must be measured or estimate",
+        ),
+        (
+            '{"name": "x", "kind": "measured", "device_memory_gb": 1, '
+            '"coefficients": {"c1": -1, "c2": 1, "c3": 1, "c4": 1, "c5": 1}}',
+            "c1 must be a number >= 0",
+        ),
+    ],
+)
+def test_malformed_profiles_are_refused(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(content)
+    with pytest.raises(PlanInputError, match=message):
+        load_profile(str(path))
+
+
+def test_unknown_device_names_the_known_ones() -> None:
+    with pytest.raises(PlanInputError, match="datasheet profiles exist for a100-40gb"):
+        load_profile("tpu-v9")
+
+
+# ---- candidate configurations ------------------------------------------------------------
+
+
+def test_parallel_configs_respect_memory_heads_and_layers() -> None:
+    cluster = ClusterSpec(1, 8, 80e9, 300e9, 3e9)
+    configs = parallel_configs(PRESETS["opt-66b"], cluster)
+    # 131.4 GB of weights + one 2048-token request's KV need >= 2 devices of 72 GB.
+    assert all(p.devices >= 2 for p in configs)
+    assert Parallelism(2, 1) in configs and Parallelism(1, 2) in configs
+    assert Parallelism(1, 1) not in configs
+    assert all(64 % p.pp == 0 and p.tp in (1, 2, 4, 8) for p in configs)
+    cap = kv_capacity_tokens(PRESETS["opt-66b"], Parallelism(2, 1), 72e9)
+    assert cap == int((144e9 - PRESETS["opt-66b"].weight_bytes) // (2 * 64 * 9216 * 2))
+
+
+def test_model_that_cannot_fit_gives_the_numbers() -> None:
+    cluster = ClusterSpec(1, 2, 80e9, 300e9, 3e9)
+    msg = explain_no_fit(PRESETS["opt-175b"], cluster)
+    assert msg.startswith("opt-175b does not fit: weights 349.1 GB + KV of one 2048-token")
+    assert "need 358.8 GB, i.e. at least 5 devices of 80 GB x 0.9 headroom = 72.0 GB usable" in msg
+    assert msg.endswith("the cluster has 1 x 2 = 2 devices")
+
+
+# ---- goodput search ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("guess", [0.01, 1.0, 3.3, 500.0])
+def test_max_rate_brackets_and_bisects(guess: float) -> None:
+    calls: list[float] = []
+
+    def att(r: float) -> float:
+        calls.append(r)
+        return 1.0 if r <= 3.3 else 0.5
+
+    got = max_rate(att, 0.9, guess, rel_tol=0.001)
+    assert 3.3 * 0.999 <= got <= 3.3
+    assert len(calls) < 60
+
+
+def test_max_rate_is_zero_when_nothing_passes() -> None:
+    assert max_rate(lambda r: 0.0, 0.9, 1.0) == 0.0
+
+
+def _scan_goodput(ctx: SearchContext, task: Task) -> float:
+    """Exhaustive: the largest rate on a fine geometric grid meeting the target."""
+    at = attainment_function(ctx, task)
+    best = 0.0
+    for r in np.geomspace(0.5, 2000, 400):
+        if at(float(r)) >= ctx.slo.attainment:
+            best = float(r)
+    return best
+
+
+def test_search_finds_the_exhaustive_optimum_on_a_small_cluster() -> None:
+    ctx = toy_context()
+    outcome = search(ctx, "both", workers=1)
+    for kind in ("prefill", "decode", "pair", "colocated"):
+        tasks = [
+            r.task
+            for p in outcome.disaggregated + outcome.colocated
+            for r in p.results
+            if r.task.kind == kind
+        ]
+        assert tasks, kind
+    # every configuration, scanned exhaustively
+    results = {}
+    from pdserve.planner.search import colocated_tasks, high_affinity_tasks, low_affinity_tasks
+
+    all_tasks = (
+        high_affinity_tasks(TOY, TOY_CLUSTER)
+        + low_affinity_tasks(TOY, TOY_CLUSTER)
+        + colocated_tasks(TOY, TOY_CLUSTER)
+    )
+    for t in all_tasks:
+        results[t] = _scan_goodput(ctx, t)
+    step = np.geomspace(0.5, 2000, 400)[1] / np.geomspace(0.5, 2000, 400)[0]
+    for t in all_tasks:
+        bisected = run_task(ctx, t).goodput
+        # bisection to 1% lands within one grid step (and the tolerance) of the scan
+        assert results[t] / step / 1.01 <= bisected <= results[t] * step * 1.01, t.label()
+    best = outcome.best
+    assert best is not None
+    if best.kind.startswith("disaggregated (high"):
+        p, d = best.results
+        best_p = max(
+            (t for t in all_tasks if t.kind == "prefill"), key=lambda t: results[t] / t.devices
+        )
+        best_d = max(
+            (t for t in all_tasks if t.kind == "decode"), key=lambda t: results[t] / t.devices
+        )
+        assert results[best_p] / best_p.devices <= p.per_device * step * 1.02
+        assert results[best_d] / best_d.devices <= d.per_device * step * 1.02
+    colo = outcome.best_colocated
+    assert colo is not None
+    best_c = max(
+        (t for t in all_tasks if t.kind == "colocated"), key=lambda t: results[t] / t.devices
+    )
+    assert results[best_c] / best_c.devices <= colo.per_device_goodput * step * 1.02
+    best_pair = max(
+        (t for t in all_tasks if t.kind == "pair"), key=lambda t: results[t] / t.devices
+    )
+    pairs = [p for p in outcome.disaggregated if p.kind.startswith("disaggregated (low")]
+    assert results[best_pair] / best_pair.devices <= pairs[0].per_device_goodput * step * 1.02
+
+
+def test_alg1_per_device_goodput_combines_replicas() -> None:
+    ctx = toy_context()
+    outcome = search(ctx, "high", workers=1)
+    best = outcome.best
+    assert best is not None
+    p, d = best.results
+    expected = 1 / (p.task.devices / p.goodput + d.task.devices / d.goodput)
+    assert best.per_device_goodput == pytest.approx(expected)
+    n = best.instances_for(10 * p.goodput)
+    assert n["prefill"] == 10
+    assert n["decode"] == math.ceil(10 * p.goodput / d.goodput - 1e-9)
+
+
+def test_plan_verifies_the_sized_cluster_and_refuses_too_high_rates() -> None:
+    ctx = toy_context()
+    result = make_plan(ctx, rate=5.0, affinity="high", workers=1)
+    assert result.sizing is not None and result.sizing["devices"] <= 4
+    assert result.verified_attainment is not None and 0.0 <= result.verified_attainment <= 1.0
+    with pytest.raises(PlanInputError, match=r"--rate 100000 req/s is beyond this cluster"):
+        make_plan(ctx, rate=1e5, affinity="high", workers=1)
+
+
+def test_unmeetable_slo_explains_the_zero_load_latency() -> None:
+    ctx = toy_context(slo=SLOTarget(ttft=1e-5, tpot=1e-5))
+    with pytest.raises(PlanInputError, match="even with no queueing, the fastest configuration"):
+        make_plan(ctx, rate=None, affinity="high", workers=1)
+
+
+# ---- replanning ----------------------------------------------------------------------------
+
+
+def test_replan_keeps_the_best_and_replaces_a_poor_placement() -> None:
+    ctx = toy_context()
+    outcome = search(ctx, "both", workers=1)
+    assert outcome.best is not None
+    w = ctx.workload
+    same = WorkloadStats(2.0, float(w.input_lens.mean()), float(w.output_lens.mean()))
+    keep = advise_replan(ctx, outcome.best, same, tolerance=0.1, workers=1)
+    assert keep.keep and keep.ratio == pytest.approx(1.0)
+    worst = outcome.disaggregated[-1]
+    assert worst.per_device_goodput < 0.9 * outcome.best.per_device_goodput
+    change = advise_replan(ctx, worst, same, tolerance=0.1, workers=1)
+    assert not change.keep
+    assert change.best.per_device_goodput == pytest.approx(outcome.best.per_device_goodput)
+    assert change.instances == outcome.best.instances_for(2.0)
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+
+
+def _plan(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "plan",
+        "--hardware",
+        "a100",
+        "--output",
+        str(tmp_path / "plan.json"),
+        "--workers",
+        "1",
+        "--num-requests",
+        "200",
+        *extra,
+    ]
+
+
+def test_cli_plan_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = _plan(
+        tmp_path,
+        "--model", "opt-13b", "--nodes", "1", "--devices-per-node", "2",
+        "--ttft", "0.25", "--tpot", "0.1", "--rate", "4", "--affinity", "high",
+    )  # fmt: skip
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "datasheet ESTIMATE" in out and "chosen: disaggregated" in out
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["hardware_is_estimate"] is True
+    assert doc["instances"]["devices"] <= 2
+    assert set(doc["curves"]) == {"disaggregated", "colocated"}
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ("--model", "opt-175b", "--nodes", "1", "--devices-per-node", "2"),
+            "opt-175b does not fit: weights 349.1 GB",
+        ),
+        (
+            ("--model", "opt-13b", "--nodes", "1", "--devices-per-node", "1", "--ttft", "0.001"),
+            "no placement meets TTFT 0.001 s",
+        ),
+        (
+            ("--model", "opt-13b", "--nodes", "1", "--devices-per-node", "1", "--rate", "1e6"),
+            "is beyond this cluster",
+        ),
+        (("--model", "gpt-9", "--nodes", "1", "--devices-per-node", "1"), "not a preset"),
+        (("--model", "opt-13b", "--devices-per-node", "1"), "give --nodes and --devices-per-node"),
+        (("--model", "opt-13b", "--nodes", "0", "--devices-per-node", "1"), ">= 1 node"),
+        (
+            ("--model", "opt-13b", "--nodes", "1", "--devices-per-node", "1", "--rate", "-2"),
+            "--rate must be > 0",
+        ),
+        (
+            ("--model", "opt-13b", "--nodes", "1", "--devices-per-node", "1", "--workload", "nope"),
+            "nope",
+        ),
+    ],
+)
+def test_cli_plan_bad_input_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: tuple[str, ...], message: str
+) -> None:
+    argv = _plan(tmp_path, *extra)
+    if "--ttft" not in extra:
+        argv += ["--ttft", "0.25"]
+    argv += ["--tpot", "0.1"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_cli_plan_malformed_cluster_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "cluster.json"
+    bad.write_text('{"nodes": 1, "devices_per_node": 2, "gpus": 8}')
+    argv = _plan(
+        tmp_path, "--model", "opt-13b", "--cluster", str(bad), "--ttft", "1", "--tpot", "1"
+    )
+    assert cli_main(argv) == 2
+    assert "unknown cluster fields ['gpus']" in capsys.readouterr().err
+
+
+def test_workload_reshaping_keeps_pattern() -> None:
+    from pdserve.planner.replan import reshape_workload
+
+    w = sample_workload("chatbot", 300, 1.0, seed=1)
+    r = reshape_workload(w, WorkloadStats(1.0, 2 * float(w.input_lens.mean()), 50.0), 2048)
+    assert np.array_equal(r.arrivals, w.arrivals)
+    assert float(r.input_lens.mean()) == pytest.approx(2 * float(w.input_lens.mean()), rel=0.05)
+    assert int((r.input_lens + r.output_lens).max()) <= 2048
