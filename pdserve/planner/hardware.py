@@ -4,7 +4,7 @@ A profile is a JSON file:
 
     {"name": "a100-80gb", "kind": "estimate" | "measured",
      "coefficients": {"c1": ..., ..., "c6": ...},
-     "device_memory_gb": 80, "tp_bandwidth_gbps": ..., "tp_latency_us": ...,
+     "device_memory_gb": 80, "tp_bandwidth_gbps": ..., "tp_latency_s": ...,
      "source": "how the numbers were obtained", "fit": {...} (measured only)}
 
 `measured` profiles come from `pdserve profile` (engine steps timed on this machine
@@ -90,7 +90,7 @@ class HardwareProfile:
             "coefficients": self.coefficients.to_dict(),
             "device_memory_gb": self.device_memory_bytes / GB,
             "tp_bandwidth_gbps": self.tp_bandwidth / GB,
-            "tp_latency_us": self.tp_latency_s * 1e6,
+            "tp_latency_s": self.tp_latency_s,
             "source": self.source,
             "fit": self.fit,
         }
@@ -109,7 +109,7 @@ class HardwareProfile:
                 coefficients=Coefficients.from_dict(d["coefficients"], source),
                 device_memory_bytes=float(d["device_memory_gb"]) * GB,
                 tp_bandwidth=float(d.get("tp_bandwidth_gbps", 0.0)) * GB,
-                tp_latency_s=float(d.get("tp_latency_us", 0.0)) * 1e-6,
+                tp_latency_s=float(d.get("tp_latency_s", 0.0)),
                 source=str(d.get("source", "")),
                 fit=dict(d.get("fit") or {}),
             )

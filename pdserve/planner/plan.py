@@ -29,17 +29,15 @@ class PlanResult:
     colocated_sizing: dict[str, int] | None
     verified_attainment: float | None  # whole sized cluster simulated at `rate`
 
-    @property
-    def best(self) -> Placement:
-        assert self.outcome.best is not None
-        return self.outcome.best
+    chosen: Placement  # best per-device goodput (that serves `rate` on the cluster)
 
     @property
     def gain_over_colocated(self) -> float | None:
-        colo = self.outcome.best_colocated
-        if colo is None or colo.per_device_goodput <= 0:
+        """Best disaggregated per-device goodput over the best colocated one."""
+        colo, dis = self.outcome.best_colocated, self.outcome.best_disaggregated
+        if colo is None or dis is None or colo.per_device_goodput <= 0:
             return None
-        return self.best.per_device_goodput / colo.per_device_goodput
+        return dis.per_device_goodput / colo.per_device_goodput
 
     def to_dict(self) -> dict[str, Any]:
         c = self.ctx
@@ -60,10 +58,12 @@ class PlanResult:
             "num_simulated_requests": len(c.workload.arrivals),
             "slo": {"ttft_s": c.slo.ttft, "tpot_s": c.slo.tpot, "attainment": c.slo.attainment},
             "knobs": vars(c.knobs),
-            "chosen": self.best.to_dict(),
-            "best_colocated": colo.to_dict() if colo else None,
+            "chosen": self.chosen.to_dict(),
+            "best_disaggregated": _dict(self.outcome.best_disaggregated),
+            "best_colocated": _dict(colo),
             "gain_over_colocated": self.gain_over_colocated,
-            "runner_ups": [p.to_dict() for p in self.outcome.disaggregated[1:6]],
+            "runner_ups": [p.to_dict() for p in self.outcome.ranked[1:6]],
+            "notes": self.outcome.notes,
             "colocated_runner_ups": [p.to_dict() for p in self.outcome.colocated[1:4]],
             "rate": self.rate,
             "instances": self.sizing,
@@ -81,21 +81,29 @@ def make_plan(
     progress_factory: Callable[[int], Callable[[int], None]] | None = None,
 ) -> PlanResult:
     outcome = search(ctx, affinity, workers, progress_factory)
-    if outcome.best is None:
+    ranked = outcome.ranked
+    if not ranked:
         raise PlanInputError(explain_unmeetable(ctx))
-    sizing = colo_sizing = None
-    verified = None
-    if rate is not None:
-        sizing = outcome.best.instances_for(rate)
-        if sizing["devices"] > ctx.cluster.num_devices:
-            raise PlanInputError(explain_rate(ctx, outcome.best, rate, sizing["devices"]))
-        if outcome.best_colocated is not None:
-            colo_sizing = outcome.best_colocated.instances_for(rate)
-        system = build_system(ctx, outcome.best, rate)
-        verified = simulate(system, ctx.workload.with_rate(rate)).attainment(
-            ctx.slo.ttft, ctx.slo.tpot
-        )
-    return PlanResult(ctx, outcome, rate, sizing, colo_sizing, verified)
+    if rate is None:
+        return PlanResult(ctx, outcome, None, None, None, None, ranked[0])
+    fitting = [p for p in ranked if _devices(p, rate) <= ctx.cluster.num_devices]
+    if not fitting:
+        raise PlanInputError(explain_rate(ctx, ranked[0], rate, _devices(ranked[0], rate)))
+    chosen = fitting[0]  # the best placement that serves `rate` on this cluster
+    colo = outcome.best_colocated
+    colo_sizing = colo.instances_for(rate) if colo is not None else None
+    verified = simulate(build_system(ctx, chosen, rate), ctx.workload.with_rate(rate)).attainment(
+        ctx.slo.ttft, ctx.slo.tpot
+    )
+    return PlanResult(ctx, outcome, rate, chosen.instances_for(rate), colo_sizing, verified, chosen)
+
+
+def _dict(p: Placement | None) -> dict[str, Any] | None:
+    return p.to_dict() if p is not None else None
+
+
+def _devices(p: Placement, rate: float) -> int:
+    return p.instances_for(rate)["devices"]
 
 
 def build_system(

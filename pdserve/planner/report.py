@@ -24,17 +24,23 @@ def render_plan(result: PlanResult, elapsed_s: float) -> str:
             "NOTE: the hardware profile is a datasheet ESTIMATE (peak x efficiency factors), "
             "not a measurement: every figure below inherits its error"
         )
-    best = result.best
+    best = result.chosen
     lines += ["", f"chosen: {best.describe()}", f"  goodput {_pd(best)} per device"]
-    colo = result.outcome.best_colocated
+    dis, colo = result.outcome.best_disaggregated, result.outcome.best_colocated
+    lines.append(
+        f"best disaggregated: {dis.describe()}, {_pd(dis)} per device"
+        if dis
+        else "best disaggregated: none meets the SLOs"
+    )
     if colo is not None:
         gain = result.gain_over_colocated
         lines.append(
             f"best colocated: {colo.describe()}, {_pd(colo)} per device"
-            + (f" -> disaggregated is {gain:.2f}x" if gain else "")
+            + (f" -> disaggregated/colocated {gain:.2f}x" if gain else "")
         )
     else:
         lines.append("best colocated: none meets the SLOs")
+    lines += [f"note: {n}" for n in result.outcome.notes]
     if result.rate is not None and result.sizing is not None:
         lines.append(f"for {result.rate:g} req/s: {_sizing(result.sizing)}")
         if result.colocated_sizing:
@@ -44,7 +50,7 @@ def render_plan(result: PlanResult, elapsed_s: float) -> str:
                 f"  whole-cluster simulation at {result.rate:g} req/s: "
                 f"{result.verified_attainment:.1%} of requests meet both SLOs"
             )
-    runner = result.outcome.disaggregated[1:6]
+    runner = [p for p in result.outcome.ranked if p is not best][:5]
     if runner:
         lines.append("runner-ups:")
         lines += [f"  {p.describe()}: {_pd(p)} per device" for p in runner]
@@ -78,10 +84,12 @@ def write_plan_files(
 def _curves(result: PlanResult) -> dict[str, dict[str, list[float]]]:
     """Attainment vs per-device rate for the chosen and the best colocated placement,
     each sized for the same reference rate."""
-    placements = {"disaggregated": result.best}
+    placements = {}
+    if result.outcome.best_disaggregated is not None:
+        placements["disaggregated"] = result.outcome.best_disaggregated
     if result.outcome.best_colocated is not None:
         placements["colocated"] = result.outcome.best_colocated
-    ref = result.rate or _reference_rate(result.best)
+    ref = result.rate or _reference_rate(result.chosen)
     curves = {}
     for name, p in placements.items():
         devices = p.instances_for(ref)["devices"]
@@ -90,7 +98,7 @@ def _curves(result: PlanResult) -> dict[str, dict[str, list[float]]]:
         curves[name] = {
             "per_device_rate": per_device,
             "attainment": attainment_curve(result.ctx, p, ref, rates),
-            "devices": [devices],
+            "devices": [float(devices)],
         }
     return curves
 

@@ -326,16 +326,20 @@ def _replicas(rate: float, goodput: float) -> int:
     return max(1, math.ceil(rate / goodput - 1e-9))
 
 
-def high_affinity_placements(results: Iterable[TaskResult]) -> list[Placement]:
-    """Alg. 1: best prefill x best decode by per-device goodput, runner-ups by pairing
-    the top few of each."""
+def high_affinity_placements(
+    results: Iterable[TaskResult], max_devices: int | None = None
+) -> list[Placement]:
+    """Alg. 1: every prefill config x every decode config (one of each must fit in
+    `max_devices`), best per-device goodput first. Without a device limit this is the
+    best prefill with the best decode."""
     res = list(results)
-    pre = sorted((r for r in res if r.task.kind == "prefill" and r.goodput > 0), key=_by_pd)
-    dec = sorted((r for r in res if r.task.kind == "decode" and r.goodput > 0), key=_by_pd)
+    pre = [r for r in res if r.task.kind == "prefill" and r.goodput > 0]
+    dec = [r for r in res if r.task.kind == "decode" and r.goodput > 0]
     out = [
         Placement("disaggregated (high affinity)", (p, d), _combined(p, d))
-        for p in pre[:3]
-        for d in dec[:3]
+        for p in pre
+        for d in dec
+        if max_devices is None or p.task.devices + d.task.devices <= max_devices
     ]
     return sorted(out, key=lambda pl: -pl.per_device_goodput)
 
@@ -360,9 +364,20 @@ class SearchOutcome:
     disaggregated: list[Placement] = field(default_factory=list)  # best first
     colocated: list[Placement] = field(default_factory=list)  # best first
     tasks: int = 0
+    notes: list[str] = field(default_factory=list)  # why a kind of placement is missing
+
+    @property
+    def ranked(self) -> list[Placement]:
+        """Every placement meeting the SLOs, best per-device goodput first."""
+        return sorted(self.disaggregated + self.colocated, key=lambda p: -p.per_device_goodput)
 
     @property
     def best(self) -> Placement | None:
+        ranked = self.ranked
+        return ranked[0] if ranked else None
+
+    @property
+    def best_disaggregated(self) -> Placement | None:
         return self.disaggregated[0] if self.disaggregated else None
 
     @property
@@ -380,16 +395,27 @@ def search(
     if affinity not in ("high", "low", "both"):
         raise PlanInputError(f"affinity must be high, low or both, got {affinity!r}")
     tasks: list[Task] = []
+    notes = []
     if affinity in ("high", "both"):
         tasks += high_affinity_tasks(ctx.spec, ctx.cluster)
     if affinity in ("low", "both"):
-        tasks += low_affinity_tasks(ctx.spec, ctx.cluster)
+        try:
+            tasks += low_affinity_tasks(ctx.spec, ctx.cluster)
+        except PlanInputError as e:
+            if affinity == "low":
+                raise
+            notes.append(str(e))
     tasks += colocated_tasks(ctx.spec, ctx.cluster)
     progress = progress_factory(len(tasks)) if progress_factory else None
     results = run_tasks(ctx, tasks, workers, progress)
-    disagg = high_affinity_placements(results) + single_placements(
-        results, "pair", "disaggregated (low affinity)"
-    )
+    high = high_affinity_placements(results, ctx.cluster.num_devices)
+    disagg = high + single_placements(results, "pair", "disaggregated (low affinity)")
     disagg.sort(key=lambda pl: -pl.per_device_goodput)
     colo = single_placements(results, "colocated", "colocated")
-    return SearchOutcome(disagg, colo, len(tasks))
+    if not high and any(t.kind == "prefill" for t in tasks):
+        notes.append(
+            "no high node-affinity placement: a prefill and a decode instance together need "
+            f"more than the cluster's {ctx.cluster.num_devices} devices, or one phase meets "
+            "no SLO"
+        )
+    return SearchOutcome(disagg, colo, len(tasks), notes)
