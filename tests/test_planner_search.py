@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pdserve.planner.workload import sample_workload
 
 from pdserve.cli import main as cli_main
 from pdserve.planner.candidates import (
@@ -39,10 +38,10 @@ from pdserve.planner.search import (
     SearchContext,
     SLOTarget,
     Task,
-    attainment_function,
     run_task,
     search,
 )
+from pdserve.planner.workload import sample_workload
 
 TOY = ModelSpec(
     name="toy",
