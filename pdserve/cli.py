@@ -9,6 +9,7 @@ import time
 from pdserve.bench.cli import add_bench_parser
 from pdserve.errors import InvalidRequestError, ModelLoadError
 from pdserve.planner.cli import add_plan_parser
+from pdserve.planner.profiler import add_profile_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub.add_parser("serve", help="serve the OpenAI API over HTTP"))
     add_bench_parser(sub)
     add_plan_parser(sub)
+    add_profile_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

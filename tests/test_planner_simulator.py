@@ -1,0 +1,280 @@
+"""The discrete-event simulator: hand-computed timelines, a naive step-by-step
+reference, queueing theory, workloads and bad input."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdserve.planner.latency import StepCost
+from pdserve.planner.model_spec import PlanInputError
+from pdserve.planner.simulator import (
+    ColocatedSystem,
+    DisaggSystem,
+    InstanceSpec,
+    simulate,
+    simulate_decode,
+    simulate_prefill,
+)
+from pdserve.planner.workload import SimWorkload, fit_trace, sample_workload
+
+
+def cost(
+    base: float = 1.0,
+    prompt_token: float = 0.0,
+    prompt_unit: float = 0.0,
+    prompt_seq: float = 0.0,
+    decode_token: float = 0.0,
+    context_token: float = 0.0,
+    stages: int = 1,
+) -> StepCost:
+    return StepCost(
+        base, prompt_token, prompt_unit, prompt_seq, decode_token, context_token, stages
+    )
+
+
+def wl(arrivals: list[float], inputs: list[int], outputs: list[int]) -> SimWorkload:
+    return SimWorkload(
+        np.array(arrivals, dtype=float), np.array(inputs), np.array(outputs), name="test"
+    )
+
+
+# ---- prefill ------------------------------------------------------------------------------
+
+
+def test_chunked_prefill_splits_prompts_within_the_budget() -> None:
+    c = cost(base=1.0, prompt_token=0.01, prompt_unit=1e-5, prompt_seq=0.5)
+    inst = InstanceSpec(c, 10_000, max_batch_tokens=100, chunked=True)
+    r = simulate_prefill(inst, wl([0.0, 0.0], [250, 30], [1, 1]))
+    s1 = 1 + 100 * 0.01 + 100**2 * 1e-5  # A 0..100
+    s2 = 1 + 100 * 0.01 + (200**2 - 100**2) * 1e-5  # A 100..200
+    s3 = 1 + 80 * 0.01 + (250**2 - 200**2 + 30**2) * 1e-5 + 2 * 0.5  # A 200..250, B 0..30
+    assert r.first_token.tolist() == pytest.approx([s1 + s2 + s3] * 2, abs=1e-12)
+    assert r.utilization["prefill-0"] == pytest.approx(1.0)
+
+
+def test_prefill_without_chunking_batches_whole_prompts_up_to_lm() -> None:
+    inst = InstanceSpec(cost(base=1.0, prompt_token=0.01), 10_000, 256, 100, chunked=False)
+    r = simulate_prefill(inst, wl([0.0, 0.0, 0.0, 0.0], [60, 30, 50, 150], [1] * 4))
+    # [A 60 + B 30] = 1.9; C 50 alone (140 > 100) = 1.5; D 150 > L_m runs alone = 2.5
+    assert r.ttft.tolist() == pytest.approx([1.9, 1.9, 3.4, 5.9])
+
+
+def test_pipelined_prefill_admits_a_batch_every_stage_time() -> None:
+    # two stages: a stage of a 100-token prompt takes 1 + 1 = 2 s, the request 4 s
+    inst = InstanceSpec(cost(base=1.0, prompt_token=0.01, stages=2), 10_000, 256, 100, False)
+    r = simulate_prefill(inst, wl([0.0, 0.0, 0.0], [100, 100, 100], [1] * 3))
+    assert r.ttft.tolist() == pytest.approx([4.0, 6.0, 8.0])
+
+
+def test_prefill_queueing_is_fcfs_across_idle_gaps() -> None:
+    inst = InstanceSpec(cost(base=1.0), 10_000, 256, 100, chunked=True)
+    r = simulate_prefill(inst, wl([0.0, 0.5, 5.0], [10, 10, 10], [1] * 3))
+    assert r.first_token.tolist() == pytest.approx([1.0, 2.0, 6.0])
+
+
+# ---- decode --------------------------------------------------------------------------------
+
+
+def test_decode_batches_join_at_step_boundaries() -> None:
+    inst = InstanceSpec(cost(base=0.1, decode_token=0.01, context_token=0.001), 10_000)
+    r = simulate_decode(inst, wl([0.0, 0.15], [10, 20], [4, 3]))
+    s1 = 0.1 + 0.01 + 0.011  # A alone, context 11
+    s2 = 0.1 + 0.01 + 0.012
+    s3 = 0.1 + 0.02 + (13 + 21) * 0.001  # B joined at the boundary after 0.15
+    s4 = 0.1 + 0.01 + 0.022  # A finished after its 3 steps; B's second (last) step
+    a_end = s1 + s2 + s3
+    b_end = a_end + s4
+    assert r.finish.tolist() == pytest.approx([a_end, b_end])
+    assert r.tpot.tolist() == pytest.approx([a_end / 3, (b_end - 0.15) / 2])
+    assert r.ttft.tolist() == [0.0, 0.0]
+
+
+def test_decode_kv_capacity_delays_admission() -> None:
+    # 30 tokens: A reserves 10 + 4, B needs 20 + 3 and waits for A to finish
+    inst = InstanceSpec(cost(base=0.1), 30)
+    r = simulate_decode(inst, wl([0.0, 0.0], [10, 20], [4, 3]))
+    assert r.finish.tolist() == pytest.approx([0.3, 0.5])
+
+
+def test_decode_batch_size_cap() -> None:
+    inst = InstanceSpec(cost(base=0.1), 10_000, max_batch_size=1)
+    r = simulate_decode(inst, wl([0.0, 0.0, 0.0], [5, 5, 5], [3, 3, 3]))
+    assert r.finish.tolist() == pytest.approx([0.2, 0.4, 0.6])
+
+
+def test_disaggregated_pipeline_with_transfer_time() -> None:
+    pre = InstanceSpec(cost(base=1.0, prompt_token=0.01), 10_000, 256, 512, chunked=False)
+    dec = InstanceSpec(cost(base=0.1), 10_000)
+    system = DisaggSystem((pre,), (dec,), kv_bytes_per_token=100, transfer_bandwidth=1000.0)
+    r = simulate(system, wl([0.0, 0.0], [100, 50], [3, 1]))
+    # prefill batch of both: 1 + 1.5 = 2.5; A transfers 100 * 100 / 1000 = 10 s, then 2 steps
+    assert r.first_token.tolist() == pytest.approx([2.5, 2.5])
+    assert r.finish.tolist() == pytest.approx([2.5 + 10 + 0.2, 2.5])  # B: one token, no decode
+    assert r.tpot.tolist() == pytest.approx([(10 + 0.2) / 2, 0.0])  # TPOT holds the transfer
+
+
+def test_decode_dispatch_goes_to_the_least_loaded_instance() -> None:
+    pre = InstanceSpec(cost(base=1.0), 10_000, 256, 10, chunked=False)
+    dec = InstanceSpec(cost(base=0.5), 10_000, max_batch_size=1)
+    system = DisaggSystem((pre,), (dec, dec), 1, math.inf)
+    r = simulate(system, wl([0.0, 0.0, 0.0], [10, 10, 10], [3, 3, 3]))
+    # prefills end at 1, 2, 3; A -> decode-0, B -> decode-1, C -> decode-0 (A done at 2)
+    assert r.finish.tolist() == pytest.approx([2.0, 3.0, 4.0])
+
+
+# ---- colocated -------------------------------------------------------------------------
+
+
+def test_colocated_chunked_steps_mix_prompts_and_decodes() -> None:
+    c = cost(base=1.0, prompt_token=0.01, decode_token=0.1)
+    inst = InstanceSpec(c, 10_000, 64, 100, chunked=True)
+    r = simulate(ColocatedSystem((inst,)), wl([0.0, 4.0], [150, 50], [3, 2]))
+    # A: 100 (2.0), 50 (1.5) -> first 3.5; decode (1.1) -> 4.6; B joins: A decode + B 50
+    # (1.6) -> 6.2 = A's finish and B's first token; B decode (1.1) -> 7.3
+    assert r.first_token.tolist() == pytest.approx([3.5, 6.2])
+    assert r.finish.tolist() == pytest.approx([6.2, 7.3])
+
+
+def test_colocated_prefill_first_pauses_decodes() -> None:
+    c = cost(base=1.0, prompt_token=0.01, decode_token=0.1)
+    inst = InstanceSpec(c, 10_000, 64, 100, chunked=False)
+    r = simulate(ColocatedSystem((inst,)), wl([0.0, 2.5], [50, 50], [3, 2]))
+    # A prefill 1.5; decode 1.1 -> 2.6; B prefill-only step 1.5 -> 4.1; then A and B decode
+    # together (1.2) -> 5.3: A's second decode token and B's only one
+    assert r.first_token.tolist() == pytest.approx([1.5, 4.1])
+    assert r.finish.tolist() == pytest.approx([5.3, 5.3])
+
+
+# ---- the closed-form jumps against a naive step-by-step loop ----------------------------
+
+
+def naive_decode(c: StepCost, cap: int, max_batch: int, w: SimWorkload) -> np.ndarray:
+    """One step at a time: at each boundary admit arrived requests FCFS while there is
+    room, then run a step of everything admitted."""
+    arr, inp, out = w.arrivals.tolist(), w.input_lens.tolist(), w.output_lens.tolist()
+    finish = [0.0] * len(arr)
+    pending = [i for i in range(len(arr)) if out[i] > 1]
+    for i in range(len(arr)):
+        if out[i] == 1:
+            finish[i] = arr[i]
+    running: dict[int, int] = {}  # rid -> tokens generated so far
+    reserved, t = 0, 0.0
+    while pending or running:
+        while pending and arr[pending[0]] <= t and len(running) < max_batch:
+            i = pending[0]
+            if reserved + inp[i] + out[i] > cap:
+                break
+            pending.pop(0)
+            reserved += inp[i] + out[i]
+            running[i] = 1
+        if not running:
+            t = max(t, arr[pending[0]])
+            continue
+        ctx = sum(inp[i] + g for i, g in running.items())
+        t += c.stages * c.base + c.decode_token * len(running) + c.context_token * ctx
+        for i in list(running):
+            running[i] += 1
+            if running[i] == out[i]:
+                finish[i] = t
+                reserved -= inp[i] + out[i]
+                del running[i]
+    return np.array(finish)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_jumps_match_the_naive_loop(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = 60
+    w = wl(
+        np.cumsum(rng.exponential(0.05, n)).tolist(),
+        rng.integers(1, 50, n).tolist(),
+        rng.integers(1, 40, n).tolist(),
+    )
+    c = cost(base=0.01, decode_token=0.002, context_token=1e-4, stages=1 + seed % 2)
+    cap, batch = 400 + 50 * seed, 4 + seed
+    got = simulate_decode(InstanceSpec(c, cap, max_batch_size=batch), w)
+    assert np.allclose(got.finish, naive_decode(c, cap, batch, w), rtol=0, atol=1e-9)
+
+
+# ---- queueing theory -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rho", [0.5, 0.8])
+def test_non_batching_prefill_is_an_md1_queue(rho: float) -> None:
+    d = 0.1
+    rate = rho / d
+    n = 200_000
+    rng = np.random.default_rng(11)
+    w = wl(np.cumsum(rng.exponential(1 / rate, n)).tolist(), [100] * n, [1] * n)
+    r = simulate_prefill(InstanceSpec(cost(base=d), 10**9, 1, 100, chunked=False), w)
+    expected = d + rate * d * d / (2 * (1 - rate * d))  # DistServe eq. 1
+    assert r.ttft.mean() == pytest.approx(expected, rel=0.025)
+    assert r.utilization["prefill-0"] == pytest.approx(rho, rel=0.02)
+
+
+def test_two_stage_pipeline_matches_distserve_eq2() -> None:
+    d, rate, n = 0.1, 12.0, 200_000  # D_m = d / 2 per stage; R * D_m = 0.6
+    rng = np.random.default_rng(5)
+    w = wl(np.cumsum(rng.exponential(1 / rate, n)).tolist(), [100] * n, [1] * n)
+    inst = InstanceSpec(cost(base=d / 2, stages=2), 10**9, 1, 100, chunked=False)
+    r = simulate_prefill(inst, w)
+    expected = d + rate * d * d / (4 * (2 - rate * d))  # eq. 2
+    assert r.ttft.mean() == pytest.approx(expected, rel=0.025)
+
+
+# ---- workloads and bad input -------------------------------------------------------------
+
+
+def test_sample_workload_draws_what_pdserve_bench_sends() -> None:
+    from pdserve.bench.arrivals import unit_offsets
+    from pdserve.bench.config import ArrivalConfig
+    from pdserve.bench.tokens import PromptFactory, load_tokenizer
+    from pdserve.bench.workloads import WorkloadOptions, build_workload
+
+    bench = build_workload(
+        WorkloadOptions(name="chatbot", num_prompts=40, seed=7), PromptFactory(load_tokenizer(None))
+    )
+    w = sample_workload("chatbot", 40, 2.0, seed=7)
+    assert w.input_lens.tolist() == [bench.turn(i).num_tokens for i in range(40)]
+    assert w.output_lens.tolist() == [bench.turn(i).output_len for i in range(40)]
+    assert np.array_equal(w.arrivals, unit_offsets(40, ArrivalConfig(), 7) / 2.0)
+    assert np.allclose(w.with_rate(4.0).arrivals, w.arrivals / 2)
+
+
+def test_trace_files_are_resampled_and_malformed_ones_refused(tmp_path: Path) -> None:
+    good = tmp_path / "t.jsonl"
+    good.write_text(
+        "\n".join(
+            f'{{"input_len": {10 * i + 1}, "output_len": {i + 1}, "arrival_time": {0.5 * i}}}'
+            for i in range(5)
+        )
+    )
+    fit = fit_trace(good)
+    assert fit.rate == pytest.approx(2.0)
+    w = sample_workload(str(good), 100, 3.0, seed=1)
+    pairs = set(zip(w.input_lens.tolist(), w.output_lens.tolist(), strict=True))
+    assert pairs <= {(10 * i + 1, i + 1) for i in range(5)}
+    for text, message in [
+        ('{"input_len": 5}', "'output_len' must be an integer >= 1"),
+        ('{"prompt": "hi", "output_len": 3}', "needs 'input_len'"),
+        ("not json", "not JSON"),
+        ('{"input_len": 5, "output_len": 2, "arrival_time": -1}', "'arrival_time' must be"),
+    ]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(PlanInputError, match=message):
+            fit_trace(bad)
+
+
+def test_requests_that_can_never_fit_are_refused() -> None:
+    inst = InstanceSpec(cost(), 100)
+    with pytest.raises(PlanInputError, match="request 1 needs 130 KV tokens"):
+        simulate(ColocatedSystem((inst,)), wl([0.0, 0.0], [10, 120], [5, 10]))
+    with pytest.raises(PlanInputError, match="has no requests"):
+        wl([], [], [])
+    with pytest.raises(PlanInputError, match="unknown workload 'nope'"):
+        sample_workload("nope", 10, 1.0)
