@@ -1,16 +1,20 @@
 """The simulator against the real system: SLO attainment across a rate sweep.
 
-1. `pdserve profile` fits the latency model on this machine (profile JSON);
-2. this script starts `pdserve serve` (colocated by default, or --prefill/--decode),
-   runs `pdserve bench run` over the rates, and stops the server;
+1. calibration: `pdserve serve` (colocated by default, or --prefill/--decode) runs
+   with `PDSERVE_STEP_TRACE`, `pdserve bench run` sends a calibration sweep (its own
+   seed), and `pdserve profile --from-trace` fits the latency model to the steps the
+   serving engine traced (the HTTP front end and the load generator share this
+   2-core machine, so isolated step times are too optimistic under load);
+2. evaluation: a fresh server, the evaluation sweep (another seed);
 3. every measured request (its prompt and output length and the moment it was sent)
-   is replayed through the simulator with the profile, configured like the server;
+   is replayed through the simulator, configured like the server, with the serving
+   profile (and, for comparison, an isolated `pdserve profile` grid profile);
 4. it prints measured vs simulated attainment (and mean TTFT / TPOT) per rate.
 
-    .venv/bin/python bench/sim_vs_real.py --profile profile.json \
-        --rates 1,2,3,4 --num-prompts 100 --slo ttft:1000 tpot:100 [--results FILE]
+    .venv/bin/python bench/sim_vs_real.py --grid-profile profile.json \
+        --rates 1,1.5,2,3 --num-prompts 80 --slo ttft:1000 tpot:100
 
-With --results FILE it skips steps 2 (re-analyses an earlier sweep).
+With --results FILE --profile FILE it skips the runs (re-analyses an earlier sweep).
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pdserve.planner.hardware import load_profile
+from pdserve.planner.latency import step_cost
+from pdserve.planner.model_spec import resolve_model_spec
 from pdserve.planner.simulator import (
     ColocatedSystem,
     DisaggSystem,
@@ -35,10 +43,6 @@ from pdserve.planner.simulator import (
     simulate,
 )
 from pdserve.planner.workload import SimWorkload
-
-from pdserve.planner.hardware import load_profile
-from pdserve.planner.latency import step_cost
-from pdserve.planner.model_spec import resolve_model_spec
 
 KV_GIB = 1.0  # CacheConfig.kv_cache_memory_gib default
 MAX_NUM_SEQS = 64  # SchedulerConfig.max_num_seqs default
@@ -59,23 +63,42 @@ def start_server(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
     raise SystemExit("server did not become healthy in 180 s")
 
 
-def run_sweep(args: argparse.Namespace, out: Path) -> None:
+def run_sweep(
+    args: argparse.Namespace, out: Path, rates: str, prompts: int, seed: int, trace: str
+) -> None:
     extra = []
     if args.prefill:
         extra += ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+    os.environ["PDSERVE_STEP_TRACE"] = trace
     proc = start_server(args.port, extra)
+    del os.environ["PDSERVE_STEP_TRACE"]
     try:
         cmd = [
             sys.executable, "-m", "pdserve.cli", "bench", "run",
             "--port", str(args.port), "--workload", args.workload,
-            "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
-            "--request-rates", args.rates, "--slo", *args.slo,
+            "--num-prompts", str(prompts), "--seed", str(seed),
+            "--request-rates", rates, "--slo", *args.slo,
             "--result-file", str(out), "--no-plots", "--disable-tqdm",
         ]  # fmt: skip
         subprocess.run(cmd, check=True)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def calibrate(args: argparse.Namespace, prefix: str) -> Path:
+    trace = f"{prefix}.calibration-trace"
+    for old in Path(trace).parent.glob(Path(trace).name + ".*"):
+        old.unlink()
+    run_sweep(
+        args, Path(f"{prefix}.calibration.json"), args.calibrate_rates,
+        args.calibrate_prompts, args.calibrate_seed, trace,
+    )  # fmt: skip
+    profile = Path(f"{prefix}.serving-profile.json")
+    files = sorted(str(p) for p in Path(trace).parent.glob(Path(trace).name + ".*.jsonl"))
+    cmd = [sys.executable, "-m", "pdserve.cli", "profile", "--from-trace", *files]
+    subprocess.run([*cmd, "--output", str(profile)], check=True)
+    return profile
 
 
 def workload_of(run: dict[str, Any]) -> SimWorkload:
@@ -91,8 +114,8 @@ def workload_of(run: dict[str, Any]) -> SimWorkload:
     )
 
 
-def system_for(args: argparse.Namespace) -> ColocatedSystem | DisaggSystem:
-    hw = load_profile(args.profile)
+def system_for(args: argparse.Namespace, profile: str) -> ColocatedSystem | DisaggSystem:
+    hw = load_profile(profile)
     spec = resolve_model_spec(None)
     cost = step_cost(spec, hw.coefficients)
     kv_tokens = int(KV_GIB * 2**30 // spec.kv_bytes_per_token)
@@ -112,10 +135,14 @@ def measured(run: dict[str, Any]) -> tuple[float, float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--profile", required=True)
+    p.add_argument("--profile", default=None, help="serving profile (default: calibrate)")
+    p.add_argument("--grid-profile", default=None, help="an isolated `pdserve profile`, too")
     p.add_argument("--results", default=None, help="analyse this bench JSON instead of running")
-    p.add_argument("--rates", default="1,2,3,4")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--rates", default="1,1.5,2,3")
+    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--calibrate-rates", default="1,2,3")
+    p.add_argument("--calibrate-prompts", type=int, default=40)
+    p.add_argument("--calibrate-seed", type=int, default=1)
     p.add_argument("--workload", default="chatbot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo", nargs="+", default=["ttft:1000", "tpot:100"])
@@ -125,14 +152,36 @@ def main() -> None:
     p.add_argument("--output", default="bench-results/sim_vs_real.json")
     args = p.parse_args()
     os.makedirs("bench-results", exist_ok=True)
-    results = Path(args.results) if args.results else Path(args.output).with_suffix(".bench.json")
+    prefix = str(Path(args.output).with_suffix(""))
+    profile = args.profile or str(calibrate(args, prefix))
+    results = Path(args.results) if args.results else Path(f"{prefix}.bench.json")
     if not args.results:
-        run_sweep(args, results)
+        run_sweep(args, results, args.rates, args.num_prompts, args.seed, f"{prefix}.eval-trace")
     doc = json.loads(results.read_text())
     slo = doc["slo"]
     ttft_slo = slo["ttft_ms"] / 1e3 if slo.get("ttft_ms") else None
     tpot_slo = slo["tpot_ms"] / 1e3 if slo.get("tpot_ms") else None
-    system = system_for(args)
+    systems = {"serving profile": system_for(args, profile)}
+    if args.grid_profile:
+        systems["grid profile"] = system_for(args, args.grid_profile)
+    rows = []
+    for label, system in systems.items():
+        print(f"-- simulated with the {label}")
+        rows += compare(doc, system, label, ttft_slo, tpot_slo)
+    Path(args.output).write_text(json.dumps({"profile": profile, "rows": rows}, indent=2))
+    for label in systems:
+        diffs = [abs(r["diff_pp"]) for r in rows if r["profile"] == label]
+        print(f"{label}: max |diff| {max(diffs):.1f} pp")
+    print(f"wrote {args.output}")
+
+
+def compare(
+    doc: dict[str, Any],
+    system: ColocatedSystem | DisaggSystem,
+    label: str,
+    ttft_slo: float | None,
+    tpot_slo: float | None,
+) -> list[dict[str, Any]]:
     rows = []
     print(f"{'rate':>6} {'measured':>9} {'simulated':>9} {'diff pp':>8} "
           f"{'TTFT meas/sim (s)':>18} {'TPOT meas/sim (ms)':>19}")  # fmt: skip
@@ -145,6 +194,7 @@ def main() -> None:
         att, ttft, tpot = measured(run)
         ok = sim.tpot[w.output_lens > 1]
         row = {
+            "profile": label,
             "rate": run["rate"],
             "measured_attainment": att,
             "simulated_attainment": att_sim,
@@ -160,8 +210,7 @@ def main() -> None:
             f"{ttft:>8.3f}/{row['simulated_mean_ttft_s']:<9.3f} "
             f"{1e3 * tpot:>8.1f}/{1e3 * row['simulated_mean_tpot_s']:<9.1f}"
         )
-    Path(args.output).write_text(json.dumps({"profile": args.profile, "rows": rows}, indent=2))
-    print(f"max |diff| {max(abs(r['diff_pp']) for r in rows):.1f} pp; wrote {args.output}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from pdserve.engine.messages import (
     Shutdown,
     StatsRequest,
 )
+from pdserve.engine.step_trace import StepTrace
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
@@ -63,6 +64,7 @@ class _Loop:
         self.parent = os.getppid()
         self.report_every = core.config.report_interval_s if report else None
         self.last_report = 0.0
+        self.trace = StepTrace.from_env(core.scheduler, core.config.instance_name)
 
     def send(self, msg: EngineMessage) -> None:
         self.out.send(self.encoder.encode(msg))
@@ -74,7 +76,10 @@ class _Loop:
             self.core.poll_transfers()
             self.flush_messages()  # hand-off news before the outputs they precede
             if self.core.has_unfinished():
+                t0 = time.perf_counter()
                 outputs = self.core.step()
+                if self.trace is not None:
+                    self.trace.record(time.perf_counter() - t0)
                 if outputs:
                     self.send(OutputBatch(outputs))
             elif os.getppid() != self.parent:
@@ -225,6 +230,8 @@ def run_engine_process(
         out.send(encoder.encode(EngineFailed(f"engine step failed: {type(e).__name__}: {e}")))
         sys.exit(1)
     finally:
+        if loop.trace is not None:
+            loop.trace.close()
         core.close()
         inp.close(0)
         out.close()

@@ -15,6 +15,7 @@ steps it has not seen (the issue's acceptance: median <= 10%).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -27,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.engine.step_trace import StepObserver
 from pdserve.planner.fit import fit_coefficients
 from pdserve.planner.hardware import HardwareProfile
-from pdserve.planner.latency import chunk_units, step_features
+from pdserve.planner.latency import step_features
 from pdserve.planner.model_spec import ModelSpec, PlanInputError
 
 
@@ -89,21 +91,6 @@ class StepPoint:
     seconds: float
 
 
-def _composition(seqs: Any) -> tuple[int, int, int, int, int]:
-    pt = units = finishing = dec = ctx = 0
-    for s in seqs:
-        req = s.request
-        k, c = req.num_computed_tokens, s.num_new_tokens
-        if k >= len(req.prompt_token_ids):
-            dec += c
-            ctx += k + 1
-        else:
-            pt += c
-            units += chunk_units(k, c)
-            finishing += int(s.samples)
-    return pt, units, finishing, dec, ctx
-
-
 class StepTimer:
     """Runs an `EngineCore` and records each step's composition and wall time."""
 
@@ -112,15 +99,7 @@ class StepTimer:
         self.vocab = vocab
         self.rng = np.random.default_rng(seed)
         self.ids = 0
-        self.last: tuple[int, int, int, int, int] | None = None
-        schedule = core.scheduler.schedule
-
-        def observed() -> Any:
-            out = schedule()
-            self.last = _composition(out.seqs)
-            return out
-
-        core.scheduler.schedule = observed
+        self.observer = StepObserver(core.scheduler)
 
     def add(self, prompt_len: int, max_tokens: int) -> str:
         from pdserve.engine.sampling_params import SamplingParams
@@ -136,8 +115,7 @@ class StepTimer:
         t0 = time.perf_counter()
         self.core.step()
         dt = time.perf_counter() - t0
-        assert self.last is not None
-        return self.last, dt
+        return self.observer.last, dt
 
     def drain(self) -> None:
         while self.core.has_unfinished():
@@ -256,6 +234,12 @@ def profile(cfg: ProfileConfig, progress: bool = True) -> HardwareProfile:
     bar = tqdm(total=len(grid) * cfg.repeats, desc="profiling", disable=not progress)
     points = median_points(collect(timer, grid, cfg.repeats, lambda: bar.update(1)))
     bar.close()
+    return _fitted_profile(cfg, spec, points, bandwidth, f"a grid of {len(grid)} shapes")
+
+
+def _fitted_profile(
+    cfg: ProfileConfig, spec: ModelSpec, points: list[StepPoint], bandwidth: float, what: str
+) -> HardwareProfile:
     feats = np.array([step_features(spec, *p.counts) for p in points])
     times = np.array([p.seconds for p in points])
     held = np.array([p.heldout for p in points])
@@ -283,11 +267,45 @@ def profile(cfg: ProfileConfig, progress: bool = True) -> HardwareProfile:
         tp_bandwidth=0.0,
         source=(
             f"pdserve profile: {len(points)} engine steps of {spec.name} ({cfg.dtype}, "
-            f"{cfg.threads} threads) timed on this machine, fitted by non-negative least "
-            "squares on relative error"
+            f"{cfg.threads} threads; {what}) timed on this machine, fitted by non-negative "
+            "least squares on relative error"
         ),
         fit=fit,
     )
+
+
+def read_trace(paths: list[Path]) -> list[StepPoint]:
+    """Steps from `PDSERVE_STEP_TRACE` files; every 4th is held out of the fit."""
+    points: list[StepPoint] = []
+    for path in paths:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise PlanInputError(f"{path}: cannot read trace ({e.strerror})") from None
+        for n, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+                counts = tuple(int(c) for c in row["counts"])
+                seconds = float(row["seconds"])
+            except (ValueError, KeyError, TypeError):
+                raise PlanInputError(f"{path}:{n}: not a step-trace line") from None
+            if len(counts) != 5 or not seconds > 0:
+                raise PlanInputError(f"{path}:{n}: expected 5 counts and seconds > 0")
+            i = len(points)
+            points.append(StepPoint(i, i % 4 == 3, counts, seconds))
+    if len(points) < 20:
+        raise PlanInputError(f"{len(points)} traced steps are too few to fit (need >= 20)")
+    return points
+
+
+def profile_from_trace(cfg: ProfileConfig, paths: list[Path]) -> HardwareProfile:
+    """Fit the latency model to the steps a serving engine traced."""
+    from pdserve.planner.model_spec import resolve_model_spec
+
+    spec = resolve_model_spec(cfg.model, {"float32": 4}.get(cfg.dtype, 2))
+    points = read_trace(paths)
+    bandwidth = measure_bandwidth(64)
+    return _fitted_profile(cfg, spec, points, bandwidth, f"serving trace {[str(p) for p in paths]}")
 
 
 # ---- CLI ---------------------------------------------------------------------------------
@@ -305,6 +323,13 @@ def add_profile_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="a small grid (tests, smoke runs)")
+    p.add_argument(
+        "--from-trace",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="fit to steps a serving engine traced (PDSERVE_STEP_TRACE) instead of a grid",
+    )
     p.add_argument("--output", default="profile.json")
     p.set_defaults(func=run_profile)
 
@@ -314,7 +339,10 @@ def run_profile(args: argparse.Namespace) -> int:
         cfg = ProfileConfig(args.model, args.threads, args.dtype, args.repeats, args.quick)
         if args.model is not None and not Path(args.model).exists():
             raise PlanInputError(f"{args.model}: no such model file or folder")
-        hw = profile(cfg, progress=sys.stderr.isatty())
+        if args.from_trace:
+            hw = profile_from_trace(cfg, [Path(f) for f in args.from_trace])
+        else:
+            hw = profile(cfg, progress=sys.stderr.isatty())
     except PlanInputError as e:
         print(f"pdserve profile: error: {e}", file=sys.stderr)
         return 2
