@@ -30,14 +30,17 @@ def test_fit_recovers_known_coefficients() -> None:
     truth = np.array([3e-12, 2e-11, 4e-3, 1e-11, 5e-11, 6e-12])  # c1..c6
     feats = np.array([step_features(SPEC, *r) for r in _grid()])
     times = feats @ truth
-    res = fit_coefficients(feats, times, SPEC.weight_bytes, bandwidth=50e9)
+    res = fit_coefficients(feats, times, SPEC.weight_bytes, bandwidth=500e9)
     c = res.coefficients
     for got, want in zip((c.c1, c.c2, c.c5, c.c6), truth[[0, 1, 4, 5]], strict=True):
         assert got == pytest.approx(want, rel=1e-6)
     intercept = truth[2] + truth[3] * SPEC.weight_bytes
     assert c.c3 + c.c4 * SPEC.weight_bytes == pytest.approx(intercept, rel=1e-6)
-    assert c.c4 == pytest.approx(1 / 50e9)  # from the bandwidth: under 90% of the intercept
+    assert c.c4 == pytest.approx(1 / 500e9)  # from the bandwidth: under 90% of the intercept
     assert np.abs(res.train_errors).max() < 1e-6
+    # a slower copy bandwidth would claim more than the intercept: c4 is capped at 90%
+    slow = fit_coefficients(feats, times, SPEC.weight_bytes, bandwidth=50e9).coefficients
+    assert slow.c4 * SPEC.weight_bytes == pytest.approx(0.9 * intercept, rel=1e-6)
 
 
 def test_nnls_is_non_negative_and_optimal() -> None:
