@@ -84,6 +84,11 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="compute every prompt token (no reuse of cached prefixes)",
+    )
+    p.add_argument(
         "--max-num-seqs", type=int, default=64, help="at most this many requests run at once"
     )
     p.add_argument(

@@ -48,7 +48,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_waiting_requests=args.max_queued_requests,
         ),
-        cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory_gib),
+        cache=CacheConfig(
+            kv_cache_memory_gib=args.kv_cache_memory_gib,
+            enable_prefix_cache=not args.no_prefix_cache,
+        ),
         transfer=TransferConfig(
             mode=TransferMode(args.transfer_mode),
             transport=args.kv_transport,
