@@ -32,6 +32,8 @@ from typing import Any
 
 from pdserve.planner.candidates import (
     InstanceKnobs,
+    explain_no_fit,
+    fits,
     make_instance,
     parallel_configs,
     require_some,
@@ -207,12 +209,13 @@ def low_affinity_tasks(spec: ModelSpec, cluster: ClusterSpec) -> list[Task]:
             for tp_d in tp_options(spec, m):
                 for n_p, n_d in _segment_counts(m, tp_p, tp_d):
                     pre, dec = Parallelism(tp_p, pp), Parallelism(tp_d, pp)
-                    if _fits(spec, pre, cluster) and _fits(spec, dec, cluster):
+                    usable = cluster.usable_memory
+                    if fits(spec, pre, usable) and fits(spec, dec, usable):
                         tasks.append(Task("pair", pre, True, dec, n_p, n_d))
     if not tasks:
         raise PlanInputError(
             "no low node-affinity placement: a prefill and a decode segment of the same "
-            f"stage must share a node of {m} devices; " + _no_fit_reason(spec, cluster)
+            f"stage must share a node of {m} devices; " + explain_no_fit(spec, cluster)
         )
     return tasks
 
@@ -225,18 +228,6 @@ def _segment_counts(m: int, tp_p: int, tp_d: int) -> Iterator[tuple[int, int]]:
         n_d = left // tp_d
         if n_d >= 1:
             yield n_p, n_d
-
-
-def _fits(spec: ModelSpec, par: Parallelism, cluster: ClusterSpec) -> bool:
-    from pdserve.planner.candidates import fits
-
-    return fits(spec, par, cluster.usable_memory)
-
-
-def _no_fit_reason(spec: ModelSpec, cluster: ClusterSpec) -> str:
-    from pdserve.planner.candidates import explain_no_fit
-
-    return explain_no_fit(spec, cluster)
 
 
 # ---- running tasks --------------------------------------------------------------------

@@ -112,7 +112,12 @@ class SimResult:
         for name in ("ttft", "tpot", "e2e"):
             a = getattr(self, name)
             p50, p90, p99 = np.percentile(a, [50, 90, 99])
-            out[name] = {"mean": float(a.mean()), "median": p50, "p90": p90, "p99": p99}
+            out[name] = {
+                "mean": float(a.mean()),
+                "median": float(p50),
+                "p90": float(p90),
+                "p99": float(p99),
+            }
         return out
 
 
