@@ -72,6 +72,8 @@ def run_sweep(
     # The simulator has no prefix cache, and every rate of a sweep sends the same
     # prompts: with the cache on, later rates would prefill almost nothing.
     extra = ["--no-prefix-cache"]
+    if args.threads:
+        extra += ["--num-threads", str(args.threads)]
     if args.prefill:
         extra += ["--prefill", str(args.prefill), "--decode", str(args.decode)]
     os.environ["PDSERVE_STEP_TRACE"] = trace
@@ -161,6 +163,7 @@ def main() -> None:
         help="SLO pairs to compare attainment under (default: --slo); runs are reused",
     )
     p.add_argument("--port", type=int, default=8390)
+    p.add_argument("--threads", type=int, default=None, help="engine threads (serve --num-threads)")
     p.add_argument("--prefill", type=int, default=0)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--output", default="bench-results/sim_vs_real.json")

@@ -84,6 +84,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads of the engine (split among cluster instances; default: all cores)",
+    )
+    p.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="compute every prompt token (no reuse of cached prefixes)",
