@@ -14,13 +14,12 @@ import json
 import time
 from pathlib import Path
 
-from pdserve.planner.workload import sample_workload
-
 from pdserve.planner.candidates import InstanceKnobs
 from pdserve.planner.hardware import ClusterSpec, datasheet_profile
 from pdserve.planner.model_spec import PRESETS
 from pdserve.planner.plan import make_plan
 from pdserve.planner.search import Placement, SearchContext, SLOTarget
+from pdserve.planner.workload import sample_workload
 
 # DistServe Table 1 (chatbot, ShareGPT) and Table 3 (prefill TP/PP, decode TP/PP).
 CASES = {
