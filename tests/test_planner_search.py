@@ -3,6 +3,7 @@ replanning and the `pdserve plan` CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -187,6 +188,16 @@ def test_parallel_configs_respect_memory_heads_and_layers() -> None:
     assert all(64 % p.pp == 0 and p.devices <= 8 for p in configs)
     cap = kv_capacity_tokens(PRESETS["opt-66b"], Parallelism(2, 1), 72e9)
     assert cap == int((144e9 - PRESETS["opt-66b"].weight_bytes) // (2 * 64 * 9216 * 2))
+
+
+def test_hardware_without_an_all_reduce_link_gets_no_tensor_parallelism() -> None:
+    cpu = dataclasses.replace(TOY_HW, kind="measured", tp_bandwidth=0.0)
+    ctx = dataclasses.replace(toy_context(), hw=cpu)
+    assert ctx.max_tp == 1
+    outcome = search(ctx, "both", workers=1)
+    tasks = [r.task for p in outcome.ranked for r in p.results]
+    assert tasks and all(t.par.tp == 1 for t in tasks)
+    assert all(t.decode_par is None or t.decode_par.tp == 1 for t in tasks)
 
 
 def test_model_that_cannot_fit_gives_the_numbers() -> None:

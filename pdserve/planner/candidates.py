@@ -31,13 +31,15 @@ def divisors_up_to(n: int, limit: int) -> list[int]:
     return [d for d in range(1, limit + 1) if n % d == 0]
 
 
-def tp_options(spec: ModelSpec, devices_per_node: int) -> list[int]:
+def tp_options(spec: ModelSpec, devices_per_node: int, max_tp: int | None = None) -> list[int]:
     """Tensor-parallel sizes inside one node that split the attention heads. They need
     not divide the node: DistServe places a TP-3 prefill and a TP-4 decode segment in
-    one 8-device node for OPT-175B (Table 3)."""
+    one 8-device node for OPT-175B (Table 3). `max_tp` caps them (1 for hardware
+    whose profile has no all-reduce link, e.g. a CPU profile)."""
+    top = devices_per_node if max_tp is None else min(max_tp, devices_per_node)
     return [
         tp
-        for tp in range(1, devices_per_node + 1)
+        for tp in range(1, top + 1)
         if spec.num_heads % tp == 0 and (spec.num_kv_heads % tp == 0 or tp % spec.num_kv_heads == 0)
     ]
 
@@ -87,13 +89,17 @@ def make_instance(
 
 
 def parallel_configs(
-    spec: ModelSpec, cluster: ClusterSpec, max_devices: int | None = None
+    spec: ModelSpec,
+    cluster: ClusterSpec,
+    max_devices: int | None = None,
+    max_tp: int | None = None,
 ) -> list[Parallelism]:
-    """Every (tp, pp) with tp inside a node, pp splitting the layers evenly, the model
-    fitting in memory, and at most `max_devices` devices (default: the cluster)."""
+    """Every (tp, pp) with tp inside a node (at most `max_tp`), pp splitting the layers
+    evenly, the model fitting in memory, and at most `max_devices` devices (default:
+    the cluster)."""
     limit = cluster.num_devices if max_devices is None else max_devices
     out = []
-    for tp in tp_options(spec, cluster.devices_per_node):
+    for tp in tp_options(spec, cluster.devices_per_node, max_tp):
         for pp in divisors_up_to(spec.num_layers, limit // tp):
             par = Parallelism(tp, pp)
             if fits(spec, par, cluster.usable_memory):

@@ -151,7 +151,7 @@ def explain_unmeetable(ctx: SearchContext) -> str:
 
     w = ctx.workload
     prompt = int(sorted(w.input_lens)[len(w.input_lens) // 2])
-    configs = parallel_configs(ctx.spec, ctx.cluster) or [Parallelism()]
+    configs = parallel_configs(ctx.spec, ctx.cluster, max_tp=ctx.max_tp) or [Parallelism()]
     best_ttft = min(
         (instance_cost(ctx.spec, ctx.hw, p, ctx.cluster).prefill_time([prompt]), str(p))
         for p in configs

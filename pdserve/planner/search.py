@@ -80,6 +80,11 @@ class SearchContext:
     workload: SimWorkload  # at 1 request/s; every rate rescales the same arrivals
     rel_tol: float = 0.02
 
+    @property
+    def max_tp(self) -> int | None:
+        """1 when the hardware has no all-reduce link (a CPU profile), else no cap."""
+        return 1 if self.hw.tp_bandwidth <= 0 else None
+
 
 @dataclass(frozen=True)
 class Task:
@@ -185,19 +190,23 @@ def _first_guess(ctx: SearchContext, task: Task) -> float:
 # ---- enumeration (Alg. 1 / Alg. 2 / colocated) --------------------------------------
 
 
-def high_affinity_tasks(spec: ModelSpec, cluster: ClusterSpec) -> list[Task]:
-    configs = parallel_configs(spec, cluster)
+def high_affinity_tasks(
+    spec: ModelSpec, cluster: ClusterSpec, max_tp: int | None = None
+) -> list[Task]:
+    configs = parallel_configs(spec, cluster, max_tp=max_tp)
     require_some(spec, cluster, configs)
     return [Task(kind, par) for kind in ("prefill", "decode") for par in configs]
 
 
-def colocated_tasks(spec: ModelSpec, cluster: ClusterSpec) -> list[Task]:
-    configs = parallel_configs(spec, cluster)
+def colocated_tasks(spec: ModelSpec, cluster: ClusterSpec, max_tp: int | None = None) -> list[Task]:
+    configs = parallel_configs(spec, cluster, max_tp=max_tp)
     require_some(spec, cluster, configs)
     return [Task("colocated", par, chunked) for par in configs for chunked in (True, False)]
 
 
-def low_affinity_tasks(spec: ModelSpec, cluster: ClusterSpec) -> list[Task]:
+def low_affinity_tasks(
+    spec: ModelSpec, cluster: ClusterSpec, max_tp: int | None = None
+) -> list[Task]:
     """Alg. 2: pp stages, one per node; inside each node the prefill and decode segments
     of that stage (get_intra_node_configs)."""
     m = cluster.devices_per_node
@@ -205,8 +214,8 @@ def low_affinity_tasks(spec: ModelSpec, cluster: ClusterSpec) -> list[Task]:
     for pp in range(1, cluster.nodes + 1):
         if spec.num_layers % pp:
             continue
-        for tp_p in tp_options(spec, m):
-            for tp_d in tp_options(spec, m):
+        for tp_p in tp_options(spec, m, max_tp):
+            for tp_d in tp_options(spec, m, max_tp):
                 for n_p, n_d in _segment_counts(m, tp_p, tp_d):
                     pre, dec = Parallelism(tp_p, pp), Parallelism(tp_d, pp)
                     usable = cluster.usable_memory
@@ -388,15 +397,15 @@ def search(
     tasks: list[Task] = []
     notes = []
     if affinity in ("high", "both"):
-        tasks += high_affinity_tasks(ctx.spec, ctx.cluster)
+        tasks += high_affinity_tasks(ctx.spec, ctx.cluster, ctx.max_tp)
     if affinity in ("low", "both"):
         try:
-            tasks += low_affinity_tasks(ctx.spec, ctx.cluster)
+            tasks += low_affinity_tasks(ctx.spec, ctx.cluster, ctx.max_tp)
         except PlanInputError as e:
             if affinity == "low":
                 raise
             notes.append(str(e))
-    tasks += colocated_tasks(ctx.spec, ctx.cluster)
+    tasks += colocated_tasks(ctx.spec, ctx.cluster, ctx.max_tp)
     progress = progress_factory(len(tasks)) if progress_factory else None
     results = run_tasks(ctx, tasks, workers, progress)
     high = high_affinity_placements(results, ctx.cluster.num_devices)
