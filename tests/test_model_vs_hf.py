@@ -15,7 +15,7 @@ import torch
 from helpers.tiny_models import load_hf_reference, make_tiny_model
 
 from pdserve.kv.cache import KVCache
-from pdserve.model.attention import AttentionMetadata, SeqSpec
+from pdserve.model.attention import GROUP_COST_TOKENS, AttentionMetadata, SeqSpec
 from pdserve.model.base import CausalLM, ForwardHooks
 from pdserve.model.loader import iter_weights, load_config
 from pdserve.model.registry import build_model
@@ -61,7 +61,9 @@ class Harness:
         return out
 
     @torch.inference_mode()
-    def step(self, parts: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
+    def step(
+        self, parts: list[tuple[list[int], int, list[int]]], group_cost: int = GROUP_COST_TOKENS
+    ) -> list[torch.Tensor]:
         """parts: (token ids of this step, num_cached, block table); decodes first.
         Returns per part the logits of all its new tokens."""
         ids, pos, specs, rows = [], [], [], []
@@ -70,7 +72,8 @@ class Harness:
             pos += range(cached, cached + len(toks))
             specs.append(SeqSpec(cached, len(toks), table))
         rows = torch.arange(len(ids))
-        meta = AttentionMetadata.build(specs, BLOCK, self.model.sliding_window)
+        meta = AttentionMetadata.build(specs, BLOCK, self.model.sliding_window, None, group_cost)
+        self.last_meta = meta
         logits = self.model(
             torch.tensor(ids), torch.tensor(pos), self.cache.device_tensor, meta, rows
         )
@@ -157,6 +160,25 @@ def test_mixed_flat_batch(pair) -> None:
     assert (got[3] - refs[3]).abs().max().item() < TOL
 
 
+def test_decodes_of_different_lengths_in_several_groups(pair) -> None:
+    """Decode rows split into length groups (row order unsorted) give HF's logits."""
+    ours, hf = pair
+    v = ours.config.vocab_size
+    lengths = (13, 2, 22, 5, 7)  # contexts of 4, 1, 6, 2 and 2 blocks
+    seqs = [_prompt(n, 30 + n, v) for n in lengths]
+    tables = [ours.blocks(n) for n in lengths]
+    for s, t in zip(seqs, tables, strict=True):
+        if len(s) > 1:
+            ours.step([(s[:-1], 0, t)])
+    got = ours.step(
+        [(s[-1:], len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)], group_cost=0
+    )
+    groups = [g.rows.tolist() for g in ours.last_meta.decode_groups]
+    assert groups == [[2], [0], [3, 4], [1]]
+    for s, g in zip(seqs, got, strict=True):
+        assert (g - hf_logits(hf, s)[-1:]).abs().max().item() < TOL
+
+
 def test_layer_hook_fires_once_per_layer_after_kv_write(pair) -> None:
     ours, _ = pair
     ids = _prompt(6, 7, ours.config.vocab_size)
@@ -182,3 +204,21 @@ def test_layer_hook_fires_once_per_layer_after_kv_write(pair) -> None:
             ForwardHooks(on_layer_done),
         )
     assert seen == [(i, True) for i in range(ours.config.num_hidden_layers)]
+
+
+@pytest.mark.parametrize(
+    ("blocks", "cost", "groups"),
+    [
+        ([], 0, []),
+        ([3], 0, [[0]]),
+        ([5, 1, 5, 1], 0, [[0, 2], [1, 3]]),
+        ([5, 1, 5, 1], 33, [[0, 1, 2, 3]]),  # splitting saves 2 rows x 4 blocks = 32 tokens
+        ([5, 1, 5, 1], 31, [[0, 2], [1, 3]]),
+        ([40, 2, 3, 39, 1], 64, [[0, 3], [1, 2, 4]]),
+        ([40, 2, 3, 39, 1], 0, [[0], [3], [2], [1], [4]]),
+    ],
+)
+def test_group_by_length_minimises_padded_tokens_plus_group_cost(blocks, cost, groups) -> None:
+    from pdserve.model.attention import group_by_length
+
+    assert group_by_length(blocks, BLOCK, cost) == groups

@@ -79,7 +79,7 @@ class _Loop:
                 t0 = time.perf_counter()
                 outputs = self.core.step()
                 if self.trace is not None:
-                    self.trace.record(time.perf_counter() - t0)
+                    self.trace.record(t0, time.perf_counter() - t0)
                 if outputs:
                     self.send(OutputBatch(outputs))
             elif os.getppid() != self.parent:

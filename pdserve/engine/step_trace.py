@@ -4,7 +4,11 @@ Set `PDSERVE_STEP_TRACE=<prefix>` and every engine process appends one JSON line
 step to `<prefix>.<instance name>.jsonl`:
 
     {"counts": [prompt tokens, attention units, prompts finishing, decode tokens,
-                context tokens], "seconds": wall time of EngineCore.step}
+                context tokens], "seconds": wall time of EngineCore.step,
+     "start": time.perf_counter() when the step began}
+
+`start` lets a reader see the engine loop's own time between two busy steps
+(applying inputs, sending outputs), which `seconds` leaves out.
 
 The counts are the latency model's (`planner/latency.py`): a prompt chunk of c tokens
 after k computed adds (k + c)^2 - k^2 units; a decoding request attends over its
@@ -65,9 +69,10 @@ class StepTrace:
         prefix = os.environ.get(ENV)
         return cls(scheduler, f"{prefix}.{instance}.jsonl") if prefix else None
 
-    def record(self, seconds: float) -> None:
+    def record(self, start: float, seconds: float) -> None:
         if any(self.observer.last):
-            self.file.write(json.dumps({"counts": self.observer.last, "seconds": seconds}) + "\n")
+            row = {"counts": self.observer.last, "seconds": seconds, "start": start}
+            self.file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         self.file.close()
