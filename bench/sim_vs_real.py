@@ -11,6 +11,11 @@
    profile (and, for comparison, an isolated `pdserve profile` grid profile);
 4. it prints measured vs simulated attainment (and mean TTFT / TPOT) per rate.
 
+--cross-fit adds a third profile per rate, fitted to the evaluation run's own step
+trace *without that rate's steps* (leave one rate out): the machine's speed in the
+minutes of the sweep, never the steps being predicted. This machine is shared, and
+its speed drifts by 10-20% between runs minutes apart.
+
     .venv/bin/python bench/sim_vs_real.py --grid-profile profile.json \
         --rates 1,1.5,2,3 --num-prompts 80 --slo ttft:1000 tpot:100
 
@@ -20,6 +25,7 @@ With --results FILE --profile FILE it skips the runs (re-analyses an earlier swe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -35,9 +41,16 @@ import numpy as np
 from pdserve.bench import metrics
 from pdserve.bench.config import SLO
 from pdserve.bench.results import records_of
-from pdserve.planner.hardware import load_profile
+from pdserve.planner.hardware import HardwareProfile, load_profile
 from pdserve.planner.latency import step_cost
 from pdserve.planner.model_spec import resolve_model_spec
+from pdserve.planner.profiler import (
+    ProfileConfig,
+    StepPoint,
+    fitted_profile,
+    measure_bandwidth,
+    read_trace,
+)
 from pdserve.planner.simulator import (
     ColocatedSystem,
     DisaggSystem,
@@ -121,8 +134,10 @@ def workload_of(run: dict[str, Any]) -> SimWorkload:
     )
 
 
-def system_for(args: argparse.Namespace, profile: str) -> ColocatedSystem | DisaggSystem:
-    hw = load_profile(profile)
+System = ColocatedSystem | DisaggSystem
+
+
+def system_for(args: argparse.Namespace, hw: HardwareProfile) -> System:
     spec = resolve_model_spec(None)
     cost = step_cost(spec, hw.coefficients)
     kv_tokens = int(KV_GIB * 2**30 // spec.kv_bytes_per_token)
@@ -133,6 +148,44 @@ def system_for(args: argparse.Namespace, profile: str) -> ColocatedSystem | Disa
     dec = InstanceSpec(cost, kv_tokens, MAX_NUM_SEQS, BUDGET, chunked=True)
     bw = 1.0 / hw.coefficients.c4  # shm transfer: one copy at memory bandwidth
     return DisaggSystem((pre,) * args.prefill, (dec,) * args.decode, spec.kv_bytes_per_token, bw)
+
+
+def rate_segments(points: list[StepPoint], requests: list[int]) -> list[list[StepPoint]]:
+    """The traced steps of each rate of a sweep. The bench starts a rate only after
+    every request of the previous one has finished, so rate k + 1 begins with the
+    first step that computes prompt tokens after the (n_1 + ... + n_k)-th prompt
+    completed (counts[2] counts prompts completing in a step)."""
+    segments: list[list[StepPoint]] = [[] for _ in requests]
+    ends = list(np.cumsum(requests))
+    k = done = 0
+    for p in points:
+        if k + 1 < len(requests) and done >= ends[k] and p.counts[0] > 0:
+            k += 1
+        segments[k].append(p)
+        done += p.counts[2]
+    if done != ends[-1]:
+        raise SystemExit(f"the trace completes {done} prompts, the sweep sent {ends[-1]}")
+    return segments
+
+
+def cross_fitted(args: argparse.Namespace, doc: dict[str, Any], trace: list[Path]) -> list[System]:
+    """Per rate, a system priced by a profile fitted to the other rates' steps."""
+    runs = [r for r in doc["runs"] if r["rate"] is not None]
+    points = [dataclasses.replace(p, heldout=False) for p in read_trace(trace)]
+    segments = rate_segments(points, [len(r["records"]) for r in runs])
+    cfg = ProfileConfig(threads=args.threads or len(os.sched_getaffinity(0)))
+    spec = resolve_model_spec(None)
+    bandwidth = measure_bandwidth(64)
+    systems = []
+    for i, run in enumerate(runs):
+        others = [p for j, seg in enumerate(segments) if j != i for p in seg]
+        what = f"the evaluation trace without rate {run['rate']}"
+        hw = fitted_profile(cfg, spec, others, bandwidth, what)
+        print(f"rate {run['rate']}: {len(others)} steps of the other rates, "
+              f"fit median error {hw.fit['train_median_rel_error']:.1%}, "
+              f"mean scale {hw.fit['mean_scale']:.3f}")  # fmt: skip
+        systems.append(system_for(args, hw))
+    return systems
 
 
 def measured(run: dict[str, Any], slo: SLO) -> tuple[float, float, float]:
@@ -162,6 +215,11 @@ def main() -> None:
         metavar="TTFT_MS:TPOT_MS",
         help="SLO pairs to compare attainment under (default: --slo); runs are reused",
     )
+    p.add_argument(
+        "--cross-fit",
+        action="store_true",
+        help="also simulate each rate with a profile fitted to the other rates' steps",
+    )
     p.add_argument("--port", type=int, default=8390)
     p.add_argument("--threads", type=int, default=None, help="engine threads (serve --num-threads)")
     p.add_argument("--prefill", type=int, default=0)
@@ -181,14 +239,18 @@ def main() -> None:
         judges = [
             SLO(float(a) / 1e3, float(b) / 1e3) for a, b in (j.split(":") for j in args.judge)
         ]
-    systems = {"serving profile": system_for(args, profile)}
+    n_rates = sum(r["rate"] is not None for r in doc["runs"])
+    systems = {"serving profile": [system_for(args, load_profile(profile))] * n_rates}
     if args.grid_profile:
-        systems["grid profile"] = system_for(args, args.grid_profile)
+        systems["grid profile"] = [system_for(args, load_profile(args.grid_profile))] * n_rates
+    if args.cross_fit:
+        trace = sorted(results.parent.glob(f"{prefix_of(results)}.eval-trace.*.jsonl"))
+        systems["cross-fitted"] = cross_fitted(args, doc, trace)
     rows = []
-    for label, system in systems.items():
+    for label, per_rate in systems.items():
         for judge in judges:
             print(f"-- simulated with the {label}; SLO TTFT {judge.ttft_s} s TPOT {judge.tpot_s} s")
-            rows += compare(doc, system, label, judge)
+            rows += compare(doc, per_rate, label, judge)
     Path(args.output).write_text(json.dumps({"profile": profile, "rows": rows}, indent=2))
     for label in systems:
         diffs = [abs(r["diff_pp"]) for r in rows if r["profile"] == label]
@@ -196,18 +258,20 @@ def main() -> None:
     print(f"wrote {args.output}")
 
 
+def prefix_of(results: Path) -> str:
+    """`x.bench.json` -> `x` (the sweep's files share that prefix)."""
+    return results.name.removesuffix(".json").removesuffix(".bench")
+
+
 def compare(
-    doc: dict[str, Any],
-    system: ColocatedSystem | DisaggSystem,
-    label: str,
-    slo: SLO,
+    doc: dict[str, Any], systems: list[System], label: str, slo: SLO
 ) -> list[dict[str, Any]]:
+    """Measured vs simulated per rate; `systems[i]` simulates the i-th rate."""
     rows = []
     print(f"{'rate':>6} {'measured':>9} {'simulated':>9} {'diff pp':>8} "
           f"{'TTFT meas/sim (s)':>18} {'TPOT meas/sim (ms)':>19}")  # fmt: skip
-    for run in doc["runs"]:
-        if run["rate"] is None:
-            continue
+    runs = [r for r in doc["runs"] if r["rate"] is not None]
+    for run, system in zip(runs, systems, strict=True):
         w = workload_of(run)
         sim: SimResult = simulate(system, w)
         att_sim = sim.attainment(slo.ttft_s, slo.tpot_s)

@@ -207,18 +207,21 @@ def test_layer_hook_fires_once_per_layer_after_kv_write(pair) -> None:
 
 
 @pytest.mark.parametrize(
-    ("blocks", "cost", "groups"),
+    ("blocks", "cost", "cap", "groups"),
     [
-        ([], 0, []),
-        ([3], 0, [[0]]),
-        ([5, 1, 5, 1], 0, [[0, 2], [1, 3]]),
-        ([5, 1, 5, 1], 33, [[0, 1, 2, 3]]),  # splitting saves 2 rows x 4 blocks = 32 tokens
-        ([5, 1, 5, 1], 31, [[0, 2], [1, 3]]),
-        ([40, 2, 3, 39, 1], 64, [[0, 3], [1, 2, 4]]),
-        ([40, 2, 3, 39, 1], 0, [[0], [3], [2], [1], [4]]),
+        ([], 0, None, []),
+        ([3], 0, None, [[0]]),
+        ([5, 1, 5, 1], 0, None, [[0, 2], [1, 3]]),
+        ([5, 1, 5, 1], 33, None, [[0, 1, 2, 3]]),  # splitting saves 2 rows x 4 blocks = 32 tokens
+        ([5, 1, 5, 1], 31, None, [[0, 2], [1, 3]]),
+        ([40, 2, 3, 39, 1], 64, None, [[0, 3], [1, 2, 4]]),
+        ([40, 2, 3, 39, 1], 0, None, [[0], [3], [2], [1], [4]]),
+        ([4, 4, 4, 4], 0, 32, [[2, 3], [0, 1]]),  # 16 tokens a row: 2 rows a group
+        ([10], 0, 8, [[0]]),  # a row longer than the cap is a group of its own
+        ([5, 1, 5, 1], 31, 20, [[2], [0], [1, 3]]),
     ],
 )
-def test_group_by_length_minimises_padded_tokens_plus_group_cost(blocks, cost, groups) -> None:
+def test_group_by_length_minimises_padded_tokens_plus_group_cost(blocks, cost, cap, groups) -> None:
     from pdserve.model.attention import group_by_length
 
-    assert group_by_length(blocks, BLOCK, cost) == groups
+    assert group_by_length(blocks, BLOCK, cost, cap) == groups

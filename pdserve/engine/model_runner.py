@@ -14,8 +14,23 @@ import torch
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.kv.cache import KVCache
 from pdserve.kv.manager import KVManager
-from pdserve.model.attention import AttentionMetadata, GatherWorkspace, SeqSpec
+from pdserve.model.attention import (
+    CPU_GROUP_BYTES,
+    GROUP_COST_TOKENS,
+    AttentionMetadata,
+    GatherWorkspace,
+    SeqSpec,
+)
 from pdserve.model.base import CausalLM, ForwardHooks
+
+
+def max_group_tokens(cache: KVCache) -> int | None:
+    """Context tokens whose gathered K + V (one layer) fill `CPU_GROUP_BYTES`."""
+    t = cache.device_tensor
+    if t.is_cuda:
+        return None
+    per_token = 2 * t.shape[-2] * t.shape[-1] * t.element_size()
+    return max(cache.block_size, CPU_GROUP_BYTES // per_token)
 
 
 class ModelRunner:
@@ -25,6 +40,7 @@ class ModelRunner:
         self.kv = kv
         self.hooks: ForwardHooks | None = None
         self.workspace = GatherWorkspace()
+        self.max_group_tokens = max_group_tokens(cache)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
@@ -39,7 +55,12 @@ class ModelRunner:
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, specs, logit_rows = self._flatten(seqs)
         meta = AttentionMetadata.build(
-            specs, self.cache.block_size, self.model.sliding_window, self.workspace
+            specs,
+            self.cache.block_size,
+            self.model.sliding_window,
+            self.workspace,
+            GROUP_COST_TOKENS,
+            self.max_group_tokens,
         )
         sampled = [s for s in seqs if s.samples]
         if not sampled:

@@ -99,38 +99,57 @@ class DecodeGroup:
 # 400-444 ms; so the fixed cost is small and a small value keeps tiny groups apart.
 GROUP_COST_TOKENS = 64
 
+# The most K + V bytes (per layer) one decode group may gather on a CPU. The gather
+# copies K/V into a buffer that attention then reads: while it stays in cache that
+# costs ~250-290 ns per context token and layer (SmolLM2, 1 thread); one 40 x 1024-token
+# call (63 MB) costs 566 ns. Measured caps of 0.75 / 1.5 / 3 / 6 / 12 MB: 6 MB was
+# fastest. GPUs take every group whole (None): their batched kernels prefer size.
+CPU_GROUP_BYTES = 6 * 2**20
 
-def group_by_length(blocks: Sequence[int], block_size: int, group_cost: int) -> list[list[int]]:
+
+def group_by_length(
+    blocks: Sequence[int], block_size: int, group_cost: int, max_group_tokens: int | None = None
+) -> list[list[int]]:
     """Partition decode rows (their context lengths in blocks) into groups so that
     sum over groups of (rows x longest context, in tokens) + groups x `group_cost` is
-    smallest. Rows are sorted by length, so an optimal partition is a segmentation of
-    that order: dynamic programming over the distinct lengths, O(distinct^2).
+    smallest, with no group over `max_group_tokens` padded tokens (a single row may
+    exceed it). Rows are sorted by length, so an optimal partition is a segmentation
+    of that order: dynamic programming over the distinct lengths, O(distinct^2); a
+    segment over the cap is cut into pieces of `max_group_tokens // longest` rows.
     Returns each group's row indices in ascending order, longest contexts first (one
     group is therefore `[0, n)` in order)."""
     if not blocks:
         return []
     order = sorted(range(len(blocks)), key=lambda i: blocks[i])
     values: list[int] = []  # distinct lengths, ascending
-    ends: list[int] = []  # rows of `order` with length <= values[j]
+    ends: list[int] = [0]  # ends[j]: rows of `order` shorter than values[j] (then all)
     for n, i in enumerate(order, 1):
-        if values and values[-1] == blocks[i]:
-            ends[-1] = n
-        else:
+        if not values or values[-1] != blocks[i]:
             values.append(blocks[i])
             ends.append(n)
-    best = [0.0] * (len(values) + 1)  # best[j]: cost of the rows with the j shortest lengths
+        else:
+            ends[-1] = n
+
+    def per_group(j: int) -> int:  # rows a group whose longest is values[j - 1] may hold
+        top = values[j - 1] * block_size
+        return len(blocks) if max_group_tokens is None else max(1, max_group_tokens // top)
+
+    def cost(i: int, j: int) -> int:  # the rows with lengths values[i:j] as one segment
+        rows = ends[j] - ends[i]
+        return rows * values[j - 1] * block_size + -(-rows // per_group(j)) * group_cost
+
+    best = [0] * (len(values) + 1)  # best[j]: cost of the rows with the j shortest lengths
     cut = [0] * (len(values) + 1)
     for j in range(1, len(values) + 1):
-        top = values[j - 1] * block_size
-        best[j], cut[j] = min(
-            (best[i] + (ends[j - 1] - (ends[i - 1] if i else 0)) * top + group_cost, i)
-            for i in range(j)
-        )
+        best[j], cut[j] = min((best[i] + cost(i, j), i) for i in range(j))
     groups: list[list[int]] = []
     j = len(values)
     while j:
-        i = cut[j]
-        groups.append(sorted(order[(ends[i - 1] if i else 0) : ends[j - 1]]))
+        i, size = cut[j], per_group(j)
+        rows = order[ends[i] : ends[j]]
+        groups += [
+            sorted(rows[k - size if k > size else 0 : k]) for k in range(len(rows), 0, -size)
+        ]
         j = i
     return groups
 
@@ -152,6 +171,7 @@ class AttentionMetadata:
         sliding_window: int | None = None,
         workspace: GatherWorkspace | None = None,
         group_cost: int = GROUP_COST_TOKENS,
+        max_group_tokens: int | None = None,
     ) -> AttentionMetadata:
         slots: list[int] = []
         for s in seqs:
@@ -159,7 +179,9 @@ class AttentionMetadata:
         num_decode = 0
         while num_decode < len(seqs) and seqs[num_decode].query_len == 1:
             num_decode += 1
-        groups = _decode_groups(seqs[:num_decode], block_size, sliding_window, group_cost)
+        groups = _decode_groups(
+            seqs[:num_decode], block_size, sliding_window, group_cost, max_group_tokens
+        )
         prefills = []
         row = num_decode
         for s in seqs[num_decode:]:
@@ -185,12 +207,16 @@ def _slots(s: SeqSpec, block_size: int) -> list[int]:
 
 
 def _decode_groups(
-    seqs: Sequence[SeqSpec], block_size: int, sliding_window: int | None, group_cost: int
+    seqs: Sequence[SeqSpec],
+    block_size: int,
+    sliding_window: int | None,
+    group_cost: int,
+    max_group_tokens: int | None,
 ) -> tuple[DecodeGroup, ...]:
     blocks = [-(-s.context_len // block_size) for s in seqs]
     return tuple(
         _decode_group(rows, [seqs[i] for i in rows], block_size, sliding_window)
-        for rows in group_by_length(blocks, block_size, group_cost)
+        for rows in group_by_length(blocks, block_size, group_cost, max_group_tokens)
     )
 
 

@@ -9,6 +9,11 @@ c3 (fixed per step) and c4 (per weight byte) multiply columns that are both cons
 for one model, so only their sum is identifiable from one model's steps: the fit
 finds the intercept, and `split_intercept` gives c4 the share the machine's measured
 memory bandwidth implies (at most 90% of it), c3 the rest.
+
+Relative error alone would bias the fit low on noisy steps (a step 40% slow costs
+more than one 40% fast is worth), while queueing depends on the *mean* service time:
+so the fitted coefficients are finally scaled together until the predicted total of
+the fitted steps equals their measured total (`mean_scale`, 1.0 on noise-free data).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class FitResult:
     coefficients: Coefficients
     train_errors: np.ndarray  # relative errors of the fitted rows
     heldout_errors: np.ndarray  # relative errors of rows never used to fit
+    mean_scale: float = 1.0  # the factor that made predicted and measured totals equal
 
     def stats(self) -> dict[str, float]:
         def q(a: np.ndarray, p: float) -> float:
@@ -69,6 +75,7 @@ class FitResult:
             "heldout_p90_rel_error": q(self.heldout_errors, 90),
             "train_points": len(self.train_errors),
             "heldout_points": len(self.heldout_errors),
+            "mean_scale": self.mean_scale,
         }
 
 
@@ -100,13 +107,15 @@ def fit_coefficients(
     sol = np.zeros(len(cols))
     sol[used] = nnls(rel[:, used], np.ones(int(train.sum())))
     coef = sol / scale
-    c1, c2, intercept, c5, c6 = coef
+    fitted = float((a @ coef).sum())
+    mean_scale = float(y[train].sum()) / fitted if fitted > 0 else 1.0
+    c1, c2, intercept, c5, c6 = coef * mean_scale
     c3, c4 = split_intercept(float(intercept), weight_bytes, bandwidth)
     coeffs = Coefficients(float(c1), float(c2), c3, c4, float(c5), float(c6))
     full = np.array([c1, c2, c3, c4, c5, c6])
     pred = x @ full
     err = (pred - y) / y
-    return FitResult(coeffs, err[train], err[held])
+    return FitResult(coeffs, err[train], err[held], mean_scale)
 
 
 def split_intercept(intercept: float, weight_bytes: float, bandwidth: float) -> tuple[float, float]:

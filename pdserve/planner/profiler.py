@@ -234,12 +234,13 @@ def profile(cfg: ProfileConfig, progress: bool = True) -> HardwareProfile:
     bar = tqdm(total=len(grid) * cfg.repeats, desc="profiling", disable=not progress)
     points = median_points(collect(timer, grid, cfg.repeats, lambda: bar.update(1)))
     bar.close()
-    return _fitted_profile(cfg, spec, points, bandwidth, f"a grid of {len(grid)} shapes")
+    return fitted_profile(cfg, spec, points, bandwidth, f"a grid of {len(grid)} shapes")
 
 
-def _fitted_profile(
+def fitted_profile(
     cfg: ProfileConfig, spec: ModelSpec, points: list[StepPoint], bandwidth: float, what: str
 ) -> HardwareProfile:
+    """A measured profile fitted to `points` (those marked held out are only scored)."""
     feats = np.array([step_features(spec, *p.counts) for p in points])
     times = np.array([p.seconds for p in points])
     held = np.array([p.heldout for p in points])
@@ -305,7 +306,7 @@ def profile_from_trace(cfg: ProfileConfig, paths: list[Path]) -> HardwareProfile
     spec = resolve_model_spec(cfg.model, {"float32": 4}.get(cfg.dtype, 2))
     points = read_trace(paths)
     bandwidth = measure_bandwidth(64)
-    return _fitted_profile(cfg, spec, points, bandwidth, f"serving trace {[str(p) for p in paths]}")
+    return fitted_profile(cfg, spec, points, bandwidth, f"serving trace {[str(p) for p in paths]}")
 
 
 # ---- CLI ---------------------------------------------------------------------------------
