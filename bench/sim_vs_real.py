@@ -117,6 +117,8 @@ def calibrate(args: argparse.Namespace, prefix: str) -> Path:
     profile = Path(f"{prefix}.serving-profile.json")
     files = sorted(str(p) for p in Path(trace).parent.glob(Path(trace).name + ".*.jsonl"))
     cmd = [sys.executable, "-m", "pdserve.cli", "profile", "--from-trace", *files]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]  # names the profile (the trace has the times)
     subprocess.run([*cmd, "--output", str(profile)], check=True)
     return profile
 
