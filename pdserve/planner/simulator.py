@@ -284,6 +284,10 @@ class _Decoder:
         self.busy += dt
         self.steps += k
         self.context += self.batch * k
+        return self._pop_finished()
+
+    def _pop_finished(self) -> list[int]:
+        """Take the requests whose last token came out by now (`self.t`) off the batch."""
         done = []
         fin, r = self.finishing, self.reqs
         while fin and fin[0][0] <= self.steps:
@@ -502,13 +506,7 @@ class _Colocated(_Decoder):
         if decode:
             self.steps += 1
             self.context += self.batch
-            fin, r = self.finishing, self.reqs
-            while fin and fin[0][0] <= self.steps:
-                _, rid = heapq.heappop(fin)
-                r.finish[rid] = self.t
-                self.batch -= 1
-                self.context -= r.inp[rid] + r.out[rid]
-                ended.append(rid)
+            ended = self._pop_finished()
         self._after_decode(ended)
         self._prompts_done(finished)
 
