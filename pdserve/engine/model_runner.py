@@ -24,11 +24,9 @@ from pdserve.model.attention import (
 from pdserve.model.base import CausalLM, ForwardHooks
 
 
-def max_group_tokens(cache: KVCache) -> int | None:
+def max_group_tokens(cache: KVCache) -> int:
     """Context tokens whose gathered K + V (one layer) fill `CPU_GROUP_BYTES`."""
     t = cache.device_tensor
-    if t.is_cuda:
-        return None
     per_token = 2 * t.shape[-2] * t.shape[-1] * t.element_size()
     return max(cache.block_size, CPU_GROUP_BYTES // per_token)
 

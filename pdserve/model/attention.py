@@ -103,7 +103,7 @@ GROUP_COST_TOKENS = 64
 # copies K/V into a buffer that attention then reads: while it stays in cache that
 # costs ~250-290 ns per context token and layer (SmolLM2, 1 thread); one 40 x 1024-token
 # call (63 MB) costs 566 ns. Measured caps of 0.75 / 1.5 / 3 / 6 / 12 MB: 6 MB was
-# fastest. GPUs take every group whole (None): their batched kernels prefer size.
+# fastest. (A GPU backend would rather pass None: its batched kernels prefer size.)
 CPU_GROUP_BYTES = 6 * 2**20
 
 
