@@ -72,7 +72,9 @@ class Harness:
             pos += range(cached, cached + len(toks))
             specs.append(SeqSpec(cached, len(toks), table))
         rows = torch.arange(len(ids))
-        meta = AttentionMetadata.build(specs, BLOCK, self.model.sliding_window, None, group_cost)
+        meta = AttentionMetadata.build(
+            specs, BLOCK, self.model.sliding_window, group_cost=group_cost
+        )
         self.last_meta = meta
         logits = self.model(
             torch.tensor(ids), torch.tensor(pos), self.cache.device_tensor, meta, rows

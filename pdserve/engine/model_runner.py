@@ -14,13 +14,7 @@ import torch
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.kv.cache import KVCache
 from pdserve.kv.manager import KVManager
-from pdserve.model.attention import (
-    CPU_GROUP_BYTES,
-    GROUP_COST_TOKENS,
-    AttentionMetadata,
-    GatherWorkspace,
-    SeqSpec,
-)
+from pdserve.model.attention import CPU_GROUP_BYTES, AttentionMetadata, GatherWorkspace, SeqSpec
 from pdserve.model.base import CausalLM, ForwardHooks
 
 
@@ -57,8 +51,7 @@ class ModelRunner:
             self.cache.block_size,
             self.model.sliding_window,
             self.workspace,
-            GROUP_COST_TOKENS,
-            self.max_group_tokens,
+            max_group_tokens=self.max_group_tokens,
         )
         sampled = [s for s in seqs if s.samples]
         if not sampled:
