@@ -10,7 +10,7 @@ import pytest
 from helpers.tiny_models import make_tiny_model
 
 from pdserve.cli import main as cli_main
-from pdserve.planner.fit import fit_coefficients, nnls
+from pdserve.planner.fit import fit_coefficients, fit_step_model, nnls
 from pdserve.planner.hardware import load_profile
 from pdserve.planner.latency import step_features
 from pdserve.planner.model_spec import PRESETS, PlanInputError
@@ -56,6 +56,24 @@ def test_fit_on_skewed_noise_keeps_the_measured_total() -> None:
     assert (feats @ full).sum() == pytest.approx(times.sum(), rel=1e-9)
     assert res.mean_scale > 1.0
     assert res.stats()["mean_scale"] == res.mean_scale
+
+
+def test_fit_finds_the_knee_of_decode_steps() -> None:
+    """Steps made by a model with a knee of 6 rows: the search over knees finds it, and
+    with it the coefficients; the plain linear model (knee 0) fits worse."""
+    truth = np.array([3e-12, 2e-11, 4e-3, 1e-11, 5e-11, 6e-12])
+    counts = _grid() + [(0, 0, 0, b, b * 200) for b in (2, 4, 6, 12, 16, 64)]
+    feats = np.array([step_features(SPEC, *r, knee=6) for r in counts])
+    times = feats @ truth
+    res = fit_step_model(SPEC, counts, times, bandwidth=500e9)
+    c = res.coefficients
+    assert c.knee == 6.0
+    for got, want in zip((c.c1, c.c2, c.c5, c.c6), truth[[0, 1, 4, 5]], strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert np.abs(res.train_errors).max() < 1e-6
+    assert res.stats()["knee"] == 6.0
+    linear = fit_step_model(SPEC, counts, times, bandwidth=500e9, knees=(0,))
+    assert linear.coefficients.knee == 0.0 and linear.objective > 1e3 * res.objective
 
 
 def test_nnls_is_non_negative_and_optimal() -> None:

@@ -29,6 +29,7 @@ from pdserve.planner.latency import (
     Coefficients,
     Interconnect,
     Parallelism,
+    decode_rows,
     step_cost,
     step_features,
 )
@@ -90,6 +91,41 @@ def test_features_dot_coefficients_is_the_step_cost() -> None:
     feats = step_features(TOY, *counts)
     expected = float(np.dot(feats, [c.c1, c.c2, c.c3, c.c4, c.c5, c.c6]))
     assert cost.stage_time(*counts) == pytest.approx(expected, rel=1e-12)
+
+
+def test_decode_rows_past_the_knee_pay_and_prompt_rows_fill_it_first() -> None:
+    cost = dataclasses.replace(
+        step_cost(TOY, Coefficients(0.0, 0.0, 1.0, 0.0, 0.0, 0.0)),
+        prompt_token=0.01,
+        decode_token=0.1,
+        decode_comm=0.001,
+        knee=4,
+    )
+    assert decode_rows(0, 3, 4) == 0 and decode_rows(0, 6, 4) == 2
+    assert decode_rows(2, 6, 4) == 4  # the prompt's 2 rows leave 2 under the knee
+    assert decode_rows(10, 6, 4) == 6  # prompt rows past the knee: every decode row pays
+    assert cost.stage_time(decode_tokens=3) == pytest.approx(1.0 + 0.003)
+    assert cost.stage_time(decode_tokens=6) == pytest.approx(1.0 + 0.2 + 0.006)
+    assert cost.stage_time(2, 0, 0, 6) == pytest.approx(1.0 + 0.02 + 0.4 + 0.006)
+    assert cost.decode_time(4, 0) == pytest.approx(cost.decode_time(1, 0) + 3 * 0.001)
+
+
+def test_features_with_a_knee_dot_coefficients_is_the_step_cost() -> None:
+    c = Coefficients(1e-11, 2e-12, 3e-3, 4e-10, 5e-10, 6e-11, knee=5)
+    cost = step_cost(TOY, c)
+    for counts in [(0, 0, 0, 3, 90), (0, 0, 0, 9, 270), (2, 4, 1, 7, 300), (30, 900, 1, 7, 300)]:
+        feats = step_features(TOY, *counts, knee=c.knee)
+        expected = float(np.dot(feats, [c.c1, c.c2, c.c3, c.c4, c.c5, c.c6]))
+        assert cost.stage_time(*counts) == pytest.approx(expected, rel=1e-12)
+
+
+def test_tensor_parallel_all_reduces_are_paid_by_every_decode_row() -> None:
+    link = Interconnect(tp_bandwidth=100e9, tp_latency_s=0.0)
+    c = dataclasses.replace(TOY_HW.coefficients, knee=8)
+    two = step_cost(TOY, c, Parallelism(2, 1), link)
+    all_reduce = 2 * TOY.num_layers * (2 * 1 / 2) * TOY.hidden_size * TOY.dtype_bytes / 100e9
+    assert two.knee == 8 and two.decode_comm == pytest.approx(all_reduce)
+    assert two.decode_time(8, 0) - two.decode_time(1, 0) == pytest.approx(7 * all_reduce)
 
 
 def test_opt_sizes_match_the_paper() -> None:

@@ -30,9 +30,19 @@ def cost(
     decode_token: float = 0.0,
     context_token: float = 0.0,
     stages: int = 1,
+    knee: float = 0.0,
+    decode_comm: float = 0.0,
 ) -> StepCost:
     return StepCost(
-        base, prompt_token, prompt_unit, prompt_seq, decode_token, context_token, stages
+        base,
+        prompt_token,
+        prompt_unit,
+        prompt_seq,
+        decode_token,
+        context_token,
+        stages,
+        knee=knee,
+        decode_comm=decode_comm,
     )
 
 
@@ -139,6 +149,16 @@ def test_colocated_chunked_steps_mix_prompts_and_decodes() -> None:
     assert r.finish.tolist() == pytest.approx([6.2, 7.3])
 
 
+def test_colocated_decodes_under_the_knee_ride_along() -> None:
+    c = cost(base=1.0, prompt_token=0.01, decode_token=0.1, knee=2)
+    inst = InstanceSpec(c, 10_000, 64, 100, chunked=True)
+    r = simulate(ColocatedSystem((inst,)), wl([0.0, 4.0], [150, 50], [3, 2]))
+    # as above, but a lone decode row is under the knee: A decodes (1.0) -> 4.5; A's
+    # decode row beside B's 50 prompt rows is past it (1 + 0.5 + 0.1) -> 6.1; B (1.0) -> 7.1
+    assert r.first_token.tolist() == pytest.approx([3.5, 6.1])
+    assert r.finish.tolist() == pytest.approx([6.1, 7.1])
+
+
 def test_colocated_prefill_first_pauses_decodes() -> None:
     c = cost(base=1.0, prompt_token=0.01, decode_token=0.1)
     inst = InstanceSpec(c, 10_000, 64, 100, chunked=False)
@@ -175,7 +195,9 @@ def naive_decode(c: StepCost, cap: int, max_batch: int, w: SimWorkload) -> np.nd
             t = max(t, arr[pending[0]])
             continue
         ctx = sum(inp[i] + g for i, g in running.items())
-        t += c.stages * c.base + c.decode_token * len(running) + c.context_token * ctx
+        rows = max(0, len(running) - c.knee)
+        t += c.stages * c.base + c.decode_token * rows + c.decode_comm * len(running)
+        t += c.context_token * ctx
         for i in list(running):
             running[i] += 1
             if running[i] == out[i]:
@@ -194,7 +216,14 @@ def test_jumps_match_the_naive_loop(seed: int) -> None:
         rng.integers(1, 50, n).tolist(),
         rng.integers(1, 40, n).tolist(),
     )
-    c = cost(base=0.01, decode_token=0.002, context_token=1e-4, stages=1 + seed % 2)
+    c = cost(
+        base=0.01,
+        decode_token=0.002,
+        context_token=1e-4,
+        stages=1 + seed % 2,
+        knee=2 * (seed % 3),  # 0, 2, 4
+        decode_comm=1e-4 * (seed % 2),
+    )
     cap, batch = 400 + 50 * seed, 4 + seed
     got = simulate_decode(InstanceSpec(c, cap, max_batch_size=batch), w)
     assert np.allclose(got.finish, naive_decode(c, cap, batch, w), rtol=0, atol=1e-9)

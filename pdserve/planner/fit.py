@@ -10,6 +10,10 @@ for one model, so only their sum is identifiable from one model's steps: the fit
 finds the intercept, and `split_intercept` gives c4 the share the machine's measured
 memory bandwidth implies (at most 90% of it), c3 the rest.
 
+The knee (`latency.decode_rows`) enters the features, not the coefficients: the fit
+is repeated for every candidate knee in `KNEES` and keeps the one with the least
+relative squared error (`fit_step_model`).
+
 Relative error alone would bias the fit low on noisy steps (a step 40% slow costs
 more than one 40% fast is worth), while queueing depends on the *mean* service time:
 so the fitted coefficients are finally scaled together until the predicted total of
@@ -18,16 +22,20 @@ the fitted steps equals their measured total (`mean_scale`, 1.0 on noise-free da
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.planner.latency import Coefficients
-from pdserve.planner.model_spec import PlanInputError
+from pdserve.planner.latency import Coefficients, step_features
+from pdserve.planner.model_spec import ModelSpec, PlanInputError
 
 # Columns of step_features: c1 prompt FLOPs, c2 attention, c3 one, c4 weight bytes,
 # c5 KV bytes, c6 decode FLOPs. Fitted: all but c4 (folded into the intercept c3).
 FITTED = (0, 1, 2, 4, 5)
+# Candidate knees (decode rows a step's weight read covers). A CPU's ridge is a few
+# rows; a profile measured on a GPU would need a longer list.
+KNEES = tuple(range(0, 65))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
@@ -63,6 +71,7 @@ class FitResult:
     train_errors: np.ndarray  # relative errors of the fitted rows
     heldout_errors: np.ndarray  # relative errors of rows never used to fit
     mean_scale: float = 1.0  # the factor that made predicted and measured totals equal
+    objective: float = 0.0  # sum of squared relative errors of the fit (before scaling)
 
     def stats(self) -> dict[str, float]:
         def q(a: np.ndarray, p: float) -> float:
@@ -76,6 +85,7 @@ class FitResult:
             "train_points": len(self.train_errors),
             "heldout_points": len(self.heldout_errors),
             "mean_scale": self.mean_scale,
+            "knee": self.coefficients.knee,
         }
 
 
@@ -85,8 +95,10 @@ def fit_coefficients(
     weight_bytes: float,
     bandwidth: float,
     heldout: np.ndarray | None = None,
+    knee: float = 0.0,
 ) -> FitResult:
-    """Fit on the rows not marked `heldout`; report relative errors of both sets."""
+    """Fit on the rows not marked `heldout`; report relative errors of both sets.
+    `features` are `step_features` computed with `knee`, which the result carries."""
     x = np.asarray(features, dtype=np.float64)
     y = np.asarray(times, dtype=np.float64)
     if x.ndim != 2 or x.shape[1] != 6 or len(x) != len(y):
@@ -107,15 +119,44 @@ def fit_coefficients(
     sol = np.zeros(len(cols))
     sol[used] = nnls(rel[:, used], np.ones(int(train.sum())))
     coef = sol / scale
+    objective = float(np.sum(((a @ coef) / y[train] - 1.0) ** 2))
     fitted = float((a @ coef).sum())
     mean_scale = float(y[train].sum()) / fitted if fitted > 0 else 1.0
     c1, c2, intercept, c5, c6 = coef * mean_scale
     c3, c4 = split_intercept(float(intercept), weight_bytes, bandwidth)
-    coeffs = Coefficients(float(c1), float(c2), c3, c4, float(c5), float(c6))
+    coeffs = Coefficients(float(c1), float(c2), c3, c4, float(c5), float(c6), float(knee))
     full = np.array([c1, c2, c3, c4, c5, c6])
     pred = x @ full
     err = (pred - y) / y
-    return FitResult(coeffs, err[train], err[held], mean_scale)
+    return FitResult(coeffs, err[train], err[held], mean_scale, objective)
+
+
+def fit_step_model(
+    spec: ModelSpec,
+    counts: Sequence[tuple[int, int, int, int, int]],
+    times: np.ndarray,
+    bandwidth: float,
+    heldout: np.ndarray | None = None,
+    knees: Sequence[float] = KNEES,
+) -> FitResult:
+    """The best fit over `knees`: steps given as (prompt tokens, attention units,
+    prompts finishing, decode tokens, context tokens) and their times. A knee whose
+    features cannot separate the coefficients is skipped; if every one fails, the
+    first failure is raised."""
+    best: FitResult | None = None
+    error: PlanInputError | None = None
+    for knee in knees:
+        feats = np.array([step_features(spec, p, u, s, d, k, knee) for p, u, s, d, k in counts])
+        try:
+            res = fit_coefficients(feats, times, spec.weight_bytes, bandwidth, heldout, knee)
+        except PlanInputError as e:
+            error = error or e
+            continue
+        if best is None or res.objective < best.objective:
+            best = res
+    if best is None:
+        raise error or PlanInputError("no candidate knee to fit")
+    return best
 
 
 def split_intercept(intercept: float, weight_bytes: float, bandwidth: float) -> tuple[float, float]:

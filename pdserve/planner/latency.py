@@ -10,14 +10,23 @@ model covers every step:
     T = c3 + c4 * W                      fixed per step; W = weight bytes read
       + c1 * F_prompt                    linear-layer FLOPs of prompt tokens
       + c2 * A_prompt                    prompt attention, q_size * sum of pair counts
-      + c6 * F_decode                    linear-layer FLOPs of decode tokens
+      + c6 * F_decode                    linear-layer FLOPs of decode tokens past the knee
       + c5 * K_decode                    KV bytes the decode tokens read
 
 With c6 = 0 and no prompt tokens this is DistServe's decode model; with no decode
-tokens it is its prefill model (c3 + c4*W is its C3). All terms are linear in the
-batch's counts, so a `StepCost` reduces a (model, hardware, parallelism) triple to
-six per-count prices and the simulator evaluates a step with a handful of
-multiply-adds.
+tokens it is its prefill model (c3 + c4*W is its C3).
+
+The knee (a roofline's ridge, in tokens): a step reads every weight once whatever
+its batch, and while the batch is small its linear layers are bound by that read,
+so more rows cost (almost) nothing until the step has `knee` rows. Only the decode
+rows beyond the knee, after the step's prompt rows have filled it
+(`decode_rows`), pay c6. With knee = 0 every decode row pays: the plain linear
+model. On this CPU the fit finds a knee of about 6 (the grid profile's
+decode steps cost the same at batch 1 and 4); a datasheet profile keeps 0.
+
+Within a step of constant batch every term is linear in the counts, so a
+`StepCost` reduces a (model, hardware, parallelism) triple to six per-count prices
+and a knee, and the simulator evaluates a step with a handful of multiply-adds.
 
 Attention "units" of a prompt chunk of c new tokens after k already computed are
 (k + c)^2 - k^2, so a whole prompt of l tokens costs l^2 however it is chunked:
@@ -38,6 +47,13 @@ from typing import Any
 from pdserve.planner.model_spec import ModelSpec, PlanInputError
 
 COEFFICIENTS = ("c1", "c2", "c3", "c4", "c5", "c6")
+FIELDS = (*COEFFICIENTS, "knee")
+
+
+def decode_rows(prompt_tokens: float, decode_tokens: float, knee: float) -> float:
+    """Decode tokens that pay linear-layer compute: the step's rows past `knee`
+    once its prompt rows have taken their place (a step reads its weights anyway)."""
+    return max(0.0, prompt_tokens + decode_tokens - knee) - max(0.0, prompt_tokens - knee)
 
 
 @dataclass(frozen=True)
@@ -49,10 +65,11 @@ class Coefficients:
     c3: float  # s fixed per step (per pipeline stage): scheduling, launches, sampling
     c4: float  # s per weight byte read in a step
     c5: float  # s per KV byte read by decode tokens
-    c6: float = 0.0  # s per linear-layer FLOP of a decode token
+    c6: float = 0.0  # s per linear-layer FLOP of a decode token past the knee
+    knee: float = 0.0  # rows a step's weight read covers (see `decode_rows`)
 
     def __post_init__(self) -> None:
-        for name in COEFFICIENTS:
+        for name in FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise PlanInputError(f"coefficient {name} must be a number >= 0, got {value!r}")
@@ -65,10 +82,10 @@ class Coefficients:
         if not isinstance(d, dict):
             raise PlanInputError(f"{source}: 'coefficients' must be an object of c1..c6")
         missing = [c for c in COEFFICIENTS[:5] if c not in d]
-        unknown = sorted(set(d) - set(COEFFICIENTS))
+        unknown = sorted(set(d) - set(FIELDS))
         if missing or unknown:
             raise PlanInputError(
-                f"{source}: coefficients need c1..c5 (c6 optional); "
+                f"{source}: coefficients need c1..c5 (c6 and knee optional); "
                 f"missing {missing}, unknown {unknown}"
             )
         return cls(**{k: d[k] for k in d})
@@ -106,9 +123,10 @@ class StepCost:
 
     stage_time = base + prompt_token * (prompt tokens) + prompt_unit * (attention
     units) + prompt_seq * (prompts finishing: their LM-head row) + decode_token *
-    (decode tokens) + context_token * (context tokens the decode tokens attend to).
-    A request's latency through the pipeline is `stages` stage times plus
-    `hop_token * tokens` per stage boundary.
+    (decode rows past the knee, `decode_rows`) + decode_comm * (decode tokens: the
+    all-reduces every row pays, knee or not) + context_token * (context tokens the
+    decode tokens attend to). A request's latency through the pipeline is `stages`
+    stage times plus `hop_token * tokens` per stage boundary.
     """
 
     base: float
@@ -119,6 +137,8 @@ class StepCost:
     context_token: float
     stages: int = 1
     hop_token: float = 0.0
+    knee: float = 0.0
+    decode_comm: float = 0.0
 
     def stage_time(
         self,
@@ -133,7 +153,8 @@ class StepCost:
             + self.prompt_token * prompt_tokens
             + self.prompt_unit * prompt_units
             + self.prompt_seq * prompt_seqs
-            + self.decode_token * decode_tokens
+            + self.decode_token * decode_rows(prompt_tokens, decode_tokens, self.knee)
+            + self.decode_comm * decode_tokens
             + self.context_token * context_tokens
         )
 
@@ -192,10 +213,12 @@ def step_cost(
         prompt_token=coeffs.c1 * flops_token + allreduce_token,
         prompt_unit=coeffs.c2 * spec.q_size / tp * layers,
         prompt_seq=coeffs.c1 * head_flops * head_share,
-        decode_token=coeffs.c6 * (flops_token + head_flops * head_share) + allreduce_token,
+        decode_token=coeffs.c6 * (flops_token + head_flops * head_share),
         context_token=coeffs.c5 * kv_token * layers,
         stages=par.pp,
         hop_token=hop,
+        knee=coeffs.knee,  # per device, tp divides weights and FLOPs alike: the ridge stays
+        decode_comm=allreduce_token,
     )
 
 
@@ -206,11 +229,12 @@ def step_features(
     prompt_seqs: int,
     decode_tokens: int,
     context_tokens: int,
+    knee: float = 0.0,
 ) -> list[float]:
     """One step's feature values in coefficient order c1..c6 for a one-device instance.
 
-    `step_cost(spec, c).stage_time(...)` equals the dot product of these with c; the
-    profiler fits c by least squares over measured steps."""
+    `step_cost(spec, c).stage_time(...)` equals the dot product of these with c when
+    `knee` is c.knee; the profiler fits c by least squares over measured steps."""
     flops_token = 2 * spec.linear_params_per_layer * spec.num_layers
     head_flops = 2 * spec.hidden_size * spec.vocab_size
     return [
@@ -219,7 +243,7 @@ def step_features(
         1.0,
         float(spec.weight_bytes),
         float(spec.kv_bytes_per_token * context_tokens),
-        (flops_token + head_flops) * decode_tokens,
+        (flops_token + head_flops) * decode_rows(prompt_tokens, decode_tokens, knee),
     ]
 
 

@@ -29,9 +29,8 @@ from typing import Any
 import numpy as np
 
 from pdserve.engine.step_trace import StepObserver
-from pdserve.planner.fit import fit_coefficients
+from pdserve.planner.fit import fit_step_model
 from pdserve.planner.hardware import HardwareProfile
-from pdserve.planner.latency import step_features
 from pdserve.planner.model_spec import ModelSpec, PlanInputError
 
 
@@ -241,10 +240,9 @@ def fitted_profile(
     cfg: ProfileConfig, spec: ModelSpec, points: list[StepPoint], bandwidth: float, what: str
 ) -> HardwareProfile:
     """A measured profile fitted to `points` (those marked held out are only scored)."""
-    feats = np.array([step_features(spec, *p.counts) for p in points])
     times = np.array([p.seconds for p in points])
     held = np.array([p.heldout for p in points])
-    result = fit_coefficients(feats, times, spec.weight_bytes, bandwidth, held)
+    result = fit_step_model(spec, [p.counts for p in points], times, bandwidth, held)
     fit = {
         "model": spec.name,
         "model_spec": spec.to_dict(),

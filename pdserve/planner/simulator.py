@@ -33,7 +33,8 @@ Semantics (each mirrors an engine; tests pin them down exactly):
 Step times: a decode or colocated iteration costs `stages * base + prices . counts`
 (a pipeline cycles `stages` micro-batches; the per-count prices are per stage), where
 the counts are prompt tokens, attention units ((k+c)^2 - k^2 per chunk), prompts
-finishing, decode tokens and context tokens (a decoding request attends over its
+finishing, decode rows past the knee (`latency.decode_rows`), decode tokens (their
+all-reduces and stage hops) and context tokens (a decoding request attends over its
 prompt and every token generated so far). A prefill pipeline admits a new batch
 every stage time; its requests finish `cost.latency(stage_time)` after it starts.
 
@@ -55,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.planner.latency import StepCost
+from pdserve.planner.latency import StepCost, decode_rows
 from pdserve.planner.model_spec import PlanInputError
 from pdserve.planner.workload import SimWorkload
 
@@ -236,7 +237,9 @@ class _Decoder:
         c = spec.cost
         self.spec, self.reqs, self.name = spec, reqs, name
         self.base = c.stages * c.base
-        self.d = c.decode_token + (c.stages - 1) * c.hop_token
+        self.d = c.decode_token  # per decode row past the knee
+        self.knee = c.knee
+        self.every = c.decode_comm + (c.stages - 1) * c.hop_token  # per decode row
         self.x = c.context_token
         self.t = 0.0
         self.busy = 0.0
@@ -252,9 +255,14 @@ class _Decoder:
         self.context += r.inp[rid] + 1
         heapq.heappush(self.finishing, (self.steps + r.out[rid] - 1, rid))
 
+    def _first_step(self) -> float:
+        """The next decode step's time (the batch's later steps add x * batch each)."""
+        b = self.batch
+        rows = b - self.knee if b > self.knee else 0.0
+        return self.base + self.d * rows + self.every * b + self.x * self.context
+
     def _steps_time(self, k: int) -> float:
-        a = self.base + self.d * self.batch + self.x * self.context
-        return k * a + self.x * self.batch * k * (k - 1) / 2
+        return k * self._first_step() + self.x * self.batch * k * (k - 1) / 2
 
     def _steps_until(self, horizon: float, limit: int) -> int:
         """Fewest whole steps (<= limit) whose end is at or after `horizon`."""
@@ -263,7 +271,7 @@ class _Decoder:
             return 0
         if gap == INF:
             return limit
-        a = self.base + self.d * self.batch + self.x * self.context
+        a = self._first_step()
         q = self.x * self.batch
         if q > 0:
             half = q / 2
@@ -498,7 +506,13 @@ class _Colocated(_Decoder):
             + self.pt * tokens
             + self.pu * units
             + self.ps * seqs
-            + (self.d * decode + self.x * self.context if decode else 0.0)
+            + (
+                self.d * decode_rows(tokens, decode, self.knee)
+                + self.every * decode
+                + self.x * self.context
+                if decode
+                else 0.0
+            )
         )
         self.t += st
         self.busy += st
