@@ -20,6 +20,9 @@ its speed drifts by 10-20% between runs minutes apart.
         --rates 1,1.5,2,3 --num-prompts 80 --slo ttft:1000 tpot:100
 
 With --results FILE --profile FILE it skips the runs (re-analyses an earlier sweep).
+--pin-engine CPU runs the engine on that CPU and the HTTP front end and the load
+generator on the others, so their work (which grows with the request rate) does not
+take the engine's CPU time.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +69,22 @@ MAX_NUM_SEQS = 64  # SchedulerConfig.max_num_seqs default
 BUDGET = 512  # SchedulerConfig.max_num_batched_tokens default (and --chunk-size default)
 
 
-def start_server(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
+def others(engine_cpu: int | None) -> Callable[[], None] | None:
+    """A preexec_fn keeping a process (server front end, load generator) off the
+    engine's CPU; None when the engine is not pinned."""
+    if engine_cpu is None:
+        return None
+    rest = os.sched_getaffinity(0) - {engine_cpu}
+    return lambda: os.sched_setaffinity(0, rest)
+
+
+def start_server(port: int, extra: list[str], engine_cpu: int | None) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if engine_cpu is not None:
+        cmd += ["--engine-cpus", str(engine_cpu)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=others(engine_cpu)
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
@@ -90,7 +107,7 @@ def run_sweep(
     if args.prefill:
         extra += ["--prefill", str(args.prefill), "--decode", str(args.decode)]
     os.environ["PDSERVE_STEP_TRACE"] = trace
-    proc = start_server(args.port, extra)
+    proc = start_server(args.port, extra, args.pin_engine)
     del os.environ["PDSERVE_STEP_TRACE"]
     try:
         cmd = [
@@ -100,7 +117,7 @@ def run_sweep(
             "--request-rates", rates, "--slo", *args.slo,
             "--result-file", str(out), "--no-plots", "--disable-tqdm",
         ]  # fmt: skip
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, preexec_fn=others(args.pin_engine))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -224,6 +241,13 @@ def main() -> None:
     )
     p.add_argument("--port", type=int, default=8390)
     p.add_argument("--threads", type=int, default=None, help="engine threads (serve --num-threads)")
+    p.add_argument(
+        "--pin-engine",
+        type=int,
+        default=None,
+        metavar="CPU",
+        help="run the engine on this CPU, the front end and load generator on the others",
+    )
     p.add_argument("--prefill", type=int, default=0)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--output", default="bench-results/sim_vs_real.json")

@@ -75,6 +75,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cpu_list(text: str) -> tuple[int, ...]:
+    """'0-3,6' -> (0, 1, 2, 3, 6); argparse turns the ValueError into a usage error."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list like 0 or 0-3,6")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise argparse.ArgumentTypeError(f"CPU range {part.strip()!r} runs backwards")
+        cpus.extend(range(first, last + 1))
+    return tuple(sorted(set(cpus)))
+
+
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF folder or .gguf (default: SmolLM2)")
     p.add_argument("--host", default="127.0.0.1")
@@ -88,6 +102,14 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="CPU threads of the engine (split among cluster instances; default: all cores)",
+    )
+    p.add_argument(
+        "--engine-cpus",
+        type=cpu_list,
+        default=None,
+        metavar="LIST",
+        help="run the engine (every instance of a cluster) on these CPUs, e.g. 0 or 0-3,6; "
+        "start the server under `taskset` to keep the HTTP front end off them",
     )
     p.add_argument(
         "--no-prefix-cache",

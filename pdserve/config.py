@@ -135,6 +135,10 @@ class EngineConfig:
     max_model_len: int | None = None
     # Torch intra-op threads; None = all cores this process may use.
     num_threads: int | None = None
+    # CPUs the engine process runs on (its affinity, set before the model loads);
+    # None = those of the process that starts it. Keeps the engine off the cores the
+    # HTTP front end (and a load generator) use.
+    cpus: tuple[int, ...] | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -150,6 +154,11 @@ class EngineConfig:
             _at_least("max_model_len", self.max_model_len, 2)
         if self.num_threads is not None:
             _at_least("num_threads", self.num_threads, 1)
+        if self.cpus is not None:
+            if not self.cpus:
+                raise ValueError("cpus must name at least one CPU (or be None)")
+            for cpu in self.cpus:
+                _at_least("each of cpus", cpu, 0)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -157,7 +166,23 @@ class EngineConfig:
 
     @property
     def threads(self) -> int:
-        return self.num_threads or len(os.sched_getaffinity(0))
+        return self.num_threads or len(self.cpus or os.sched_getaffinity(0))
+
+
+def pin_process(cpus: tuple[int, ...]) -> None:
+    """Run this process on `cpus` only; a CPU it may not use is a ValueError naming
+    the CPUs it may (the engine reports it as a start failure)."""
+    count = os.cpu_count() or 1
+    missing = sorted(c for c in set(cpus) if c >= count)
+    if missing:
+        raise ValueError(f"CPUs {missing} do not exist: this machine has CPUs 0-{count - 1}")
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        raise ValueError(
+            f"cannot run on CPUs {sorted(set(cpus))} ({e.strerror}); "
+            f"this process may use {sorted(os.sched_getaffinity(0))}"
+        ) from None
 
 
 def _at_least(name: str, value: int, low: int) -> None:

@@ -34,3 +34,17 @@ def test_generate_reports_bad_sampling_values_cleanly() -> None:
     proc = pdserve("generate", "hi", "--temperature", "-1")
     assert proc.returncode == 2
     assert proc.stderr == "pdserve: error: temperature must be at least 0, got -1.0\n"
+
+
+def test_engine_cpu_lists_parse_and_bad_ones_are_usage_errors() -> None:
+    from pdserve.cli import cpu_list
+
+    assert cpu_list("0") == (0,)
+    assert cpu_list("2-4,0, 3") == (0, 2, 3, 4)
+    proc = pdserve("serve", "--engine-cpus", "1-x")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.endswith(
+        "error: argument --engine-cpus: '1-x' is not a CPU list like 0 or 0-3,6\n"
+    )
+    proc = pdserve("serve", "--engine-cpus", "3-1")
+    assert proc.stderr.endswith("error: argument --engine-cpus: CPU range '3-1' runs backwards\n")

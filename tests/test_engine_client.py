@@ -113,6 +113,38 @@ def test_killed_engine_fails_open_requests_quickly(tmp_path) -> None:
     assert asyncio.run(scenario()) < 5.0
 
 
+def test_engine_runs_on_the_cpus_it_is_given(tmp_path) -> None:
+    folder = make_tiny_model(tmp_path, "LlamaForCausalLM")
+    last = os.cpu_count() - 1  # type: ignore[operator]
+
+    async def scenario() -> None:
+        client = await EngineClient.start(EngineConfig(model=str(folder), cpus=(last,)))
+        try:
+            assert os.sched_getaffinity(client.process.pid) == {last}
+            assert len((await collect(client, [5, 6, 7], GREEDY))[1]) == 64
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_engine_on_a_cpu_the_machine_lacks_fails_start_clearly(tmp_path) -> None:
+    folder = make_tiny_model(tmp_path, "LlamaForCausalLM")
+    count = os.cpu_count()
+
+    async def scenario() -> None:
+        await EngineClient.start(EngineConfig(model=str(folder), cpus=(0, count)))  # type: ignore[arg-type]
+
+    with pytest.raises(EngineDeadError) as exc:
+        asyncio.run(scenario())
+    assert str(exc.value) == (
+        f"engine failed to start: CPUs [{count}] do not exist: this machine has CPUs 0-{count - 1}"  # type: ignore[operator]
+    )
+    assert multiprocessing.active_children() == []
+    with pytest.raises(ValueError, match="cpus must name at least one CPU"):
+        EngineConfig(cpus=())
+
+
 def test_missing_model_fails_start_and_leaves_no_process(tmp_path) -> None:
     async def scenario() -> None:
         await EngineClient.start(EngineConfig(model=str(tmp_path / "nope")))

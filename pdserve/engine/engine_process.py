@@ -21,7 +21,7 @@ import traceback
 import msgspec
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, pin_process
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model
 from pdserve.engine.messages import (
@@ -214,6 +214,8 @@ def run_engine_process(
     out.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
     try:
+        if config.cpus is not None:
+            pin_process(config.cpus)
         model = load_model(config)
         stop_ids = Tokenizer.from_model_path(resolve_model(config.model)).stop_token_ids
         core = build_core(config, model, stop_ids)

@@ -44,6 +44,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
+        cpus=args.engine_cpus,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
