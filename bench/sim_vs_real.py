@@ -19,7 +19,8 @@ its speed drifts by 10-20% between runs minutes apart.
     .venv/bin/python bench/sim_vs_real.py --grid-profile profile.json \
         --rates 1,1.5,2,3 --num-prompts 80 --slo ttft:1000 tpot:100
 
-With --results FILE --profile FILE it skips the runs (re-analyses an earlier sweep).
+With --results FILE --profile FILE it skips the runs (re-analyses an earlier sweep);
+`--pool OUT1.json OUT2.json ...` averages the outputs of repeated sweeps.
 --pin-engine CPU runs the engine on that CPU and the HTTP front end and the load
 generator on the others, so their work (which grows with the request rate) does not
 take the engine's CPU time.
@@ -214,7 +215,33 @@ def measured(run: dict[str, Any], slo: SLO) -> tuple[float, float, float]:
     return att, s["mean_ttft_ms"] / 1e3, s["mean_tpot_ms"] / 1e3
 
 
+def pool(files: list[str]) -> None:
+    """Measured vs simulated attainment averaged over repeated sweeps (the outputs of
+    earlier runs of this script): per profile, SLO and rate, the mean of the runs'
+    measured and simulated attainment, their difference, and the spread between runs."""
+    groups: dict[tuple[str, tuple[float, float], float], list[dict[str, Any]]] = {}
+    for f in files:
+        for row in json.loads(Path(f).read_text())["rows"]:
+            key = (row["profile"], (row["slo_s"][0], row["slo_s"][1]), row["rate"])
+            groups.setdefault(key, []).append(row)
+    print(f"{len(files)} sweeps; attainment in %, measured mean (spread) / simulated mean")
+    worst: dict[str, float] = {}
+    for (label, (ttft, tpot), rate), rows in groups.items():
+        meas = [100 * r["measured_attainment"] for r in rows]
+        sim = [100 * r["simulated_attainment"] for r in rows]
+        diff = float(np.mean(sim) - np.mean(meas))
+        worst[label] = max(worst.get(label, 0.0), abs(diff))
+        print(f"{label:<16} TTFT {ttft:g} s TPOT {tpot:g} s rate {rate:>5g}: "
+              f"{np.mean(meas):5.1f} ({max(meas) - min(meas):4.1f}) / {np.mean(sim):5.1f} "
+              f"diff {diff:+5.1f} pp")  # fmt: skip
+    for label, w in worst.items():
+        print(f"{label}: max |diff of means| {w:.1f} pp")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--pool"]:
+        pool(sys.argv[2:])
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--profile", default=None, help="serving profile (default: calibrate)")
     p.add_argument("--grid-profile", default=None, help="an isolated `pdserve profile`, too")

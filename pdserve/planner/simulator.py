@@ -159,6 +159,14 @@ class _Prefill:
             heapq.heappop(pend)
         return len(pend) + len(self.queue)
 
+    def load_at(self, now: float) -> int:
+        while self.queue and self.t < now:
+            self._step()
+        pend = self.pending
+        while pend and pend[0] <= now:
+            heapq.heappop(pend)
+        return len(pend) + len(self.queue)
+
     def add(self, rid: int, now: float) -> None:
         if not self.queue and self.t < now:
             self.t = now
@@ -264,26 +272,35 @@ class _Decoder:
     def _steps_time(self, k: int) -> float:
         return k * self._first_step() + self.x * self.batch * k * (k - 1) / 2
 
-    def _steps_until(self, horizon: float, limit: int) -> int:
-        """Fewest whole steps (<= limit) whose end is at or after `horizon`."""
+    def run_until(self, horizon: float, limit: int) -> list[int]:
+        """Run the fewest whole steps (<= limit, >= 1) whose end is at or after
+        `horizon` (> self.t); returns the requests that finished at the end. The hot path of the
+        simulator: the step-time progression is evaluated inline (k steps take
+        k * a + q * k * (k - 1) / 2, as `_steps_time`)."""
         gap = horizon - self.t
-        if gap <= 0:
-            return 0
-        if gap == INF:
-            return limit
         a = self._first_step()
         q = self.x * self.batch
-        if q > 0:
-            half = q / 2
-            j = math.ceil((-(a - half) + math.sqrt((a - half) ** 2 + 4 * half * gap)) / (2 * half))
+        if gap == INF:
+            j = limit
         else:
-            j = math.ceil(gap / a) if a > 0 else limit
-        j = max(1, min(j, limit))
-        while j > 1 and self._steps_time(j - 1) >= gap:
-            j -= 1
-        while j < limit and self._steps_time(j) < gap:
-            j += 1
-        return j
+            if q > 0:
+                half = q / 2
+                j = math.ceil(
+                    (-(a - half) + math.sqrt((a - half) ** 2 + 4 * half * gap)) / (2 * half)
+                )
+            else:
+                j = math.ceil(gap / a) if a > 0 else limit
+            j = 1 if j < 1 else limit if j > limit else j
+            while j > 1 and (j - 1) * a + q * (j - 1) * (j - 2) / 2 >= gap:
+                j -= 1
+            while j < limit and j * a + q * j * (j - 1) / 2 < gap:
+                j += 1
+        dt = j * a + q * j * (j - 1) / 2
+        self.t += dt
+        self.busy += dt
+        self.steps += j
+        self.context += self.batch * j
+        return self._pop_finished()
 
     def run_steps(self, k: int) -> list[int]:
         """Run k decode steps; returns the requests that finished at the end."""
@@ -320,9 +337,33 @@ class _Decode(_Decoder):
         self.transfers: list[tuple[float, int]] = []  # (ready time, rid) heap
         self.reserved = 0
         self.slots = 0  # admitted: transferring + decoding
+        self.quiet_until = INF  # no request finishes before this time (see `load_at`)
+        self.quiet_stale = False  # the state changed since quiet_until was computed
 
     def load(self, now: float) -> int:
         return self.unfinished
+
+    def load_at(self, now: float) -> int:
+        """The load once the step in progress at `now` ends (`advance_to(now)`), without
+        advancing when that step cannot finish a request: most dispatches leave most
+        instances as they are."""
+        if self.quiet_stale:
+            self._update_quiet()
+        if now >= self.quiet_until - 1e-9:  # advancing when not needed is always right
+            self.advance_to(now)
+        return self.unfinished
+
+    def _update_quiet(self) -> None:
+        """Up to the start of the step that finishes the batch's next request, the step
+        in progress finishes none. A transfer ending may add a request (finishing later
+        still, but changing the step times), so the earliest transfer end bounds it too."""
+        quiet = self.transfers[0][0] if self.transfers else INF
+        if self.batch:
+            k = self.finishing[0][0] - self.steps - 1
+            last = self.t + k * self._first_step() + self.x * self.batch * k * (k - 1) / 2
+            quiet = last if last < quiet else quiet
+        self.quiet_until = quiet
+        self.quiet_stale = False
 
     def add(self, rid: int, now: float) -> None:
         """Called right after `advance_to(now)`: the instance is idle or at a step
@@ -334,6 +375,7 @@ class _Decode(_Decoder):
             self.t = now
         self._admit(now)
         self._join_ready()
+        self.quiet_stale = True
 
     def _admit(self, at: float) -> None:
         r, cap, limit = self.reqs, self.spec.kv_capacity_tokens, self.spec.max_batch_size
@@ -372,16 +414,16 @@ class _Decode(_Decoder):
                     continue
                 if self.t < now < INF:
                     self.t = now
+                self.quiet_stale = True
                 return
             horizon = min(now, ready)
             if horizon <= self.t:
                 if ready <= self.t:
                     self._join_ready()
                     continue
+                self.quiet_stale = True
                 return
-            k = self.steps_to_next_finish()
-            j = self._steps_until(horizon, k)
-            self._finished(self.run_steps(j))
+            self._finished(self.run_until(horizon, self.steps_to_next_finish()))
 
     def drain(self) -> None:
         self.advance_to(INF)
@@ -407,6 +449,10 @@ class _Colocated(_Decoder):
             )
 
     def load(self, now: float) -> int:
+        return self.unfinished
+
+    def load_at(self, now: float) -> int:
+        self.advance_to(now)
         return self.unfinished
 
     def add(self, rid: int, now: float) -> None:
@@ -435,8 +481,7 @@ class _Colocated(_Decoder):
             if self._has_prompt_work():
                 self._prompt_step()
             elif self.batch:
-                k = self.steps_to_next_finish()
-                self._after_decode(self.run_steps(self._steps_until(now, k)))
+                self._after_decode(self.run_until(now, self.steps_to_next_finish()))
             else:
                 self.t = now
 
@@ -557,12 +602,10 @@ def _dispatch(instances: list[Any], rid: int, now: float) -> None:
     if len(instances) > 1:
         best_load = None
         for inst in instances:
-            inst.advance_to(now)
-            load = inst.load(now)
+            load = inst.load_at(now)
             if best_load is None or load < best_load:
                 best, best_load = inst, load
-    else:
-        best.advance_to(now)
+    best.advance_to(now)
     best.add(rid, now)
 
 
