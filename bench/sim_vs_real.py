@@ -21,6 +21,8 @@ its speed drifts by 10-20% between runs minutes apart.
 
 With --results FILE --profile FILE it skips the runs (re-analyses an earlier sweep);
 `--pool OUT1.json OUT2.json ...` averages the outputs of repeated sweeps.
+--noise-interval S adds rows simulated with the machine's speed redrawn every S s
+(`simulator.SpeedNoise`, sigma estimated from step traces), averaged over seeds.
 --pin-engine CPU runs the engine on that CPU and the HTTP front end and the load
 generator on the others, so their work (which grows with the request rate) does not
 take the engine's CPU time.
@@ -61,6 +63,7 @@ from pdserve.planner.simulator import (
     DisaggSystem,
     InstanceSpec,
     SimResult,
+    SpeedNoise,
     simulate,
 )
 from pdserve.planner.workload import SimWorkload
@@ -208,6 +211,26 @@ def cross_fitted(args: argparse.Namespace, doc: dict[str, Any], trace: list[Path
     return systems
 
 
+def speed_noise(hw: HardwareProfile, traces: list[Path], interval: float) -> SpeedNoise:
+    """The machine's speed drift seen in traced steps: the log of measured / priced
+    step time, averaged over windows of `interval` seconds (windows of >= 5 steps);
+    sigma is the spread of those window means."""
+    cost = step_cost(resolve_model_spec(None), hw.coefficients)
+    windows: dict[tuple[int, int], list[float]] = {}
+    for n, path in enumerate(traces):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            priced = cost.stage_time(*row["counts"])
+            key = (n, int(row["start"] // interval))
+            windows.setdefault(key, []).append(math.log(row["seconds"] / priced))
+    means = [float(np.mean(v)) for v in windows.values() if len(v) >= 5]
+    if len(means) < 3:
+        raise SystemExit(f"{len(means)} windows of {interval} s are too few to estimate noise")
+    sigma = float(np.std(means, ddof=1))
+    print(f"speed noise: sigma {sigma:.3f} over {len(means)} windows of {interval:g} s")
+    return SpeedNoise(sigma, interval)
+
+
 def measured(run: dict[str, Any], slo: SLO) -> tuple[float, float, float]:
     """Attainment under `slo` (the bench's own rule), mean TTFT and TPOT (s)."""
     s = run["summary"]
@@ -275,6 +298,20 @@ def main() -> None:
         metavar="CPU",
         help="run the engine on this CPU, the front end and load generator on the others",
     )
+    p.add_argument(
+        "--noise-interval",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="also simulate with the machine's speed redrawn every S seconds (0: off)",
+    )
+    p.add_argument(
+        "--noise-trace",
+        nargs="+",
+        default=None,
+        help="step traces to estimate the noise from (default: the calibration trace)",
+    )
+    p.add_argument("--noise-seeds", type=int, default=20, help="draws of the speed factors")
     p.add_argument("--prefill", type=int, default=0)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--output", default="bench-results/sim_vs_real.json")
@@ -299,13 +336,23 @@ def main() -> None:
     if args.cross_fit:
         trace = sorted(results.parent.glob(f"{prefix_of(results)}.eval-trace.*.jsonl"))
         systems["cross-fitted"] = cross_fitted(args, doc, trace)
+    noise = None
+    if args.noise_interval > 0:
+        traces = args.noise_trace or sorted(
+            str(p)
+            for p in Path(prefix).parent.glob(Path(prefix).name + ".calibration-trace.*.jsonl")
+        )
+        noise = speed_noise(load_profile(profile), [Path(t) for t in traces], args.noise_interval)
     rows = []
     for label, per_rate in systems.items():
         for judge in judges:
             print(f"-- simulated with the {label}; SLO TTFT {judge.ttft_s} s TPOT {judge.tpot_s} s")
             rows += compare(doc, per_rate, label, judge)
+            if noise is not None and label == "serving profile":
+                print("-- the same with speed noise")
+                rows += compare(doc, per_rate, f"{label} + noise", judge, noise, args.noise_seeds)
     Path(args.output).write_text(json.dumps({"profile": profile, "rows": rows}, indent=2))
-    for label in systems:
+    for label in dict.fromkeys(r["profile"] for r in rows):
         diffs = [abs(r["diff_pp"]) for r in rows if r["profile"] == label]
         print(f"{label}: max |diff| {max(diffs):.1f} pp")
     print(f"wrote {args.output}")
@@ -316,8 +363,29 @@ def prefix_of(results: Path) -> str:
     return results.name.removesuffix(".json").removesuffix(".bench")
 
 
+def simulated(
+    system: System, w: SimWorkload, slo: SLO, noise: SpeedNoise | None, seeds: int
+) -> tuple[float, float, float]:
+    """Attainment, mean TTFT and mean TPOT (s) of `w` through `system`; with speed
+    noise, the means over `seeds` draws of the factors."""
+    draws = [None] if noise is None else [dataclasses.replace(noise, seed=k) for k in range(seeds)]
+    out = []
+    for draw in draws:
+        sim: SimResult = simulate(system, w, draw)
+        ok = sim.tpot[w.output_lens > 1]
+        tpot = float(ok.mean()) if len(ok) else math.nan
+        out.append((sim.attainment(slo.ttft_s, slo.tpot_s), float(sim.ttft.mean()), tpot))
+    att, ttft, tpot = (float(np.mean(col)) for col in zip(*out, strict=True))
+    return att, ttft, tpot
+
+
 def compare(
-    doc: dict[str, Any], systems: list[System], label: str, slo: SLO
+    doc: dict[str, Any],
+    systems: list[System],
+    label: str,
+    slo: SLO,
+    noise: SpeedNoise | None = None,
+    seeds: int = 1,
 ) -> list[dict[str, Any]]:
     """Measured vs simulated per rate; `systems[i]` simulates the i-th rate."""
     rows = []
@@ -326,10 +394,8 @@ def compare(
     runs = [r for r in doc["runs"] if r["rate"] is not None]
     for run, system in zip(runs, systems, strict=True):
         w = workload_of(run)
-        sim: SimResult = simulate(system, w)
-        att_sim = sim.attainment(slo.ttft_s, slo.tpot_s)
+        att_sim, sim_ttft, sim_tpot = simulated(system, w, slo, noise, seeds)
         att, ttft, tpot = measured(run, slo)
-        ok = sim.tpot[w.output_lens > 1]
         row = {
             "profile": label,
             "slo_s": [slo.ttft_s, slo.tpot_s],
@@ -338,9 +404,9 @@ def compare(
             "simulated_attainment": att_sim,
             "diff_pp": 100 * (att_sim - att),
             "measured_mean_ttft_s": ttft,
-            "simulated_mean_ttft_s": float(sim.ttft.mean()),
+            "simulated_mean_ttft_s": sim_ttft,
             "measured_mean_tpot_s": tpot,
-            "simulated_mean_tpot_s": float(ok.mean()) if len(ok) else math.nan,
+            "simulated_mean_tpot_s": sim_tpot,
         }
         rows.append(row)
         print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -201,9 +202,11 @@ def test_colocated_prefill_first_pauses_decodes() -> None:
 # ---- the closed-form jumps against a naive step-by-step loop ----------------------------
 
 
-def naive_decode(c: StepCost, cap: int, max_batch: int, w: SimWorkload) -> np.ndarray:
+def naive_decode(
+    c: StepCost, cap: int, max_batch: int, w: SimWorkload, speed: Any = None
+) -> np.ndarray:
     """One step at a time: at each boundary admit arrived requests FCFS while there is
-    room, then run a step of everything admitted."""
+    room, then run a step of everything admitted (priced at `speed.at(its start)`)."""
     arr, inp, out = w.arrivals.tolist(), w.input_lens.tolist(), w.output_lens.tolist()
     finish = [0.0] * len(arr)
     pending = [i for i in range(len(arr)) if out[i] > 1]
@@ -225,8 +228,9 @@ def naive_decode(c: StepCost, cap: int, max_batch: int, w: SimWorkload) -> np.nd
             continue
         ctx = sum(inp[i] + g for i, g in running.items())
         rows = max(0, len(running) - c.knee)
-        t += c.stages * c.base + c.decode_token * rows + c.decode_comm * len(running)
-        t += c.context_token * ctx
+        dt = c.stages * c.base + c.decode_token * rows + c.decode_comm * len(running)
+        dt += c.context_token * ctx
+        t += dt * (speed.at(t) if speed is not None else 1.0)
         for i in list(running):
             running[i] += 1
             if running[i] == out[i]:
@@ -256,6 +260,45 @@ def test_jumps_match_the_naive_loop(seed: int) -> None:
     cap, batch = 400 + 50 * seed, 4 + seed
     got = simulate_decode(InstanceSpec(c, cap, max_batch_size=batch), w)
     assert np.allclose(got.finish, naive_decode(c, cap, batch, w), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_jumps_with_speed_noise_match_the_naive_loop(seed: int) -> None:
+    """Every step is priced at the speed factor of its start, also in long jumps."""
+    from pdserve.planner.simulator import SpeedNoise, _Speed
+
+    rng = np.random.default_rng(seed)
+    n = 60
+    w = wl(
+        np.cumsum(rng.exponential(0.05, n)).tolist(),
+        rng.integers(1, 50, n).tolist(),
+        rng.integers(1, 40, n).tolist(),
+    )
+    c = cost(base=0.01, decode_token=0.002, context_token=1e-4, knee=2 * (seed % 2))
+    noise = SpeedNoise(sigma=0.3, interval_s=0.07, seed=seed)
+    got = simulate_decode(InstanceSpec(c, 500, max_batch_size=6), w, noise)
+    want = naive_decode(c, 500, 6, w, _Speed(noise))
+    assert np.allclose(got.finish, want, rtol=0, atol=1e-9)
+    plain = simulate_decode(InstanceSpec(c, 500, max_batch_size=6), w)
+    assert not np.allclose(got.finish, plain.finish)  # the factors did change the steps
+
+
+def test_speed_noise_spreads_tpot_around_the_same_mean() -> None:
+    """At a light load every request's TPOT is the same step time without noise; with
+    it they spread, with the same mean (the factors have mean 1)."""
+    from pdserve.planner.simulator import SpeedNoise
+
+    n = 400
+    w = wl([5.0 * i for i in range(n)], [100] * n, [40] * n)  # one request at a time
+    inst = InstanceSpec(cost(base=0.05, prompt_token=1e-4), 10_000, 64, 512)
+    plain = simulate(ColocatedSystem((inst,)), w)
+    assert np.allclose(plain.tpot, 0.05)
+    noisy = simulate(ColocatedSystem((inst,)), w, SpeedNoise(0.2, 10.0, seed=1))
+    assert noisy.tpot.std() > 0.005
+    assert noisy.tpot.mean() == pytest.approx(0.05, rel=0.03)
+    with pytest.raises(PlanInputError) as exc:
+        SpeedNoise(0.1, 0)
+    assert str(exc.value) == "speed noise needs sigma >= 0 and interval_s > 0, got 0.1, 0"
 
 
 # ---- queueing theory -----------------------------------------------------------------------

@@ -89,6 +89,46 @@ class ColocatedSystem:
     instances: tuple[InstanceSpec, ...]
 
 
+@dataclass(frozen=True)
+class SpeedNoise:
+    """The machine's speed drifting: every `interval_s` of simulated time all step
+    times are multiplied by a new factor, log-normal with mean 1 and log-std `sigma`
+    (one sequence for the whole system, drawn from `seed`). A deterministic simulator
+    gives every request of a light load the same TPOT; served steps scatter in runs
+    of several seconds, and an SLO near the median TPOT sees that spread."""
+
+    sigma: float
+    interval_s: float
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.sigma >= 0 and self.interval_s > 0):
+            raise PlanInputError(
+                f"speed noise needs sigma >= 0 and interval_s > 0, got {self.sigma}, "
+                f"{self.interval_s}"
+            )
+
+
+class _Speed:
+    """Factors of a `SpeedNoise`, drawn as simulated time reaches them."""
+
+    def __init__(self, noise: SpeedNoise) -> None:
+        self.interval = noise.interval_s
+        self.sigma = noise.sigma
+        self.rng = np.random.default_rng(noise.seed)
+        self.factors: list[float] = []
+
+    def at(self, t: float) -> float:
+        i = int(t / self.interval)
+        while len(self.factors) <= i:
+            z = self.rng.standard_normal(1024)
+            self.factors += np.exp(self.sigma * z - self.sigma**2 / 2).tolist()
+        return self.factors[i]
+
+    def next_change(self, t: float) -> float:
+        return (math.floor(t / self.interval) + 1) * self.interval
+
+
 @dataclass
 class SimResult:
     ttft: np.ndarray
@@ -125,7 +165,8 @@ class SimResult:
 class _Requests:
     """Per-request inputs and outputs as plain lists (fast scalar access)."""
 
-    def __init__(self, w: SimWorkload) -> None:
+    def __init__(self, w: SimWorkload, speed: _Speed | None = None) -> None:
+        self.speed = speed  # None: step times exactly as priced
         self.arrival: list[float] = w.arrivals.tolist()
         self.inp: list[int] = w.input_lens.tolist()
         self.out: list[int] = w.output_lens.tolist()
@@ -225,6 +266,8 @@ class _Prefill:
         elif finished:
             self.done_head, self.admitted_head = 0, False
         st = self.base + self.pt * tokens + self.pu * units + self.ps * seqs
+        if self.reqs.speed is not None:
+            st *= self.reqs.speed.at(self.t)
         end = self.t + self.stages * st + (self.stages - 1) * self.hop * tokens
         for rid in finished:
             self.reqs.first[rid] = end
@@ -269,17 +312,22 @@ class _Decoder:
         rows = b - self.knee if b > self.knee else 0.0
         return self.base + self.d * rows + self.every * b + self.x * self.context
 
-    def _steps_time(self, k: int) -> float:
-        return k * self._first_step() + self.x * self.batch * k * (k - 1) / 2
-
     def run_until(self, horizon: float, limit: int) -> list[int]:
         """Run the fewest whole steps (<= limit, >= 1) whose end is at or after
-        `horizon` (> self.t); returns the requests that finished at the end. The hot path of the
-        simulator: the step-time progression is evaluated inline (k steps take
-        k * a + q * k * (k - 1) / 2, as `_steps_time`)."""
-        gap = horizon - self.t
+        `horizon` (> self.t; INF: `limit` steps); returns the requests that finished
+        at the end. The hot path of the simulator: k steps of a constant batch take
+        k * a + q * k * (k - 1) / 2 (the context grows by the batch each step). With
+        speed noise the jump also stops at the first boundary after the factor
+        changes, so every step is priced at the factor of its start."""
         a = self._first_step()
         q = self.x * self.batch
+        speed = self.reqs.speed
+        if speed is not None:
+            f = speed.at(self.t)
+            a, q = a * f, q * f
+            change = speed.next_change(self.t)
+            horizon = change if change < horizon else horizon
+        gap = horizon - self.t
         if gap == INF:
             j = limit
         else:
@@ -300,15 +348,6 @@ class _Decoder:
         self.busy += dt
         self.steps += j
         self.context += self.batch * j
-        return self._pop_finished()
-
-    def run_steps(self, k: int) -> list[int]:
-        """Run k decode steps; returns the requests that finished at the end."""
-        dt = self._steps_time(k)
-        self.t += dt
-        self.busy += dt
-        self.steps += k
-        self.context += self.batch * k
         return self._pop_finished()
 
     def _pop_finished(self) -> list[int]:
@@ -360,7 +399,13 @@ class _Decode(_Decoder):
         quiet = self.transfers[0][0] if self.transfers else INF
         if self.batch:
             k = self.finishing[0][0] - self.steps - 1
-            last = self.t + k * self._first_step() + self.x * self.batch * k * (k - 1) / 2
+            f = 1.0
+            speed = self.reqs.speed
+            if speed is not None:  # the estimate holds until the factor changes
+                f = speed.at(self.t)
+                change = speed.next_change(self.t)
+                quiet = change if change < quiet else quiet
+            last = self.t + f * (k * self._first_step() + self.x * self.batch * k * (k - 1) / 2)
             quiet = last if last < quiet else quiet
         self.quiet_until = quiet
         self.quiet_stale = False
@@ -490,7 +535,7 @@ class _Colocated(_Decoder):
             if self._has_prompt_work():
                 self._prompt_step()
             elif self.batch:
-                self._after_decode(self.run_steps(self.steps_to_next_finish()))
+                self._after_decode(self.run_until(INF, self.steps_to_next_finish()))
             else:
                 raise PlanInputError(f"{self.name}: a request can never be admitted")
 
@@ -559,6 +604,8 @@ class _Colocated(_Decoder):
                 else 0.0
             )
         )
+        if self.reqs.speed is not None:
+            st *= self.reqs.speed.at(self.t)
         self.t += st
         self.busy += st
         ended: list[int] = []
@@ -630,8 +677,14 @@ def _run_prefill(prefills: list[_Prefill], reqs: _Requests) -> list[tuple[float,
     return done
 
 
-def simulate(system: DisaggSystem | ColocatedSystem, workload: SimWorkload) -> SimResult:
-    reqs = _Requests(workload)
+def simulate(
+    system: DisaggSystem | ColocatedSystem,
+    workload: SimWorkload,
+    noise: SpeedNoise | None = None,
+) -> SimResult:
+    """Every request of `workload` through `system`; `noise`: the machine's speed
+    drifting (None: every step exactly as priced)."""
+    reqs = _Requests(workload, _Speed(noise) if noise is not None and noise.sigma > 0 else None)
     start = float(workload.arrivals[0])
     if isinstance(system, ColocatedSystem):
         if not system.instances:
@@ -677,10 +730,12 @@ def simulate_prefill(instance: InstanceSpec, workload: SimWorkload) -> SimResult
     return res
 
 
-def simulate_decode(instance: InstanceSpec, workload: SimWorkload) -> SimResult:
+def simulate_decode(
+    instance: InstanceSpec, workload: SimWorkload, noise: SpeedNoise | None = None
+) -> SimResult:
     """One decode instance alone (simu_decode): each request arrives with its first
     token and KV in place (TTFT 0) and decodes output_len - 1 tokens."""
-    reqs = _Requests(workload)
+    reqs = _Requests(workload, _Speed(noise) if noise is not None and noise.sigma > 0 else None)
     _check_fits(workload, (instance,), "decode", whole=True)
     d = _Decode(instance, reqs, "decode-0", 0, INF)
     for rid, t in enumerate(reqs.arrival):
