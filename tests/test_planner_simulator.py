@@ -240,15 +240,18 @@ def naive_decode(
     return np.array(finish)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_jumps_match_the_naive_loop(seed: int) -> None:
+def random_decodes(seed: int, n: int = 60) -> SimWorkload:
     rng = np.random.default_rng(seed)
-    n = 60
-    w = wl(
+    return wl(
         np.cumsum(rng.exponential(0.05, n)).tolist(),
         rng.integers(1, 50, n).tolist(),
         rng.integers(1, 40, n).tolist(),
     )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_jumps_match_the_naive_loop(seed: int) -> None:
+    w = random_decodes(seed)
     c = cost(
         base=0.01,
         decode_token=0.002,
@@ -267,13 +270,7 @@ def test_jumps_with_speed_noise_match_the_naive_loop(seed: int) -> None:
     """Every step is priced at the speed factor of its start, also in long jumps."""
     from pdserve.planner.simulator import SpeedNoise, _Speed
 
-    rng = np.random.default_rng(seed)
-    n = 60
-    w = wl(
-        np.cumsum(rng.exponential(0.05, n)).tolist(),
-        rng.integers(1, 50, n).tolist(),
-        rng.integers(1, 40, n).tolist(),
-    )
+    w = random_decodes(seed)
     c = cost(base=0.01, decode_token=0.002, context_token=1e-4, knee=2 * (seed % 2))
     noise = SpeedNoise(sigma=0.3, interval_s=0.07, seed=seed)
     got = simulate_decode(InstanceSpec(c, 500, max_batch_size=6), w, noise)
