@@ -169,22 +169,6 @@ class EngineConfig:
         return self.num_threads or len(self.cpus or os.sched_getaffinity(0))
 
 
-def pin_process(cpus: tuple[int, ...]) -> None:
-    """Run this process on `cpus` only; a CPU it may not use is a ValueError naming
-    the CPUs it may (the engine reports it as a start failure)."""
-    count = os.cpu_count() or 1
-    missing = sorted(c for c in set(cpus) if c >= count)
-    if missing:
-        raise ValueError(f"CPUs {missing} do not exist: this machine has CPUs 0-{count - 1}")
-    try:
-        os.sched_setaffinity(0, cpus)
-    except OSError as e:
-        raise ValueError(
-            f"cannot run on CPUs {sorted(set(cpus))} ({e.strerror}); "
-            f"this process may use {sorted(os.sched_getaffinity(0))}"
-        ) from None
-
-
 def _at_least(name: str, value: int, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 
 def freeze_startup_heap() -> None:
@@ -16,3 +17,19 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def pin_process(cpus: tuple[int, ...]) -> None:
+    """Run this process on `cpus` only; a CPU it may not use is a ValueError naming
+    the CPUs it may (the engine reports it as a start failure)."""
+    count = os.cpu_count() or 1
+    missing = sorted(c for c in set(cpus) if c >= count)
+    if missing:
+        raise ValueError(f"CPUs {missing} do not exist: this machine has CPUs 0-{count - 1}")
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        raise ValueError(
+            f"cannot run on CPUs {sorted(set(cpus))} ({e.strerror}); "
+            f"this process may use {sorted(os.sched_getaffinity(0))}"
+        ) from None

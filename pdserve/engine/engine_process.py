@@ -21,7 +21,7 @@ import traceback
 import msgspec
 import zmq
 
-from pdserve.config import EngineConfig, pin_process
+from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model
 from pdserve.engine.messages import (
@@ -46,7 +46,7 @@ from pdserve.engine.step_trace import StepTrace
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.runtime import freeze_startup_heap
+from pdserve.runtime import freeze_startup_heap, pin_process
 
 _IDLE_POLL_MS = 100
 _TRANSFER_POLL_MS = 1  # while only background KV moves are in flight

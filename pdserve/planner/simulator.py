@@ -119,7 +119,7 @@ class _Speed:
         self.factors: list[float] = []
 
     def at(self, t: float) -> float:
-        i = int(t / self.interval)
+        i = max(0, int(t / self.interval))
         while len(self.factors) <= i:
             z = self.rng.standard_normal(1024)
             self.factors += np.exp(self.sigma * z - self.sigma**2 / 2).tolist()
