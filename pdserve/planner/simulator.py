@@ -194,13 +194,8 @@ class _Prefill:
         self.assigned = 0
         self.completions: list[tuple[float, int]] = []
 
-    def load(self, now: float) -> int:
-        pend = self.pending
-        while pend and pend[0] <= now:
-            heapq.heappop(pend)
-        return len(pend) + len(self.queue)
-
     def load_at(self, now: float) -> int:
+        """Requests not yet prefilled at `now` (after advancing to it)."""
         while self.queue and self.t < now:
             self._step()
         pend = self.pending
@@ -379,9 +374,6 @@ class _Decode(_Decoder):
         self.quiet_until = INF  # no request finishes before this time (see `load_at`)
         self.quiet_stale = False  # the state changed since quiet_until was computed
 
-    def load(self, now: float) -> int:
-        return self.unfinished
-
     def load_at(self, now: float) -> int:
         """The load once the step in progress at `now` ends (`advance_to(now)`), without
         advancing when that step cannot finish a request: most dispatches leave most
@@ -493,10 +485,8 @@ class _Colocated(_Decoder):
                 f"{spec.max_batch_tokens}: decodes alone could overflow a chunked step"
             )
 
-    def load(self, now: float) -> int:
-        return self.unfinished
-
     def load_at(self, now: float) -> int:
+        """Unfinished requests at `now` (after advancing to it)."""
         self.advance_to(now)
         return self.unfinished
 
