@@ -218,11 +218,11 @@ def speed_noise(hw: HardwareProfile, traces: list[Path], interval: float) -> Spe
     cost = step_cost(resolve_model_spec(None), hw.coefficients)
     windows: dict[tuple[int, int], list[float]] = {}
     for n, path in enumerate(traces):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            priced = cost.stage_time(*row["counts"])
-            key = (n, int(row["start"] // interval))
-            windows.setdefault(key, []).append(math.log(row["seconds"] / priced))
+        for p in read_trace([path]):
+            if p.start is None:
+                raise SystemExit(f"{path}: the trace has no step start times")
+            key = (n, int(p.start // interval))
+            windows.setdefault(key, []).append(math.log(p.seconds / cost.stage_time(*p.counts)))
     means = [float(np.mean(v)) for v in windows.values() if len(v) >= 5]
     if len(means) < 3:
         raise SystemExit(f"{len(means)} windows of {interval} s are too few to estimate noise")

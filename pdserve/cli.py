@@ -76,7 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def cpu_list(text: str) -> tuple[int, ...]:
-    """'0-3,6' -> (0, 1, 2, 3, 6); argparse turns the ValueError into a usage error."""
+    """'0-3,6' -> (0, 1, 2, 3, 6); a bad list is an ArgumentTypeError (a usage error)."""
     cpus: list[int] = []
     for part in text.split(","):
         lo, sep, hi = part.strip().partition("-")

@@ -143,10 +143,16 @@ def fit_step_model(
     prompts finishing, decode tokens, context tokens) and their times. A knee whose
     features cannot separate the coefficients is skipped; if every one fails, the
     first failure is raised."""
+    base = np.array([step_features(spec, *c) for c in counts])  # knee 0
+    c = np.asarray(counts, dtype=np.float64).reshape(-1, 5)
+    prompt, decode = c[:, 0], c[:, 3]
+    per_row = step_features(spec, 0, 0, 0, 1, 0)[5]  # decode FLOPs of one row
     best: FitResult | None = None
     error: PlanInputError | None = None
     for knee in knees:
-        feats = np.array([step_features(spec, p, u, s, d, k, knee) for p, u, s, d, k in counts])
+        feats = base.copy()  # only the c6 column depends on the knee (`decode_rows`)
+        rows = np.maximum(prompt + decode - knee, 0) - np.maximum(prompt - knee, 0)
+        feats[:, 5] = per_row * rows
         try:
             res = fit_coefficients(feats, times, spec.weight_bytes, bandwidth, heldout, knee)
         except PlanInputError as e:

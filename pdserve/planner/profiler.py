@@ -88,6 +88,7 @@ class StepPoint:
     heldout: bool
     counts: tuple[int, int, int, int, int]  # prompt tokens, units, prompt seqs, decodes, context
     seconds: float
+    start: float | None = None  # perf_counter() when a traced step began (traces only)
 
 
 class StepTimer:
@@ -286,12 +287,13 @@ def read_trace(paths: list[Path]) -> list[StepPoint]:
                 row = json.loads(line)
                 counts = tuple(int(c) for c in row["counts"])
                 seconds = float(row["seconds"])
+                start = float(row["start"]) if "start" in row else None
             except (ValueError, KeyError, TypeError):
                 raise PlanInputError(f"{path}:{n}: not a step-trace line") from None
             if len(counts) != 5 or not seconds > 0:
                 raise PlanInputError(f"{path}:{n}: expected 5 counts and seconds > 0")
             i = len(points)
-            points.append(StepPoint(i, i % 4 == 3, counts, seconds))
+            points.append(StepPoint(i, i % 4 == 3, counts, seconds, start))
     if len(points) < 20:
         raise PlanInputError(f"{len(points)} traced steps are too few to fit (need >= 20)")
     return points

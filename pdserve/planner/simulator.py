@@ -165,8 +165,9 @@ class SimResult:
 class _Requests:
     """Per-request inputs and outputs as plain lists (fast scalar access)."""
 
-    def __init__(self, w: SimWorkload, speed: _Speed | None = None) -> None:
-        self.speed = speed  # None: step times exactly as priced
+    def __init__(self, w: SimWorkload, noise: SpeedNoise | None = None) -> None:
+        # None: step times exactly as priced
+        self.speed = _Speed(noise) if noise is not None and noise.sigma > 0 else None
         self.arrival: list[float] = w.arrivals.tolist()
         self.inp: list[int] = w.input_lens.tolist()
         self.out: list[int] = w.output_lens.tolist()
@@ -196,8 +197,7 @@ class _Prefill:
 
     def load_at(self, now: float) -> int:
         """Requests not yet prefilled at `now` (after advancing to it)."""
-        while self.queue and self.t < now:
-            self._step()
+        self.advance_to(now)
         pend = self.pending
         while pend and pend[0] <= now:
             heapq.heappop(pend)
@@ -674,7 +674,7 @@ def simulate(
 ) -> SimResult:
     """Every request of `workload` through `system`; `noise`: the machine's speed
     drifting (None: every step exactly as priced)."""
-    reqs = _Requests(workload, _Speed(noise) if noise is not None and noise.sigma > 0 else None)
+    reqs = _Requests(workload, noise)
     start = float(workload.arrivals[0])
     if isinstance(system, ColocatedSystem):
         if not system.instances:
@@ -725,7 +725,7 @@ def simulate_decode(
 ) -> SimResult:
     """One decode instance alone (simu_decode): each request arrives with its first
     token and KV in place (TTFT 0) and decodes output_len - 1 tokens."""
-    reqs = _Requests(workload, _Speed(noise) if noise is not None and noise.sigma > 0 else None)
+    reqs = _Requests(workload, noise)
     _check_fits(workload, (instance,), "decode", whole=True)
     d = _Decode(instance, reqs, "decode-0", 0, INF)
     for rid, t in enumerate(reqs.arrival):
