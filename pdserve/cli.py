@@ -138,6 +138,20 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="answer 413 to request bodies larger than this (default: 4 MiB)",
     )
     p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="close a connection whose request headers have not all arrived this many "
+        "seconds after its first byte (or after it opened) with 408 (default: 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="answer 408 and close the connection when a request body has not all "
+        "arrived this many seconds after its headers (default: 30)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,

@@ -58,9 +58,10 @@ from pdserve.engine.messages import (
     RequestRejected,
     ReserveKV,
 )
-from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.engine.outputs import RequestMetrics, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.validation import check_request
 from pdserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -125,6 +126,7 @@ class Cluster:
         self.decode_chooser = DecodeChooser(config.decode_policy, config.seed)
         self._ctx = zmq.asyncio.Context()
         self._processor: OutputProcessor | None = None
+        self._budget = LoopBudget()
         self._ids = itertools.count()
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
@@ -190,6 +192,7 @@ class Cluster:
             raise EngineDeadError("no live instance can serve requests")
         assert self._processor is not None
         token_ids = self._tokenize(prompt)
+        check_request(token_ids, params, self.vocab_size, self.max_model_len)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.records:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
@@ -258,10 +261,13 @@ class Cluster:
 
     # ---- messages from instances -----------------------------------------------------
 
-    def _on_message(self, inst: Instance, msg: EngineMessage) -> None:
+    async def _on_message(self, inst: Instance, msg: EngineMessage) -> None:
+        """Messages of one instance, in order (its reader awaits each)."""
         if isinstance(msg, OutputBatch):
+            self._budget.reset()
             for out in msg.outputs:
                 self._on_output(inst, out)
+                await self._budget.checkpoint()
         elif isinstance(msg, KVHandedOff):
             self._on_handed_off(inst, msg)
         elif isinstance(msg, KVReserved):

@@ -16,7 +16,7 @@ import multiprocessing
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from multiprocessing.process import BaseProcess
 
 import msgspec
@@ -34,6 +34,7 @@ from pdserve.engine.messages import (
     LoadReport,
     Shutdown,
     StatsRequest,
+    encode_input,
 )
 from pdserve.errors import EngineDeadError
 
@@ -45,7 +46,7 @@ class Instance:
         self,
         config: EngineConfig,
         ctx: zmq.asyncio.Context,
-        on_message: Callable[[Instance, EngineMessage], None],
+        on_message: Callable[[Instance, EngineMessage], Awaitable[None]],
         timeout_s: float,
     ) -> None:
         self.config = config
@@ -149,7 +150,7 @@ class Instance:
         if self.dead is not None:
             return False
         try:
-            self._to.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            self._to.send(encode_input(self._encoder, msg), zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
@@ -178,4 +179,4 @@ class Instance:
                     reply.set_result(msg)
             elif isinstance(msg, EngineFailed):
                 self.mark_dead(msg.message)
-            self.on_message(self, msg)
+            await self.on_message(self, msg)

@@ -49,10 +49,12 @@ from pdserve.engine.messages import (
     RequestRejected,
     Shutdown,
     StatsRequest,
+    encode_input,
 )
-from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.validation import check_request
 from pdserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
@@ -80,6 +82,7 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[Item]] = {}
         self._stats: dict[int, asyncio.Future[EngineStats]] = {}
         self._processor: OutputProcessor | None = None
+        self._budget = LoopBudget()
         self._dead: EngineDeadError | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ids = itertools.count()
@@ -160,6 +163,7 @@ class EngineClient:
             raise self._dead
         assert self._processor is not None and self.tokenizer is not None
         token_ids = self._tokenize(prompt)
+        check_request(token_ids, params, self.vocab_size, self.max_model_len)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._queues:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
@@ -209,7 +213,7 @@ class EngineClient:
         """Queue a message for the core; never blocks (EngineDeadError if no core is
         connected: it has not started yet, or it is gone)."""
         try:
-            await self._to_core.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            await self._to_core.send(encode_input(self._encoder, msg), zmq.NOBLOCK)
         except zmq.Again:
             raise EngineDeadError("the engine process is not connected") from None
 
@@ -218,6 +222,7 @@ class EngineClient:
     async def _output_loop(self) -> None:
         while True:
             msg = self._decoder.decode(await self._from_core.recv())
+            self._budget.reset()
             if isinstance(msg, OutputBatch):
                 await self._dispatch(msg)
             elif isinstance(msg, RequestRejected):
@@ -237,6 +242,7 @@ class EngineClient:
                 await self._send(FinishRequest(out.request_id, stop_string))
             if result is not None:
                 self._put(out.request_id, result)
+            await self._budget.checkpoint()
 
     def _put(self, request_id: str, item: Item) -> None:
         queue = self._queues.get(request_id)

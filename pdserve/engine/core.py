@@ -30,6 +30,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SampledToken, SamplingRow, sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
+from pdserve.engine.validation import check_request
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.kv.cache import KVCache
 from pdserve.kv.config import KVCacheConfig
@@ -208,28 +209,7 @@ class EngineCore:
             )
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        vocab = self.model.config.vocab_size
-        if not prompt:
-            raise InvalidRequestError("prompt must contain at least one token", "prompt")
-        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt"
-            )
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"stop token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids"
-            )
-        limit = self.max_model_len
-        if len(prompt) + params.max_tokens > limit:
-            param = "prompt" if len(prompt) >= limit else "max_tokens"
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens, but {len(prompt)} "
-                f"prompt tokens plus max_tokens={params.max_tokens} would need "
-                f"{len(prompt) + params.max_tokens}",
-                param,
-            )
+        check_request(prompt, params, self.model.config.vocab_size, self.max_model_len)
 
     def abort(self, request_id: str) -> EngineOutput | None:
         """Cancel; its KV returns to the pool now. None if unknown or already finished."""

@@ -12,11 +12,15 @@ context (leading spaces of SentencePiece / byte-level BPE pieces come out right)
 result ends in U+FFFD, the last token ends inside a multi-byte UTF-8 character: nothing is
 emitted until a later token completes it.
 
-Stop strings are searched in the output text, so they are found whatever tokens they span.
-The text emitted never contains a matched stop string (unless include_stop_str_in_output)
-nor anything after it. To guarantee that while streaming, the longest end of the text that
-could still be the beginning of a stop string is held back until the next tokens decide.
-A stop string counts only if it ends in text produced once `min_tokens` tokens were added.
+Stop strings are searched in the output text, so they are found whatever tokens they span:
+every output character goes once through one automaton over all stop strings
+(`stop_strings.StopMatcher`), so the cost per token is linear in its text, whatever the
+number and length of the stop strings. The first character at which a stop string is
+complete ends the output (the longest such stop string is the match). The text emitted
+never contains a matched stop string (unless include_stop_str_in_output) nor anything
+after it. To guarantee that while streaming, the longest end of the text that could still
+be the beginning of a stop string is held back until the next tokens decide. A stop string
+counts only if it ends in text produced once `min_tokens` tokens were added.
 
 Contract for the engine: when generation ends on EOS or a stop token id, do not add that
 token (vLLM leaves its text out), call `finish()`. After a stop string matched (`stopped`),
@@ -29,6 +33,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stop_strings import matcher_for
 
 _CONTEXT_TOKENS = 5
 """Prompt tokens decoded with the first output tokens as context (vLLM uses 5 too)."""
@@ -56,7 +61,8 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
-        self._stops = params.stop
+        self._matcher = matcher_for(params.stop) if params.stop else None
+        self._state = 0  # the matcher's state after every character decoded so far
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         # Only the last prompt tokens matter, as decoding context.
@@ -132,45 +138,40 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
     def _release(self, new_text: str, final: bool) -> str:
-        """Search stop strings in pending + new_text; emit what can no longer be a stop."""
+        """Run new_text through the stop matcher; emit what can no longer be a stop."""
         window = self._pending + new_text
-        match = self._find_stop(window, len(self._pending)) if new_text else None
-        if match is not None:
-            start, stop = match
-            self._stop_reason = stop
+        if self._matcher is None:
             self._pending = ""
-            return self._emit(window[: start + len(stop) if self._include_stop else start])
-        held = 0 if final else self._held_back_len(window)
+            return self._emit(window)
+        match = self._scan(new_text)
+        if match is not None:
+            end, stop = match
+            self._stop_reason = stop
+            cut = len(self._pending) + end  # where the stop ends in window
+            self._pending = ""
+            return self._emit(window[: cut if self._include_stop else cut - len(stop)])
+        held = 0 if final else self._matcher.held(self._state)
         self._pending = window[len(window) - held :]
         return self._emit(window[: len(window) - held])
+
+    def _scan(self, new_text: str) -> tuple[int, str] | None:
+        """Advance the matcher over new_text; (end in new_text, stop) of the first match.
+
+        Matches count only once min_tokens tokens were added (the state still advances).
+        """
+        assert self._matcher is not None
+        matcher, state = self._matcher, self._state
+        counting = self._num_output_tokens >= self._min_tokens
+        for i, ch in enumerate(new_text):
+            state = matcher.step(state, ch)
+            stop = matcher.completed(state) if counting else None
+            if stop is not None:
+                self._state = state
+                return i + 1, stop
+        self._state = state
+        return None
 
     def _emit(self, text: str) -> str:
         if text:
             self._emitted.append(text)
         return text
-
-    def _find_stop(self, window: str, new_from: int) -> tuple[int, str] | None:
-        """The earliest stop string ending after window[new_from], as (start, stop).
-
-        Equal starts: the shorter stop, which ends first.
-        """
-        if not self._stops or self._num_output_tokens < self._min_tokens:
-            return None
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            start = window.find(stop, max(0, new_from - len(stop) + 1))
-            if start < 0:
-                continue
-            if best is None or (start, len(stop)) < (best[0], len(best[1])):
-                best = (start, stop)
-        return best
-
-    def _held_back_len(self, text: str) -> int:
-        """Length of the longest end of `text` that is a proper beginning of a stop string."""
-        held = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(text)), held, -1):
-                if text.endswith(stop[:k]):
-                    held = k
-                    break
-        return held

@@ -14,6 +14,7 @@ process exits with status 1; the frontend then fails every open request.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -205,7 +206,11 @@ def run_engine_process(
     config: EngineConfig, input_addr: str, output_addr: str, report: bool = False
 ) -> None:
     """Process entry point (spawned by `EngineClient` or a cluster instance handle).
-    `report`: send a `LoadReport` every `config.report_interval_s`."""
+    `report`: send a `LoadReport` every `config.report_interval_s`.
+
+    Ctrl-C in a terminal signals the whole process group: the server drains and then
+    shuts its engines down, so an engine ignores SIGINT rather than die mid-drain."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)

@@ -13,6 +13,7 @@ import msgspec
 
 from pdserve.engine.outputs import RequestMetrics
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidRequestError
 from pdserve.kv.transfer import RegionHandle
 
 # ---- core -> frontend: per-request progress ------------------------------------
@@ -133,6 +134,16 @@ EngineInput = (
     | ReserveKV
     | ReleaseKV
 )
+
+
+def encode_input(encoder: msgspec.msgpack.Encoder, msg: EngineInput) -> bytes:
+    """`msg` as bytes for the core. A value msgpack cannot carry (an integer beyond 64
+    bits that slipped past validation) is the request's fault: InvalidRequestError."""
+    try:
+        return encoder.encode(msg)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise InvalidRequestError(f"the request cannot be sent to the engine: {e}") from None
+
 
 # ---- core process -> frontend --------------------------------------------------
 

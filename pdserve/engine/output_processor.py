@@ -9,6 +9,8 @@ may have run one more step meanwhile) are dropped.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -16,6 +18,31 @@ from pdserve.engine.messages import EngineOutput
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+
+
+class LoopBudget:
+    """Cooperative time slicing for per-token work on an event loop.
+
+    A front end turns a batch of core outputs into text on the event loop that also
+    serves `/health` and every other stream; a batch of thousands of sequences would
+    hold it for as long as it takes. `checkpoint()` after each output yields the loop
+    once `budget_s` of work has run since the last yield, so no other task waits much
+    longer than that.
+    """
+
+    def __init__(self, budget_s: float = 0.002) -> None:
+        self.budget_s = budget_s
+        self._since = time.perf_counter()
+
+    async def checkpoint(self) -> None:
+        now = time.perf_counter()
+        if now - self._since >= self.budget_s:
+            await asyncio.sleep(0)
+            self._since = time.perf_counter()
+
+    def reset(self) -> None:
+        """Start a new slice (call when the loop was just yielded anyway)."""
+        self._since = time.perf_counter()
 
 
 @dataclass

@@ -23,6 +23,19 @@ MAX_LOGPROBS = 20
 PENALTY_LIMIT = 2.0
 """presence_penalty and frequency_penalty must lie in [-PENALTY_LIMIT, PENALTY_LIMIT]."""
 
+MAX_STOP_STRINGS = 64
+"""Most stop strings a request may give (OpenAI allows 4; vLLM sets no limit)."""
+
+MAX_STOP_CHARS = 4096
+"""Most characters all of a request's stop strings may hold together: their matcher is
+built per request on the front end's event loop (~1 ms per 1,000 characters)."""
+
+MAX_STOP_TOKEN_IDS = 1024
+"""Most stop token ids a request may give."""
+
+INT64_MAX = 2**63 - 1
+"""Integer fields cross process boundaries as 64-bit integers."""
+
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -34,20 +47,24 @@ class SamplingParams:
 
     Fields (all validated in `__post_init__`):
 
-    - max_tokens: most tokens to generate, >= 1.
+    - max_tokens: most tokens to generate, >= 1 (the context length bounds it where the
+      model is known: `engine/validation.py`).
     - min_tokens: EOS, `stop_token_ids` and `stop` strings are not honoured before this many
       tokens were generated; 0 <= min_tokens <= max_tokens.
     - temperature: >= 0; 0 means greedy (argmax), and then top_p/top_k/min_p are ignored.
     - top_p: nucleus sampling mass, in (0, 1]; 1 disables it.
-    - top_k: keep the k most likely tokens; -1 or 0 disables it.
+    - top_k: keep the k most likely tokens; -1 or 0 disables it; at most INT64_MAX.
     - min_p: drop tokens whose probability is below min_p * (probability of the best token);
       in [0, 1], 0 disables it.
     - seed: per-request RNG seed (the engine builds the request's generator from it); None =
       engine-chosen randomness.
     - stop: strings that end generation when they appear in the output text (never included in
       the output unless include_stop_str_in_output). A single str or a list is accepted and
-      stored as a tuple; empty strings are refused.
-    - stop_token_ids: token ids that end generation (the token itself is not part of the text).
+      stored as a tuple; empty strings are refused; at most MAX_STOP_STRINGS strings of
+      MAX_STOP_CHARS characters in all.
+    - stop_token_ids: token ids that end generation (the token itself is not part of the text);
+      at most MAX_STOP_TOKEN_IDS. Whether they lie in the vocabulary is checked where the
+      vocabulary is known (`engine/validation.py`).
     - ignore_eos: keep generating after the model's EOS token (until max_tokens or a stop).
     - logprobs: None = no log-probabilities; n in [0, 20] = return the chosen token's logprob
       plus the n most likely alternatives.
@@ -116,6 +133,8 @@ class SamplingParams:
             _raise(
                 "top_k", f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}"
             )
+        if self.top_k > INT64_MAX:
+            _raise("top_k", f"top_k must be at most {INT64_MAX}, got {self.top_k}")
         _check_range("min_p", self.min_p, 0.0, 1.0)
 
     def _validate_penalties(self) -> None:
@@ -128,9 +147,26 @@ class SamplingParams:
             _check_range(name, getattr(self, name), -PENALTY_LIMIT, PENALTY_LIMIT)
 
     def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            _raise(
+                "stop",
+                f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+            )
+        chars = sum(len(s) for s in self.stop)
+        if chars > MAX_STOP_CHARS:
+            _raise(
+                "stop",
+                f"stop strings may hold at most {MAX_STOP_CHARS} characters in all, got {chars}",
+            )
         for s in self.stop:
             if not s:
                 _raise("stop", "stop strings must not be empty")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _raise(
+                "stop_token_ids",
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                f"got {len(self.stop_token_ids)}",
+            )
         for t in self.stop_token_ids:
             if t < 0:
                 _raise("stop_token_ids", f"stop_token_ids must be non-negative, got {t}")

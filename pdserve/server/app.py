@@ -13,7 +13,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,12 +60,15 @@ def build_app(
     app.add_exception_handler(PdserveError, errors.on_engine_error)
     app.add_exception_handler(RequestValidationError, errors.on_validation_error)
     app.add_exception_handler(HTTPException, errors.on_http_error)
-    app.add_exception_handler(Exception, errors.on_unexpected)
     admission = admission or Admission(config.max_body_bytes, config.api_key)
     app.add_middleware(AdmissionGate, admission=admission)
+    # Outermost of ours: an unexpected exception becomes the 500 error body and the
+    # connection stays usable (Starlette's own handler re-raises, and uvicorn then
+    # drops the keep-alive connection under the client's next request).
+    app.add_middleware(errors.UnexpectedErrorGuard)
     api = _Api(client, config, admission)
 
-    app.get("/health")(api.health)
+    app.api_route("/health", methods=["GET", "HEAD"])(api.health)
     app.get("/version")(api.version)
     app.get("/metrics")(api.prometheus)
     app.get("/v1/models")(api.models)
@@ -138,6 +141,7 @@ class _Api:
     # ---- completions ---------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        body.check()
         self._check_model(body.model)
         prompts = body.prompt_list()
         params = body.sampling_params(16)
@@ -155,16 +159,18 @@ class _Api:
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
+        body.check()
         self._check_model(body.model)
         tok = self.client.tokenizer
         assert tok is not None
         messages = [m.model_dump() for m in body.messages]
         ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
         default_max = max(1, self.client.max_model_len - len(ids))
-        params = body.sampling_params(default_max)
-        return await self._respond(
-            request, body, [ids], params, "chat.completion", self.render.chat_choice
-        )
+        with _field_named("max_tokens", body.max_tokens_field):
+            params = body.sampling_params(default_max)
+            return await self._respond(
+                request, body, [ids], params, "chat.completion", self.render.chat_choice
+            )
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -204,9 +210,8 @@ class _Api:
             texts = [p if isinstance(p, str) else self.render.text(p) for p in echo]
             prefixes = [texts[k // body.n] for k in range(len(jobs))]
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
             render = _Render(meta, kind, choice, prefixes)
-            usage_of = prompts if include_usage else None
+            usage_of = prompts if body.include_usage else None
             sse = _sse(streams, firsts, render, usage_of, self.metrics)
             return StreamingResponse(sse, media_type="text/event-stream")
         finals = await asyncio.gather(
@@ -230,10 +235,23 @@ MAX_CHOICES = 16
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice i of n: the request's seed + i, so seeded choices differ but reproduce."""
+    """Choice i of n: the request's seed + i (modulo 2**64, the seed's range), so seeded
+    choices differ but reproduce."""
     if index == 0 or params.seed is None:
         return params
-    return dataclasses.replace(params, seed=params.seed + index)
+    seed = params.seed + index
+    return dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
+
+
+@contextlib.contextmanager
+def _field_named(engine_name: str, client_name: str) -> Iterator[None]:
+    """Errors about `engine_name` name the field the client sent (`client_name`)."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        if e.param != engine_name or client_name == engine_name:
+            raise
+        raise InvalidRequestError(e.message.replace(engine_name, client_name), client_name) from e
 
 
 async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:

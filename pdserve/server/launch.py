@@ -29,6 +29,7 @@ from pdserve.runtime import freeze_startup_heap
 from pdserve.server.admission import Admission
 from pdserve.server.app import ServerConfig, build_app
 from pdserve.server.backend import ServingBackend
+from pdserve.server.http import header_deadline_protocol
 
 _ENGINE_CHECK_S = 0.5
 _CANCEL_GRACE_S = 5.0  # for cancelled requests to send their error and close
@@ -101,11 +102,16 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
+    for flag in ("header_timeout", "body_timeout"):
+        if getattr(args, flag) <= 0:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"{name} must be greater than 0, got {getattr(args, flag)}")
     config = engine_config(args)
     name = args.served_model_name or served_name(args.model)
     client = await start_backend(args, config)
+    watch: asyncio.Task[None] | None = None
     try:
-        admission = Admission(args.max_body_bytes, args.api_key)
+        admission = Admission(args.max_body_bytes, args.api_key, args.body_timeout)
         server_config = ServerConfig(name, args.api_key, args.enable_debug_endpoints)
         app = build_app(client, server_config, admission)
         uv = uvicorn.Config(
@@ -113,10 +119,10 @@ async def serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level="warning",
+            http=header_deadline_protocol(args.header_timeout),
             timeout_graceful_shutdown=int(_CANCEL_GRACE_S),
         )
         server = _DrainingServer(uv, client, admission, args.shutdown_timeout)
-        watch = None
         if not args.keep_running_on_engine_failure:
             watch = asyncio.create_task(_stop_when_engine_dies(client, server))
         # Starlette's streaming responses load anyio's asyncio backend on first use
@@ -125,11 +131,12 @@ async def serve(args: argparse.Namespace) -> int:
         freeze_startup_heap()
         print(f"pdserve: serving {name} at http://{args.host}:{args.port}/v1", file=sys.stderr)
         await server.serve()
-        if watch is not None and watch.done():
-            return 1
+        engine_died = watch is not None and watch.done()
     finally:
+        if watch is not None:
+            watch.cancel()  # the shutdown below ends the engines: not a death to report
         await client.shutdown()
-    return 0
+    return 1 if engine_died else 0
 
 
 class _DrainingServer(uvicorn.Server):
@@ -159,6 +166,7 @@ class _DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
+        self.admission.start_draining()
         self._drain = asyncio.create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:

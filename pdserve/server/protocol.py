@@ -2,6 +2,9 @@
 
 Unknown fields are refused (400 naming the field), as the OpenAI API does.
 Sampling fields map onto `SamplingParams`, whose own validation states limits.
+`check` holds the rules that span fields or that pydantic does not know: text must be
+valid Unicode (JSON may carry a lone surrogate, "\ud800", which no tokenizer or UTF-8
+encoder takes), `stream_options` needs `stream`, `top_logprobs` needs `logprobs`.
 """
 
 from __future__ import annotations
@@ -10,8 +13,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.errors import InvalidRequestError
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
 
 
 class _Body(BaseModel):
@@ -32,8 +41,20 @@ class _Body(BaseModel):
     repetition_penalty: float | None = None
     n: int = 1
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
+
+    def check(self) -> None:
+        """The rules across fields; InvalidRequestError naming the field."""
+        _check_unicode(self.model_dump(exclude_unset=True), "")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_fields(self) -> dict[str, Any]:
         names = (
@@ -99,6 +120,28 @@ class ChatCompletionRequest(_Body):
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    def check(self) -> None:
+        super().check()
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise InvalidRequestError(
+                f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
+                "max_completion_tokens",
+            )
+        if self.top_logprobs is None:
+            return
+        if not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
+                "top_logprobs",
+            )
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the client used for the output length (errors name it)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         fields = self.sampling_fields()
         limit = self.max_completion_tokens
@@ -108,3 +151,24 @@ class ChatCompletionRequest(_Body):
         if self.logprobs:
             fields["logprobs"] = self.top_logprobs or 0
         return SamplingParams.from_dict(fields)
+
+
+def _check_unicode(value: object, path: str) -> None:
+    """Every string in a parsed body (keys too) must encode as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            code = f"U+{ord(value[e.start]):04X}"
+            raise InvalidRequestError(
+                f"{path or 'request body'} is not valid Unicode: a lone surrogate ({code}) "
+                f"at character {e.start}",
+                path or None,
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, path)
+            _check_unicode(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_unicode(v, f"{path}.{i}")

@@ -1,0 +1,582 @@
+"""`pdserve serve` against the inputs of a careless or hostile client: stop strings built
+to stall the event loop, integers beyond 64 bits, lone surrogates, errors on a
+keep-alive connection, half-sent requests, shutdown with a half-sent body; and a sweep
+of bad values over every field of both endpoints."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import uvicorn
+from test_server import KEY, MODEL, Server
+
+from pdserve.model.default import default_model_path
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.server.app import ServerConfig, build_app
+from pdserve.server.http import header_deadline_protocol
+
+BIG = 2**70
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+class Raw:
+    """One keep-alive HTTP/1.1 connection spoken by hand, as a pooled client uses it."""
+
+    def __init__(self, port: int, timeout: float = 60.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.buf = b""
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, method: str, path: str, body: Any = None, headers: dict | None = None) -> None:
+        raw = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        head = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        if raw is not None:
+            head += ["Content-Type: application/json", f"Content-Length: {len(raw)}"]
+        self.sock.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + (raw or b""))
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        """The next response (Content-Length framed); raises on a closed connection."""
+        while b"\r\n\r\n" not in self.buf:
+            self._fill()
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode().split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+        length = int(headers.get("content-length", "0"))
+        while len(self.buf) < length:
+            self._fill()
+        body, self.buf = self.buf[:length], self.buf[length:]
+        return status, headers, body
+
+    def exchange(self, method: str, path: str, body: Any = None, headers: dict | None = None):
+        self.send(method, path, body, headers)
+        status, head, raw = self.response()
+        return status, head, (json.loads(raw) if raw else None)
+
+    def closed_by_server(self) -> bool:
+        """True once the server closed the connection (waits up to the socket timeout)."""
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        self.buf += chunk
+
+
+def error(message: str, param: str | None, code: int = 400) -> dict:
+    kind = {401: "authentication_error", 404: "not_found_error", 500: "internal_server_error"}
+    kind.update({503: "service_unavailable_error"})
+    err = {"message": message, "type": kind.get(code, "invalid_request_error")}
+    return {"error": {**err, "param": param, "code": code}}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server("--api-key", KEY, "--enable-debug-endpoints")
+    yield s
+    s.stop()
+
+
+def post(server: Server, path: str, body: Any) -> tuple[int, dict]:
+    raw = json.dumps(body).encode()
+    return server.post(path, raw)
+
+
+def assert_pool_clean(server: Server) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        stats = server.get("/debug/engine", key=KEY)[1]
+        idle = stats["num_running"] + stats["num_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert (stats["num_running"], stats["num_waiting"], stats["num_used_blocks"]) == (0, 0, 0)
+    assert stats["integrity_error"] is None
+
+
+# ---- 1. stop strings cannot stall the server ---------------------------------------------
+
+PROMPT = "Write a long story about a lighthouse keeper."
+
+
+def test_the_stop_string_flood_is_refused_naming_the_limit(server: Server) -> None:
+    stops = [f"{i:04d}" + "q" * 1996 for i in range(1900)] + ["x"]
+    body = {"prompt": PROMPT, "max_tokens": 48, "n": 16, "stop": stops}
+    assert post(server, "/v1/completions", body) == (
+        400,
+        error("stop may hold at most 64 strings, got 1901", "stop"),
+    )
+    body["stop"] = ["a" * 3000, "b" * 1200]
+    assert post(server, "/v1/completions", body) == (
+        400,
+        error("stop strings may hold at most 4096 characters in all, got 4200", "stop"),
+    )
+
+
+def test_stop_strings_at_the_limits_match_every_token_and_health_stays_live(
+    server: Server,
+) -> None:
+    """64 stop strings, 4,096 characters, each a growing beginning of the greedy output
+    (so text is held back on every token) and none complete: 16 choices must give the
+    undisturbed text, while /health is probed. The probe's worst wait is printed
+    (docs/benchmarks.md compares it with the old matcher; no timing is asserted)."""
+    plain = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    status, reply = post(server, "/v1/completions", plain)
+    assert status == 200
+    text = reply["choices"][0]["text"]
+    assert len(text) > 100
+    budget = (4096 - len(text) - 1) // 63  # characters for each of the other 63
+    stops = [text + "\x00"] + [text[: min(20 + i, budget - 3)] + f"\x00{i:02d}" for i in range(63)]
+    assert len(stops) == 64 and sum(map(len, stops)) <= 4096
+    assert not any(s in text for s in stops)
+    probes: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            t = time.perf_counter()
+            assert server.get("/health")[0] == 200
+            probes.append(time.perf_counter() - t)
+            time.sleep(0.01)
+
+    with ThreadPoolExecutor(1) as pool:
+        prober = pool.submit(probe)
+        status, reply = post(server, "/v1/completions", {**plain, "n": 16, "stop": stops})
+        done.set()
+        prober.result(30)
+    assert status == 200
+    assert [c["text"] for c in reply["choices"]] == [text] * 16
+    assert {c["finish_reason"] for c in reply["choices"]} == {"length"}
+    print(f"/health during the request: {len(probes)} probes, worst {max(probes) * 1e3:.1f} ms")
+
+
+# ---- 2. integers beyond 64 bits -------------------------------------------------------------
+
+CONTEXT = "this model's maximum context length is 8192 tokens, but {p} prompt tokens plus "
+HUGE = [
+    (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": BIG},
+        CONTEXT.format(p=1) + f"max_tokens={BIG} would need {BIG + 1}",
+        "max_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "top_k": BIG},
+        f"top_k must be at most {2**63 - 1}, got {BIG}",
+        "top_k",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stop_token_ids": [1, BIG]},
+        f"stop token id {BIG} is outside the vocabulary [0, 49152)",
+        "stop_token_ids",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": [BIG]},
+        f"prompt token id {BIG} is outside the vocabulary [0, 49152)",
+        "prompt",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": [[1], [BIG]]},
+        f"prompt token id {BIG} is outside the vocabulary [0, 49152)",
+        "prompt",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "seed": BIG},
+        f"seed must be between {-(2**63)} and {2**64 - 1}, got {BIG}",
+        "seed",
+    ),
+    ("/v1/completions", {"prompt": "hi", "n": BIG}, f"n must be between 1 and 16, got {BIG}", "n"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "logprobs": BIG},
+        f"logprobs must be between 0 and 20, got {BIG}",
+        "logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": BIG},
+        CONTEXT.format(p=31) + f"max_completion_tokens={BIG} would need {BIG + 31}",
+        "max_completion_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": BIG},
+        f"top_logprobs must be between 0 and 20, got {BIG}",
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [-BIG]},
+        f"stop_token_ids must be non-negative, got {-BIG}",
+        "stop_token_ids",
+    ),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "body", "message", "param"), HUGE, ids=[h[3] for h in HUGE])
+def test_integers_beyond_64_bits_are_400_naming_the_field(
+    server: Server, path: str, body: dict, message: str, param: str, stream: bool
+) -> None:
+    assert post(server, path, {**body, "stream": stream}) == (400, error(message, param))
+
+
+# ---- 3. invalid Unicode ------------------------------------------------------------------------
+
+SURROGATE = [
+    ("/v1/completions", {"prompt": "hi\ud800"}, "prompt", "U+D800", 2),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt.1", "U+DFFF", 0),
+    ("/v1/completions", {"prompt": "hi", "stop": "\ud800x"}, "stop", "U+D800", 0),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", "b\udc00"]}, "stop.1", "U+DC00", 1),
+    ("/v1/completions", {"prompt": "hi", "user": "\ud800"}, "user", "U+D800", 0),
+    ("/v1/completions", {"prompt": "hi", "model": "m\ud800"}, "model", "U+D800", 1),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x\udbff"}]},
+        "messages.0.content",
+        "U+DBFF",
+        1,
+    ),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("path", "body", "param", "code", "at"), SURROGATE, ids=[s[2] for s in SURROGATE]
+)
+def test_lone_surrogates_are_400_naming_the_field(
+    server: Server, path: str, body: dict, param: str, code: str, at: int, stream: bool
+) -> None:
+    message = f"{param} is not valid Unicode: a lone surrogate ({code}) at character {at}"
+    assert post(server, path, {**body, "stream": stream}) == (400, error(message, param))
+
+
+def test_a_lone_surrogate_in_a_field_name_is_400(server: Server) -> None:
+    raw = b'{"prompt": "hi", "\\ud800": 1}'
+    message = "a field name is not valid Unicode: it holds a lone surrogate"
+    assert server.post("/v1/completions", raw) == (400, error(message, None))
+
+
+# ---- 4. errors keep the connection usable --------------------------------------------------
+
+ERRORS = [
+    ("POST", "/v1/completions", b"{bad", AUTH, 400),
+    ("POST", "/v1/completions", {"prompt": 5}, AUTH, 400),
+    ("POST", "/v1/completions", {"prompt": [BIG]}, AUTH, 400),
+    ("POST", "/v1/completions", {"prompt": "\ud800"}, AUTH, 400),
+    ("POST", "/v1/completions", {"prompt": "hi"}, {}, 401),
+    ("GET", "/v1/nothing", None, AUTH, 404),
+    ("POST", "/v1/completions", {"prompt": "hi", "model": "nope"}, AUTH, 404),
+    ("GET", "/v1/completions", None, AUTH, 405),
+    ("POST", "/v1/completions", {"prompt": "x" * (4 * 1024 * 1024)}, AUTH, 413),
+]
+
+
+def test_every_error_leaves_the_keep_alive_connection_usable(server: Server) -> None:
+    conn = Raw(server.port)
+    try:
+        for method, path, body, headers, status in ERRORS:
+            got, head, reply = conn.exchange(method, path, body, headers)
+            assert (got, reply["error"]["code"]) == (status, status), (path, body)
+            assert head.get("connection") != "close"
+            got, _, reply = conn.exchange("GET", "/v1/models", None, AUTH)
+            assert got == 200 and reply["data"][0]["id"] == MODEL
+    finally:
+        conn.close()
+
+
+class _FailingBackend:
+    """A backend whose generate fails the way a bug would (a unit test of the guard)."""
+
+    def __init__(self) -> None:
+        self.tokenizer = Tokenizer.from_model_path(default_model_path())
+        self.max_model_len = 8192
+        self.is_alive = True
+
+    async def generate(self, prompt: Any, params: Any, request_id: str | None = None):
+        raise RuntimeError("a bug")
+        yield  # an async generator, like the real backends
+
+    def cancel_all(self, error: Exception) -> int:
+        return 0
+
+
+def test_an_unexpected_exception_is_a_500_body_on_a_connection_that_stays_usable() -> None:
+    app = build_app(_FailingBackend(), ServerConfig("m"))  # type: ignore[arg-type]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="critical", http=header_deadline_protocol(5)
+    )
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    conn = Raw(port)
+    try:
+        for _ in range(2):
+            status, head, reply = conn.exchange("POST", "/v1/completions", {"prompt": "hi"})
+            assert (status, reply) == (500, error("internal server error", None, 500))
+            assert head.get("connection") != "close"
+            assert conn.exchange("GET", "/health")[::2] == (200, {"status": "ok"})
+    finally:
+        conn.close()
+        uv.should_exit = True
+        thread.join(30)
+
+
+# ---- 6. quirks --------------------------------------------------------------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+QUIRKS = [
+    (
+        "/v1/chat/completions",
+        {**CHAT, "stream_options": {"include_usage": True}},
+        "stream_options is only allowed when stream is true",
+        "stream_options",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+        "stream_options.include_usage: Input should be a valid boolean",
+        "stream_options.include_usage",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stream": True, "stream_options": {"usage": True}},
+        "unknown field 'stream_options.usage'",
+        "stream_options.usage",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "logprobs": True, "top_logprobs": 50},
+        "top_logprobs must be between 0 and 20, got 50",
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "top_logprobs": 2},
+        "top_logprobs requires logprobs to be true",
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "max_completion_tokens": 0},
+        "max_completion_tokens must be at least 1, got 0",
+        "max_completion_tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "message", "param"), QUIRKS, ids=[q[3] for q in QUIRKS])
+def test_quirks_are_refused_naming_the_field(
+    server: Server, path: str, body: dict, message: str, param: str
+) -> None:
+    assert post(server, path, body) == (400, error(message, param))
+
+
+def test_the_largest_seed_with_n_choices_wraps_and_reproduces(server: Server) -> None:
+    body = {"prompt": "My favourite animal is", "max_tokens": 6, "seed": 2**64 - 1, "n": 2}
+    status, a = post(server, "/v1/completions", body)
+    assert status == 200, a
+    _, b = post(server, "/v1/completions", body)
+    _, zero = post(server, "/v1/completions", {**body, "seed": 0, "n": 1})
+    texts = [c["text"] for c in a["choices"]]
+    assert texts == [c["text"] for c in b["choices"]]
+    assert texts[1] == zero["choices"][0]["text"]  # choice 1: seed 2**64 - 1 + 1 = 0 (mod 2**64)
+
+
+def test_docs_need_the_key_and_health_answers_head(server: Server) -> None:
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        status, body = server.get(path)
+        message = "invalid or missing API key (send 'Authorization: Bearer KEY')"
+        assert (status, body) == (401, error(message, None, 401))
+    assert server.get("/openapi.json", key=KEY)[0] == 200
+    conn = Raw(server.port)
+    try:
+        conn.send("HEAD", "/health")
+        head = conn.buf
+        while b"\r\n\r\n" not in head:
+            head += conn.sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 200 ")
+    finally:
+        conn.close()
+
+
+# ---- the sweep: bad values in every field ------------------------------------------------------
+
+_FIELDS: dict[str, list[Any]] = {
+    "max_tokens": ["8", 1.5, True, [1], {}, -1, 0, -BIG],
+    "temperature": ["0", True, [0], -1, 1e309],
+    "top_p": ["1", False, 0, -0.5, 1.01, {}],
+    "top_k": ["1", 1.5, -2, -BIG, BIG],
+    "min_p": ["0", -0.1, 1.5, []],
+    "seed": ["1", 1.5, True, -BIG, BIG],
+    "stop": [1, [1], [""], {}, True, ["\ud800"], ["s"] * 65],
+    "stop_token_ids": [1, ["1"], [-1], [1.5], [BIG], {}],
+    "ignore_eos": ["yes", 1],
+    "presence_penalty": ["0", 2.5, -2.5, []],
+    "frequency_penalty": ["0", 2.5, -2.5, True],
+    "repetition_penalty": [0, -1, "1"],
+    "n": ["2", 0, 17, 1.5, -1, BIG],
+    "stream": ["true", 1],
+    "stream_options": ["x", [], {"include_usage": 1}, {"bogus": True}],
+    "user": [1, [], {}, "\udfff"],
+    "model": [1, [], "nope", "\ud800"],
+}
+_COMPLETION_ONLY: dict[str, list[Any]] = {
+    "prompt": [5, None, [], "", [[]], ["a", 1], [1.5], [-1], [BIG], "\ud800", [True], {}],
+    "logprobs": ["1", -1, 21, 1.5, BIG],
+    "echo": ["yes", 1],
+}
+_CHAT_ONLY: dict[str, list[Any]] = {
+    "messages": [
+        [],
+        "hi",
+        [{"role": "user"}],
+        [{"role": "robot", "content": "x"}],
+        [{"role": "user", "content": 1}],
+        [{"role": "user", "content": "x", "name": "n"}],
+        [{"role": "user", "content": "\ud800"}],
+        None,
+    ],
+    "max_completion_tokens": [0, -1, "5", BIG],
+    "logprobs": ["yes", 1],
+    "top_logprobs": [-1, 21, "2", BIG],
+}
+
+
+def _sweep() -> list[tuple[str, str, Any]]:
+    cases = []
+    for path, own in (("/v1/completions", _COMPLETION_ONLY), ("/v1/chat/completions", _CHAT_ONLY)):
+        for field, values in {**_FIELDS, **own}.items():
+            cases += [(path, field, v) for v in values]
+    return cases
+
+
+def test_every_bad_value_of_every_field_is_a_400_naming_it(server: Server) -> None:
+    """One keep-alive connection for the whole sweep: every answer is the exact error
+    shape naming the field, the connection survives each, and no KV block is left."""
+    base = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": CHAT}
+    conn = Raw(server.port)
+    seen = 0
+    try:
+        for path, field, value in _sweep():
+            body = {**base[path], "max_tokens": 2, field: value}
+            if field == "top_logprobs":
+                body["logprobs"] = True
+            status, _, reply = conn.exchange("POST", path, body, AUTH)
+            want = 404 if (field, value) == ("model", "nope") else 400
+            assert status == want, (path, field, value, reply)
+            err = reply["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == want
+            if want == 400:
+                assert str(err["param"]).split(".")[0] == field, (field, value, err)
+            assert err["message"] and "Traceback" not in err["message"]
+            seen += 1
+    finally:
+        conn.close()
+    assert seen == len(_sweep()) > 150
+    assert_pool_clean(server)
+
+
+# ---- 5. slow clients and shutdown ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def strict_server() -> Iterator[Server]:
+    s = Server("--header-timeout", "1", "--body-timeout", "2", "--shutdown-timeout", "60")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize(
+    ("sent", "message"),
+    [
+        (b"", "the request headers did not arrive within 1 s"),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+            "the request headers did not arrive within 1 s",
+        ),
+        (
+            b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"pro',
+            "the request body did not arrive within the body timeout of 2 s",
+        ),
+    ],
+    ids=["nothing", "half-headers", "half-body"],
+)
+def test_half_sent_requests_get_408_and_the_connection_closes(
+    strict_server: Server, sent: bytes, message: str
+) -> None:
+    conn = Raw(strict_server.port)
+    try:
+        conn.sock.sendall(sent)
+        status, head, raw = conn.response()
+        assert (status, json.loads(raw)) == (408, error(message, None, 408))
+        assert head["connection"] == "close" and conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+def test_sigterm_with_a_half_sent_body_exits_without_waiting_for_it() -> None:
+    s = Server("--shutdown-timeout", "60", "--body-timeout", "120")
+    conn = Raw(s.port)
+    try:
+        conn.sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": '
+        )
+        for _ in range(3):  # round trips on the same loop: the half request is read by now
+            assert s.get("/health")[0] == 200
+        s.proc.send_signal(signal.SIGTERM)
+        status, head, raw = conn.response()
+        message = "the server is shutting down; no new requests are accepted"
+        assert (status, json.loads(raw)) == (503, error(message, None, 503))
+        assert head["connection"] == "close"
+        assert s.proc.wait(30) == 0  # not the 60 s drain: the request never got in
+        stderr = s.proc.stderr.read() if s.proc.stderr else ""
+        assert "in flight" not in stderr and "died" not in stderr, stderr
+    finally:
+        conn.close()
+        s.stop()
+
+
+def test_a_clean_sigterm_of_a_disaggregated_server_reports_no_death() -> None:
+    s = Server("--prefill", "1", "--decode", "1")
+    try:
+        status, reply = s.post("/v1/completions", b'{"prompt": "hi", "max_tokens": 2}', key=None)
+        assert status == 200, reply
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 0
+        stderr = s.proc.stderr.read() if s.proc.stderr else ""
+        assert "died" not in stderr, stderr
+    finally:
+        s.stop()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
