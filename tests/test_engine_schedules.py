@@ -9,6 +9,8 @@ each engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from pdserve.config import PreemptionMode
@@ -109,6 +111,27 @@ def test_tiny_token_budget_forces_chunked_prefill(make_engine, prompts, referenc
     assert [o.token_ids for o in outs] == reference[:8]
 
 
+def count_swaps(engine: Engine) -> dict[str, int]:
+    """Spy on the KV cache's block copies: swap-out/swap-in calls and blocks copied, as
+    the runner executes them (what actually moved, not what was planned)."""
+    cache = engine.core.runner.cache
+    seen = {"swap_out": 0, "swap_in": 0, "blocks_out": 0, "blocks_in": 0}
+    out, into = cache.swap_out, cache.swap_in
+
+    def swap_out(copies: Sequence[tuple[int, int]]) -> None:
+        seen["swap_out"] += 1
+        seen["blocks_out"] += len(copies)
+        out(copies)
+
+    def swap_in(copies: Sequence[tuple[int, int]]) -> None:
+        seen["swap_in"] += 1
+        seen["blocks_in"] += len(copies)
+        into(copies)
+
+    cache.swap_out, cache.swap_in = swap_out, swap_in  # type: ignore[method-assign]
+    return seen
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [PreemptionMode.SWAP, PreemptionMode.RECOMPUTE])
 def test_tiny_pool_forces_preemption(make_engine, prompts, reference, mode) -> None:
@@ -117,9 +140,21 @@ def test_tiny_pool_forces_preemption(make_engine, prompts, reference, mode) -> N
     engine = make_engine(
         num_blocks=24, num_host_blocks=host, preemption_mode=mode, enable_prefix_cache=False
     )
+    swaps = count_swaps(engine)
     outs = run_all(engine, prompts[:16])
-    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    preemptions = sum(o.metrics.num_preemptions for o in outs)
+    assert preemptions > 0
     assert [o.token_ids for o in outs] == reference[:16]
+    if mode is PreemptionMode.SWAP:
+        # The host tier (256 blocks) holds all 16 requests at once: every preemption must
+        # have been a swap (the scheduler falls back to recompute only when it is full),
+        # and every swapped request came back by swap-in, its KV copied both ways.
+        assert swaps["swap_out"] == preemptions
+        assert swaps["swap_in"] == swaps["swap_out"]
+        assert swaps["blocks_in"] == swaps["blocks_out"] > 0
+        assert engine.core.kv.num_free_host_blocks == host
+    else:
+        assert swaps == {"swap_out": 0, "swap_in": 0, "blocks_out": 0, "blocks_in": 0}
 
 
 @pytest.mark.slow

