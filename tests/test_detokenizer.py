@@ -8,6 +8,7 @@ import pytest
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stop_strings import StopMatcher
 
 
 class ByteTokenizer:
@@ -288,3 +289,50 @@ def test_stop_string_across_a_special_token(tok: Tokenizer, chat_prompt: list[in
     params = SamplingParams(stop=("<|im_end|>",), skip_special_tokens=False)
     _, dt = _stream(tok, ids, params, prompt=chat_prompt)
     assert (dt.output_text, dt.stop_reason) == ("Hi there", "<|im_end|>")
+
+
+# ---- the stop-string automaton against brute force ---------------------------------------
+
+
+def _brute(stops: tuple[str, ...], text: str) -> tuple[str | None, int]:
+    """What the automaton must say after `text`: the longest stop string ending at its
+    last character, and the longest end of it that is a proper beginning of a stop."""
+    ending = [s for s in stops if text.endswith(s)]
+    completed = max(ending, key=len) if ending else None
+    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return completed, held
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stop_matcher_equals_brute_force_on_random_stops_and_texts(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    alphabet = "ab" if seed % 2 else "abc"
+    stops = tuple(
+        {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(6)}
+    )
+    matcher = StopMatcher(stops)
+    text, state = "", 0
+    for _ in range(300):
+        ch = rng.choice(alphabet)
+        text += ch
+        state = matcher.step(state, ch)
+        assert (matcher.completed(state), matcher.held(state)) == _brute(stops, text), (
+            stops,
+            text,
+        )
+
+
+def test_the_first_complete_stop_wins_however_the_text_is_split() -> None:
+    # "abcd" starts first but "c" is complete first: the output ends before "c" for
+    # every split of the text into tokens (one character per token, or all at once).
+    _, dt = _bytes_run("xabcdx", stop=("abcd", "c"))
+    assert (dt.output_text, dt.stop_reason) == ("xab", "c")
+
+    class OneToken:  # token 0 is the whole text
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            return "xabcdx" * len(token_ids)
+
+    _, dt = _stream(OneToken(), [0], SamplingParams(stop=("abcd", "c")))
+    assert (dt.output_text, dt.stop_reason) == ("xab", "c")

@@ -272,6 +272,25 @@ def test_lone_surrogates_are_400_naming_the_field(
     assert post(server, path, {**body, "stream": stream}) == (400, error(message, param))
 
 
+UNPARSABLE = (
+    "request body is not valid JSON (invalid UTF-8, nesting deeper than the parser's limit, "
+    "or an integer of more than 4300 digits)"
+)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "\xff"}',
+        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+    ],
+    ids=["latin-1", "deep", "long-int"],
+)
+def test_bodies_json_cannot_parse_are_400(server: Server, raw: bytes) -> None:
+    assert server.post("/v1/completions", raw) == (400, error(UNPARSABLE, None))
+
+
 def test_a_lone_surrogate_in_a_field_name_is_400(server: Server) -> None:
     raw = b'{"prompt": "hi", "\\ud800": 1}'
     message = "a field name is not valid Unicode: it holds a lone surrogate"

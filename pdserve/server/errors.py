@@ -45,6 +45,11 @@ class APIError(Exception):
 
 
 _log = logging.getLogger("pdserve.server")
+_FASTAPI_PARSE_ERROR = "There was an error parsing the body"
+_UNPARSABLE = (
+    "request body is not valid JSON (invalid UTF-8, nesting deeper than the parser's limit, "
+    "or an integer of more than 4300 digits)"
+)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
@@ -117,6 +122,8 @@ async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
 async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
     """Starlette's own refusals (unknown route 404, wrong method 405, 413) in our shape."""
     assert isinstance(exc, HTTPException)
+    if exc.detail == _FASTAPI_PARSE_ERROR:  # what json.loads refused, in our words
+        return error_response(400, _UNPARSABLE)
     return error_response(exc.status_code, str(exc.detail))
 
 
