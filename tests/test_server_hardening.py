@@ -528,7 +528,7 @@ def test_every_bad_value_of_every_field_is_a_400_naming_it(server: Server) -> No
 
 @pytest.fixture(scope="module")
 def strict_server() -> Iterator[Server]:
-    s = Server("--header-timeout", "1", "--body-timeout", "2", "--shutdown-timeout", "60")
+    s = Server("--header-timeout", "1", "--body-timeout", "5", "--shutdown-timeout", "60")
     yield s
     s.stop()
 
@@ -543,7 +543,7 @@ def strict_server() -> Iterator[Server]:
         ),
         (
             b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"pro',
-            "the request body did not arrive within the body timeout of 2 s",
+            "the request body did not arrive within the body timeout of 5 s",
         ),
     ],
     ids=["nothing", "half-headers", "half-body"],
@@ -561,8 +561,9 @@ def test_half_sent_requests_get_408_and_the_connection_closes(
         conn.close()
 
 
-def test_sigterm_with_a_half_sent_body_exits_without_waiting_for_it() -> None:
-    s = Server("--shutdown-timeout", "60", "--body-timeout", "120")
+def test_sigterm_with_a_half_sent_body_exits_without_waiting_for_it(strict_server: Server) -> None:
+    """Last of the module's uses of `strict_server`: it shuts the server down."""
+    s = strict_server
     conn = Raw(s.port)
     try:
         conn.sock.sendall(
@@ -581,7 +582,6 @@ def test_sigterm_with_a_half_sent_body_exits_without_waiting_for_it() -> None:
         assert "in flight" not in stderr and "died" not in stderr, stderr
     finally:
         conn.close()
-        s.stop()
 
 
 def test_a_clean_sigterm_of_a_disaggregated_server_reports_no_death() -> None:
