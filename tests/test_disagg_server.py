@@ -1,20 +1,29 @@
 """`pdserve serve --prefill N --decode M`: real instance processes, real KV transfers
 (shared memory and TCP), the API unchanged; injected transfer faults and killed
-instances under load."""
+instances under load, in every transfer mode.
+
+Every completion that succeeds is compared with the greedy output of a plain colocated
+server (`reference`); every failure is checked against what the controller
+(`pdserve/cluster/controller.py`: `_on_dead`, `_retry_or_fail`) must do. Tests wait for
+the states they need (bounded by generous timeouts), never for a fixed time."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 from test_server import Server
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
+MODES = ["pull", "layer-push", "request-push"]
 WORDS = [
     "the",
     "quick",
@@ -58,9 +67,10 @@ def mixed_prompts(n: int) -> list[str]:
 
 
 PROMPTS = mixed_prompts(32)
+MAX_TOKENS = 8  # every workload of this module: PROMPTS (or some of them), 8 tokens
 
 
-def complete(server: Server, prompts: list[str], max_tokens: int = 8) -> list[str]:
+def complete(server: Server, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[str]:
     body = {"model": MODEL, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0}
     status, reply = server.post("/v1/completions", json.dumps(body).encode(), key=None)
     assert status == 200, reply
@@ -78,17 +88,40 @@ def complete(server: Server, prompts: list[str], max_tokens: int = 8) -> list[st
     return [c["text"] for c in choices]
 
 
-def cluster_rows(server: Server) -> list[dict]:
+def post_one(server: Server, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[int, dict]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return server.post("/v1/completions", json.dumps(body).encode(), key=None)
+
+
+def run_concurrently(server: Server, prompts: list[str]) -> list[tuple[int, dict]]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: post_one(server, p), prompts))
+
+
+def cluster(server: Server) -> dict:
     status, reply = server.get("/debug/cluster")
     assert status == 200, reply
-    return reply["instances"]
+    return reply
+
+
+def cluster_rows(server: Server) -> list[dict]:
+    return cluster(server)["instances"]
+
+
+def row_of(server: Server, name: str) -> dict:
+    return next(r for r in cluster_rows(server) if r["name"] == name)
 
 
 def assert_pools_clean(server: Server) -> None:
-    """Every live instance: integrity OK, nothing held, running, queued or in flight."""
-    for row in cluster_rows(server):
+    """At least one live instance of every role the cluster runs; every live instance:
+    integrity OK, nothing held, running, queued or in flight (dead ones are skipped)."""
+    rows = cluster_rows(server)
+    for role in {r["role"] for r in rows}:
+        assert any(r["alive"] for r in rows if r["role"] == role), (f"no live {role}", rows)
+    for row in rows:
         if not row["alive"]:
             continue
+        assert "stats" in row, ("a live instance sent no stats", row)
         stats = row["stats"]
         assert stats["integrity_error"] is None, row
         for field in (
@@ -103,12 +136,12 @@ def assert_pools_clean(server: Server) -> None:
             assert stats[field] == 0, (row["name"], field, stats)
 
 
-def wait_dead(server: Server, name: str, timeout: float) -> str | None:
+def wait_dead(server: Server, name: str, timeout: float = 60.0) -> str | None:
     """The dead reason of instance `name` once the controller marks it dead; None if it
     is still alive after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        row = next(r for r in cluster_rows(server) if r["name"] == name)
+        row = row_of(server, name)
         if not row["alive"]:
             return str(row["dead_reason"])
         time.sleep(0.1)
@@ -127,13 +160,39 @@ def wait_clean(server: Server, timeout: float = 20.0) -> None:
             time.sleep(0.2)
 
 
+def stop(server: Server) -> None:
+    """Stop `server` and wait until every process it started is gone: its instances and
+    the resource tracker, which unlinks the segments of an instance that was killed."""
+    try:
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    server.stop()
+    psutil.wait_procs(children, timeout=60)
+
+
+def pdkv_segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("pdkv-")}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_segments() -> Iterator[None]:
+    before = pdkv_segments()
+    yield
+    leaked = pdkv_segments() - before
+    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+
+
 @pytest.fixture(scope="module")
-def reference() -> list[str]:
+def reference() -> Callable[[str], str]:
+    """The greedy completion (MAX_TOKENS) of a prompt of PROMPTS by a plain colocated
+    server: one server per module, one batch."""
     server = Server("--enable-debug-endpoints")
     try:
-        return complete(server, PROMPTS)
+        texts = dict(zip(PROMPTS, complete(server, PROMPTS), strict=True))
     finally:
-        server.stop()
+        stop(server)
+    return texts.__getitem__
 
 
 @pytest.mark.parametrize(
@@ -148,7 +207,7 @@ def reference() -> list[str]:
     ],
 )
 def test_disaggregated_outputs_equal_colocated(
-    reference: list[str], mode: str, transport: str
+    reference: Callable[[str], str], mode: str, transport: str
 ) -> None:
     server = Server(
         "--prefill",
@@ -165,9 +224,8 @@ def test_disaggregated_outputs_equal_colocated(
         "--enable-debug-endpoints",
     )
     try:
-        assert complete(server, PROMPTS) == reference
-        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
-        _, reply = server.post("/v1/completions", json.dumps(body).encode(), key=None)
+        assert complete(server, PROMPTS) == [reference(p) for p in PROMPTS]
+        _, reply = post_one(server, PROMPTS[0], 4)
         timings = reply["pdserve_timings"]
         assert {"transfer", "decode_queue"} <= set(timings)
         assert all(timings[k] >= 0 for k in ("queue", "prefill", "transfer", "decode_queue"))
@@ -175,109 +233,224 @@ def test_disaggregated_outputs_equal_colocated(
         roles = sorted(r["role"] for r in cluster_rows(server))
         assert roles == ["decode", "prefill"]
     finally:
-        server.stop()
+        stop(server)
 
 
-def run_concurrently(server: Server, prompts: list[str], max_tokens: int) -> list[tuple[int, dict]]:
-    def one(prompt: str) -> tuple[int, dict]:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        return server.post("/v1/completions", json.dumps(body).encode(), key=None)
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
+# Per transfer call: pull fetches a request's KV in one call, request-push flushes it in
+# one, layer-push in one per layer (30): about a quarter of the attempts fail each way.
+FAULT_RATES = {"pull": "0.25", "layer-push": "0.01", "request-push": "0.25"}
 
 
-def test_injected_transfer_failures_fail_cleanly_or_complete_correctly() -> None:
-    prompts = mixed_prompts(64)
-    server = Server("--enable-debug-endpoints")
-    try:
-        want = {p: t for p, t in zip(prompts, complete(server, prompts, 6), strict=True)}
-    finally:
-        server.stop()
+@pytest.mark.parametrize("mode", MODES)
+def test_injected_transfer_failures_fail_cleanly_or_complete_correctly(
+    reference: Callable[[str], str], mode: str
+) -> None:
     server = Server(
         "--prefill",
         "1",
         "--decode",
         "1",
+        "--transfer-mode",
+        mode,
         "--kv-fault-rate",
-        "0.05",
+        FAULT_RATES[mode],
         "--kv-fault-seed",
         "3",
         "--enable-debug-endpoints",
     )
     try:
-        results = run_concurrently(server, prompts, 6)
-        ok = 0
-        for prompt, (status, body) in zip(prompts, results, strict=True):
+        results = run_concurrently(server, PROMPTS)
+        failed = 0
+        for prompt, (status, body) in zip(PROMPTS, results, strict=True):
             if status == 200:
-                assert body["choices"][0]["text"] == want[prompt]
-                ok += 1
-            else:
-                assert status == 503, body
-                assert "injected transfer failure" in body["error"]["message"]
-        status, reply = server.get("/debug/cluster")
-        controller = reply["controller"]
-        assert controller["retries"] >= 1
-        assert controller["failed"] == len(prompts) - ok
+                assert body["choices"][0]["text"] == reference(prompt), prompt
+                continue
+            # A failed hand-off is retried once from the prompt; only a second failure
+            # ends the request (max_retries = 1).
+            assert status == 503, body
+            message = body["error"]["message"]
+            assert message.startswith("the request failed (after 1 retries): "), message
+            assert "injected transfer failure" in message, message
+            failed += 1
+        controller = cluster(server)["controller"]
+        assert controller["failed"] == failed
+        # Every failed request was retried first, and some retried requests completed.
+        assert failed < controller["retries"] <= len(PROMPTS), (controller, failed)
         wait_clean(server)
     finally:
-        server.stop()
+        stop(server)
 
 
-@pytest.mark.parametrize("victim", ["decode", "prefill"])
-def test_killing_an_instance_under_load_keeps_serving(victim: str) -> None:
-    counts = ("2", "1") if victim == "prefill" else ("1", "2")
+class Load:
+    """`concurrency` clients sending PROMPTS round-robin, one request at a time each,
+    until `stop()`, which returns every (prompt, status, body)."""
+
+    def __init__(self, server: Server, concurrency: int) -> None:
+        self.server = server
+        self.results: list[tuple[str, int, dict]] = []
+        self.errors: list[BaseException] = []
+        self._count = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client) for _ in range(concurrency)]
+        for t in self._threads:
+            t.start()
+
+    def _client(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                prompt = PROMPTS[self._count % len(PROMPTS)]
+                self._count += 1
+            try:
+                status, body = post_one(self.server, prompt)
+            except Exception as e:  # reported by stop()
+                self.errors.append(e)
+                return
+            with self._lock:
+                self.results.append((prompt, status, body))
+
+    def stop(self) -> list[tuple[str, int, dict]]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in self._threads), "a client is stuck"
+        assert not self.errors, self.errors
+        return self.results
+
+
+def holds(row: dict) -> int:
+    """Requests (decode) or prompt tokens (prefill) the controller has on the instance
+    and has not seen leave it: `assigned_requests` / `assigned_prefill_tokens`."""
+    return row["assigned_requests" if row["role"] == "decode" else "assigned_prefill_tokens"]
+
+
+def freeze_holding(server: Server, victim: str, timeout: float = 120.0) -> dict:
+    """SIGSTOP `victim` at a moment it holds requests (a decode instance: while it is
+    decoding) and return its row read while it is stopped.
+
+    Stopped, it produces and hands off nothing, so the requests it holds stay exactly
+    where they are until it is killed (its row's stats time out; the controller's own
+    counters are what counts)."""
+    pid = row_of(server, victim)["pid"]
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, f"{victim} never held a request under load"
+        row = row_of(server, victim)
+        busy = holds(row) > 0
+        if row["role"] == "decode":
+            busy = busy and row.get("stats", {}).get("num_running", 0) > 0
+        if not busy:
+            time.sleep(0.05)
+            continue
+        os.kill(pid, signal.SIGSTOP)
+        row = row_of(server, victim)
+        if holds(row) > 0:
+            return row
+        os.kill(pid, signal.SIGCONT)  # it finished them meanwhile: again
+
+
+@pytest.fixture(scope="module", params=MODES)
+def kill_cluster(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """Two instances of each role, shared by the kill tests of one transfer mode: each
+    test kills one instance and leaves a live one of every role. Silence never marks an
+    instance dead here (the tests stop victims for a while): process exit does."""
+    before = pdkv_segments()
     server = Server(
         "--prefill",
-        counts[0],
+        "2",
         "--decode",
-        counts[1],
+        "2",
+        "--transfer-mode",
+        request.param,
         "--instance-timeout",
-        "5",
+        "600",
+        "--enable-debug-endpoints",
+    )
+    yield server
+    stop(server)
+    leaked = pdkv_segments() - before
+    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+
+
+@pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
+def test_killing_an_instance_under_load_keeps_serving(
+    kill_cluster: Server, reference: Callable[[str], str], victim: str
+) -> None:
+    server = kill_cluster
+    assert row_of(server, victim)["alive"]
+    start = cluster(server)["controller"]
+    pid = row_of(server, victim)["pid"]
+    killed = False
+    load = Load(server, concurrency=8)
+    try:
+        held = freeze_holding(server, victim)
+        os.kill(pid, signal.SIGKILL)
+        killed = True
+        # Noticed by the controller's watchdog (the process exited), asynchronously.
+        reason = wait_dead(server, victim)
+    finally:
+        if not killed:  # a failed test leaves no stopped instance behind
+            os.kill(pid, signal.SIGCONT)
+        results = load.stop()
+    assert reason == "process exited (exit code -9)"
+    controller = cluster(server)["controller"]
+    retries = controller["retries"] - start["retries"]
+    failed = controller["failed"] - start["failed"]
+
+    n_failed = 0
+    for prompt, status, body in results:
+        if status == 200:
+            assert body["choices"][0]["text"] == reference(prompt), prompt
+            continue
+        # Only a request that already produced tokens on the dead decode instance may
+        # fail (it is not migrated); everything else is retried from its prompt.
+        assert (status, victim) == (503, "decode-0"), body
+        assert body["error"]["message"] == f"instance {victim} failed: {reason}", body
+        n_failed += 1
+    assert failed == n_failed
+    if victim.startswith("prefill"):
+        # Each prompt the victim held (tokens not yet prefilled) was retried on the
+        # spare prefill instance, and completed.
+        longest = max(body["usage"]["prompt_tokens"] for _, _, body in results)
+        assert failed == 0
+        assert retries >= math.ceil(holds(held) / longest) >= 1, (held, retries)
+    else:
+        # What the victim held: failed if it had produced tokens there, else retried.
+        assert failed <= holds(held) <= retries + failed, (held, retries, failed)
+
+    # New requests avoid the dead instance and complete.
+    after = run_concurrently(server, PROMPTS[:4])
+    assert [(s, b["choices"][0]["text"]) for s, b in after] == [
+        (200, reference(p)) for p in PROMPTS[:4]
+    ]
+    assert not row_of(server, victim)["alive"]
+    wait_clean(server)
+
+
+def test_an_instance_that_stops_reporting_is_marked_dead_and_avoided(
+    reference: Callable[[str], str],
+) -> None:
+    # Silence detection does not depend on the transfer mode; the kill tests cover
+    # avoiding a dead instance in every mode.
+    server = Server(
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--instance-timeout",
+        "2",
         "--enable-debug-endpoints",
     )
     try:
-        prompts = mixed_prompts(24)
-        with ThreadPoolExecutor(1) as pool:
-            load = pool.submit(run_concurrently, server, prompts, 24)
-            time.sleep(1.5)
-            pid = next(r["pid"] for r in cluster_rows(server) if r["name"] == f"{victim}-0")
-            os.kill(pid, signal.SIGKILL)
-            results = load.result(timeout=120)
-        for status, body in results:
-            assert status in (200, 503), body
-            if status == 503:
-                assert f"instance {victim}-0 failed" in body["error"]["message"]
-        # Death is noticed by the controller's watchdog (process exit, or silence for
-        # --instance-timeout): asynchronously, so wait for it.
-        assert wait_dead(server, f"{victim}-0", timeout=10) is not None
-        # New requests avoid the dead instance and complete.
-        after = run_concurrently(server, prompts[:8], 4)
-        assert [s for s, _ in after] == [200] * 8
-        wait_clean(server)
-    finally:
-        server.stop()
-
-
-def test_an_instance_that_stops_reporting_is_marked_dead_and_avoided() -> None:
-    server = Server(
-        "--prefill", "1", "--decode", "2", "--instance-timeout", "2", "--enable-debug-endpoints"
-    )
-    try:
-        pid = next(r["pid"] for r in cluster_rows(server) if r["name"] == "decode-0")
+        pid = row_of(server, "decode-0")["pid"]
         os.kill(pid, signal.SIGSTOP)  # alive but silent: no outputs, no load reports
-        reason = wait_dead(server, "decode-0", timeout=15)
+        reason = wait_dead(server, "decode-0")
         assert reason is not None and reason.startswith("sent nothing for ")
-        results = run_concurrently(server, mixed_prompts(6), 4)
-        assert [s for s, _ in results] == [200] * 6
+        prompts = PROMPTS[:6]
+        results = run_concurrently(server, prompts)
+        assert [(s, b["choices"][0]["text"]) for s, b in results] == [
+            (200, reference(p)) for p in prompts
+        ]
         wait_clean(server)
     finally:
-        server.stop()
-
-
-@pytest.fixture(autouse=True)
-def _no_leaked_segments() -> Iterator[None]:
-    before = set(os.listdir("/dev/shm"))
-    yield
-    leaked = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("pdkv-")}
-    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+        stop(server)
