@@ -429,6 +429,12 @@ def test_the_largest_seed_with_n_choices_wraps_and_reproduces(server: Server) ->
     assert texts[1] == zero["choices"][0]["text"]  # choice 1: seed 2**64 - 1 + 1 = 0 (mod 2**64)
 
 
+def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
+    row = {"name": "engine", "role": "colocated", "alive": True}
+    want = {"instances": [row], "controller": {"retries": 0, "failed": 0}}
+    assert server.get("/debug/cluster", key=KEY) == (200, want)
+
+
 def test_docs_need_the_key_and_health_answers_head(server: Server) -> None:
     for path in ("/docs", "/openapi.json", "/redoc"):
         status, body = server.get(path)

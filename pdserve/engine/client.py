@@ -70,6 +70,8 @@ class EngineClient:
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = 0
         self.vocab_size = 0
+        self.num_retries = 0  # one engine: nothing to retry on (the `ServingBackend` counters)
+        self.num_failed = 0
         self._dir = tempfile.mkdtemp(prefix="pdserve-")
         self._ctx = zmq.asyncio.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
@@ -208,6 +210,10 @@ class EngineClient:
             return await asyncio.wait_for(reply, timeout)
         finally:
             self._stats.pop(sid, None)
+
+    async def instance_stats(self, timeout: float = 5.0) -> list[dict[str, object]]:
+        """One row: the engine process."""
+        return [{"name": "engine", "role": "colocated", "alive": self.is_alive}]
 
     async def _send(self, msg: EngineInput) -> None:
         """Queue a message for the core; never blocks (EngineDeadError if no core is

@@ -106,18 +106,8 @@ class _Api:
     async def debug_cluster(self) -> dict[str, Any]:
         """Per instance (role, pid, liveness, load, counters, integrity); one row for a
         single-engine server."""
-        rows = getattr(self.client, "instance_stats", None)
-        if rows is None:
-            return {
-                "instances": [
-                    {"name": "engine", "role": "colocated", "alive": self.client.is_alive}
-                ]
-            }
-        counters = {
-            "retries": getattr(self.client, "num_retries", 0),
-            "failed": getattr(self.client, "num_failed", 0),
-        }
-        return {"instances": await rows(), "controller": counters}
+        counters = {"retries": self.client.num_retries, "failed": self.client.num_failed}
+        return {"instances": await self.client.instance_stats(), "controller": counters}
 
     async def prometheus(self) -> Response:
         stats = None

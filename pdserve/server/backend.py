@@ -19,6 +19,8 @@ from pdserve.model.tokenizer import Tokenizer
 class ServingBackend(Protocol):
     tokenizer: Tokenizer | None
     max_model_len: int
+    num_retries: int  # attempts started again on other instances (a cluster's controller)
+    num_failed: int  # requests ended by an instance or transfer failure
 
     @property
     def is_alive(self) -> bool: ...
@@ -28,6 +30,10 @@ class ServingBackend(Protocol):
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def stats(self, check_integrity: bool = False, timeout: float = 10.0) -> EngineStats: ...
+
+    async def instance_stats(self, timeout: float = 5.0) -> list[dict[str, object]]:
+        """Per instance: name, role, liveness (and, for a cluster, load and counters)."""
+        ...
 
     def cancel_all(self, error: Exception) -> int: ...
 

@@ -20,6 +20,7 @@ from pdserve.kv.transfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from pdserve.kv.transfer.factory import make_transport
 from pdserve.kv.transfer.faults import FaultConfig, FaultyTransport
 from pdserve.kv.transfer.inproc import InProcessTransport
 from pdserve.kv.transfer.layout import KVLayout, token_view
@@ -38,7 +39,6 @@ from pdserve.kv.transfer.transport import (
     RegionHandle,
     Transport,
     check_plan,
-    make_transport,
 )
 from pdserve.kv.transfer.worker import TransferState, TransferTask, TransferWorker
 

@@ -5,7 +5,8 @@ A `Transport` owns the regions it creates (`create_region`): KV pools that peers
 destination). Peers name a region by its `RegionHandle`, plain data that travels in engine
 messages. Implementations: `inproc` (same process, tests), `shm` (same host, one copy
 between the two pools), `tcp` (any host, one stream per request); `FaultyTransport` wraps
-any of them to inject failures, delays and corruption.
+any of them to inject failures, delays and corruption. This module imports none of them;
+`factory.make_transport` builds one by name.
 
 Concurrency: `fetch` and `flush` block the calling thread and may be called from several
 threads at once. Nothing orders transfers against the pool's other users: the engines make
@@ -17,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
 import msgspec
 import torch
@@ -25,11 +26,6 @@ import torch
 from pdserve.kv.transfer.errors import LayoutMismatchError
 from pdserve.kv.transfer.layout import KVLayout
 from pdserve.kv.transfer.plan import TransferPlan
-
-if TYPE_CHECKING:
-    from pdserve.kv.transfer.faults import FaultConfig
-
-TRANSPORTS = ("inproc", "shm", "tcp")
 
 
 class RegionHandle(msgspec.Struct, frozen=True):
@@ -134,37 +130,3 @@ def local_layout(tensor: torch.Tensor) -> KVLayout:
     if not tensor.is_contiguous():
         raise LayoutMismatchError(f"a KV pool must be contiguous, got {tuple(tensor.shape)}")
     return layout
-
-
-def make_transport(
-    kind: str,
-    *,
-    host: str = "127.0.0.1",
-    timeout_s: float = 30.0,
-    verify_checksum: bool = False,
-    faults: FaultConfig | None = None,
-) -> Transport:
-    """A transport of `kind` ("inproc" | "shm" | "tcp"), wrapped in a `FaultyTransport`
-    when `faults` injects anything.
-
-    `host` (tcp: the address to listen on and to advertise), `timeout_s` (tcp: every
-    socket operation) and `verify_checksum` (tcp: crc32 of every payload) are ignored by
-    the in-memory transports: their copies cannot stall or corrupt in transit.
-    """
-    from pdserve.kv.transfer.faults import FaultyTransport
-    from pdserve.kv.transfer.inproc import InProcessTransport
-    from pdserve.kv.transfer.shm import SharedMemoryTransport
-    from pdserve.kv.transfer.tcp import TcpTransport
-
-    inner: Transport
-    if kind == "inproc":
-        inner = InProcessTransport()
-    elif kind == "shm":
-        inner = SharedMemoryTransport()
-    elif kind == "tcp":
-        inner = TcpTransport(host=host, timeout_s=timeout_s, verify_checksum=verify_checksum)
-    else:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {kind!r}")
-    if faults is not None and faults.active:
-        return FaultyTransport(inner, faults)
-    return inner
