@@ -336,3 +336,25 @@ def test_the_first_complete_stop_wins_however_the_text_is_split() -> None:
 
     _, dt = _stream(OneToken(), [0], SamplingParams(stop=("abcd", "c")))
     assert (dt.output_text, dt.stop_reason) == ("xab", "c")
+
+
+def test_loop_budget_yields_the_event_loop_only_once_its_slice_is_spent() -> None:
+    import asyncio
+
+    from pdserve.engine.output_processor import LoopBudget
+
+    async def scenario(budget_s: float) -> list[str]:
+        ran: list[str] = []
+
+        async def other() -> None:
+            ran.append("other task")
+
+        task = asyncio.create_task(other())
+        budget = LoopBudget(budget_s)
+        await budget.checkpoint()
+        seen = list(ran)
+        await task
+        return seen
+
+    assert asyncio.run(scenario(0.0)) == ["other task"]  # slice spent: the other task ran
+    assert asyncio.run(scenario(3600.0)) == []  # within its slice: no yield
