@@ -46,7 +46,7 @@ class _Body(BaseModel):
 
     def check(self) -> None:
         """The rules across fields; InvalidRequestError naming the field."""
-        _check_unicode(self.model_dump(exclude_unset=True), "")
+        _check_unicode(self, "")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", "stream_options"
@@ -154,21 +154,27 @@ class ChatCompletionRequest(_Body):
 
 
 def _check_unicode(value: object, path: str) -> None:
-    """Every string in a parsed body (keys too) must encode as UTF-8."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            code = f"U+{ord(value[e.start]):04X}"
-            raise InvalidRequestError(
-                f"{path or 'request body'} is not valid Unicode: a lone surrogate ({code}) "
-                f"at character {e.start}",
-                path or None,
-            ) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_unicode(k, path)
-            _check_unicode(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(value, list):
+    """Every string of a parsed body must encode as UTF-8. Walks the model itself (no
+    dump, no copy); lists are homogeneous after validation, so a list of token ids is
+    skipped by its first item."""
+    if isinstance(value, BaseModel):
+        for name in value.model_fields_set:
+            _check_unicode(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, str):
+        _check_text(value, path)
+    elif isinstance(value, list) and value and not isinstance(value[0], int):
         for i, v in enumerate(value):
             _check_unicode(v, f"{path}.{i}")
+
+
+def _check_text(text: str, path: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = f"U+{ord(text[e.start]):04X}"
+        raise InvalidRequestError(
+            f"{path} is not valid Unicode: a lone surrogate ({code}) at character {e.start}",
+            path,
+        ) from None
