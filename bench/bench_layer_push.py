@@ -22,7 +22,9 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig, Role, SchedulerConfig, TransferConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model
-from pdserve.engine.messages import (
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.base import CausalLM
+from pdserve.protocol.handoff import (
     AddPrefilled,
     Handoff,
     KVHandedOff,
@@ -30,8 +32,6 @@ from pdserve.engine.messages import (
     KVReserved,
     ReserveKV,
 )
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.model.base import CausalLM
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 

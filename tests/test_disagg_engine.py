@@ -19,9 +19,11 @@ from helpers.tiny_models import make_tiny_model
 from pdserve.config import CacheConfig, EngineConfig, Role, SchedulerConfig, TransferConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model
-from pdserve.engine.messages import (
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv.transfer import gather
+from pdserve.model.base import CausalLM
+from pdserve.protocol.handoff import (
     AddPrefilled,
-    EngineMessage,
     Handoff,
     HandoffFailed,
     KVHandedOff,
@@ -29,9 +31,7 @@ from pdserve.engine.messages import (
     KVReserved,
     ReserveKV,
 )
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv.transfer import gather
-from pdserve.model.base import CausalLM
+from pdserve.protocol.wire import EngineMessage
 
 MODES = ["pull", "layer-push", "request-push"]
 

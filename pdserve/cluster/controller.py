@@ -41,23 +41,6 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.policies import DecodeChooser, choose_prefill
 from pdserve.config import EngineConfig, Role, TransferMode
-from pdserve.engine.messages import (
-    AbortRequests,
-    AddPrefilled,
-    AddRequest,
-    EngineMessage,
-    EngineOutput,
-    EngineStats,
-    Handoff,
-    HandoffFailed,
-    KVHandedOff,
-    KVReceived,
-    KVReserved,
-    OutputBatch,
-    ReleaseKV,
-    RequestRejected,
-    ReserveKV,
-)
 from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.engine.outputs import RequestMetrics, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -70,6 +53,25 @@ from pdserve.errors import (
 )
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.core import (
+    AbortRequests,
+    AddRequest,
+    EngineOutput,
+    EngineStats,
+    OutputBatch,
+    RequestRejected,
+)
+from pdserve.protocol.handoff import (
+    AddPrefilled,
+    Handoff,
+    HandoffFailed,
+    KVHandedOff,
+    KVReceived,
+    KVReserved,
+    ReleaseKV,
+    ReserveKV,
+)
+from pdserve.protocol.wire import EngineMessage
 
 _WATCH_S = 0.1
 

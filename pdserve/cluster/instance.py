@@ -25,18 +25,16 @@ import zmq.asyncio
 
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.engine_process import run_engine_process
-from pdserve.engine.messages import (
+from pdserve.errors import EngineDeadError
+from pdserve.protocol.core import (
     EngineFailed,
-    EngineInput,
-    EngineMessage,
     EngineReady,
     EngineStats,
     LoadReport,
     Shutdown,
     StatsRequest,
-    encode_input,
 )
-from pdserve.errors import EngineDeadError
+from pdserve.protocol.wire import EngineInput, EngineMessage, encode_input
 
 _ids = itertools.count()
 

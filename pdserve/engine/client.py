@@ -36,21 +36,6 @@ import zmq.asyncio
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_process import run_engine_process
-from pdserve.engine.messages import (
-    AbortRequests,
-    AddRequest,
-    EngineFailed,
-    EngineInput,
-    EngineMessage,
-    EngineReady,
-    EngineStats,
-    FinishRequest,
-    OutputBatch,
-    RequestRejected,
-    Shutdown,
-    StatsRequest,
-    encode_input,
-)
 from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -58,6 +43,18 @@ from pdserve.engine.validation import check_request
 from pdserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.core import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    OutputBatch,
+    RequestRejected,
+    Shutdown,
+    StatsRequest,
+)
+from pdserve.protocol.wire import EngineInput, EngineMessage, encode_input
 
 _WATCHDOG_S = 0.2
 
@@ -245,7 +242,7 @@ class EngineClient:
         for out in batch.outputs:
             result, stop_string = self._processor.process(out)
             if stop_string is not None:
-                await self._send(FinishRequest(out.request_id, stop_string))
+                await self._send(AbortRequests([out.request_id]))
             if result is not None:
                 self._put(out.request_id, result)
             await self._budget.checkpoint()

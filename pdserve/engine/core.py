@@ -14,15 +14,6 @@ import torch
 
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.decode_role import DecodeRole
-from pdserve.engine.messages import (
-    AddPrefilled,
-    EngineMessage,
-    EngineOutput,
-    Handoff,
-    NewToken,
-    RequestRejected,
-    ReserveKV,
-)
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestMetrics
 from pdserve.engine.prefill_role import PrefillRole, generator_from_state
@@ -44,6 +35,9 @@ from pdserve.kv.transfer import (
     make_transport,
 )
 from pdserve.model.base import CausalLM, ForwardHooks
+from pdserve.protocol.core import EngineOutput, NewToken, RequestRejected
+from pdserve.protocol.handoff import AddPrefilled, Handoff, ReserveKV
+from pdserve.protocol.wire import EngineMessage
 
 
 class EngineCore:

@@ -24,20 +24,20 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.engine.messages import (
-    AddPrefilled,
-    HandoffFailed,
-    KVReceived,
-    KVReserved,
-    PushTarget,
-    ReserveKV,
-)
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.transfer_role import TransferRole
 from pdserve.kv.transfer import (
     TransferState,
     TransferTask,
     stream_in,
+)
+from pdserve.protocol.handoff import (
+    AddPrefilled,
+    HandoffFailed,
+    KVReceived,
+    KVReserved,
+    PushTarget,
+    ReserveKV,
 )
 
 

@@ -25,28 +25,24 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model
-from pdserve.engine.messages import (
-    AbortRequests,
-    AddPrefilled,
-    AddRequest,
-    EngineFailed,
-    EngineInput,
-    EngineMessage,
-    EngineReady,
-    EngineStats,
-    FinishRequest,
-    LoadReport,
-    OutputBatch,
-    ReleaseKV,
-    RequestRejected,
-    ReserveKV,
-    Shutdown,
-    StatsRequest,
-)
 from pdserve.engine.step_trace import StepTrace
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.core import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    LoadReport,
+    OutputBatch,
+    RequestRejected,
+    Shutdown,
+    StatsRequest,
+)
+from pdserve.protocol.handoff import AddPrefilled, ReleaseKV, ReserveKV
+from pdserve.protocol.wire import EngineInput, EngineMessage
 from pdserve.runtime import freeze_startup_heap, pin_process
 
 _IDLE_POLL_MS = 100
@@ -158,8 +154,6 @@ class _Loop:
             aborted = [self.core.abort(rid) for rid in msg.request_ids]
             if any(aborted):
                 self.send(OutputBatch([a for a in aborted if a is not None]))
-        elif isinstance(msg, FinishRequest):
-            self.core.finish_request(msg.request_id, msg.stop_reason)
         elif isinstance(msg, StatsRequest):
             self.send(self.stats(msg.request_id, msg.check_integrity))
         return True

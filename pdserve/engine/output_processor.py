@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.messages import EngineOutput
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.core import EngineOutput
 
 
 class LoopBudget:

@@ -36,13 +36,6 @@ import msgspec
 import torch
 
 from pdserve.config import TransferMode
-from pdserve.engine.messages import (
-    Handoff,
-    HandoffFailed,
-    KVHandedOff,
-    KVSource,
-    PushTarget,
-)
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.transfer_role import TransferRole
@@ -54,6 +47,7 @@ from pdserve.kv.transfer import (
     gather,
     stream_out,
 )
+from pdserve.protocol.handoff import Handoff, HandoffFailed, KVHandedOff, KVSource, PushTarget
 
 
 @dataclass

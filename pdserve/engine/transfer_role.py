@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdserve.config import TransferConfig
-from pdserve.engine.messages import EngineMessage
 from pdserve.kv.manager import KVManager
 from pdserve.kv.transfer import KVLayout, Region, TransferWorker, Transport
+from pdserve.protocol.wire import EngineMessage
 
 
 class TransferRole:

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
-from pdserve.engine.messages import EngineStats
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.core import EngineStats
 
 
 class ServingBackend(Protocol):

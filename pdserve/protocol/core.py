@@ -1,0 +1,124 @@
+"""The core protocol: what a front end and one engine core exchange.
+
+The core (scheduler, model, sampler) speaks token ids; the front end (tokenizer,
+detokenizer, stop strings, HTTP) speaks text. Whether the two share a process (`Engine`)
+or talk over ZeroMQ (the front end's `Instance` / `engine_process`), these structs are
+what crosses. `SamplingParams` (a frozen dataclass) travels as is: msgspec re-runs its
+validation on decode.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.engine.outputs import RequestMetrics
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.handoff import Handoff
+
+# ---- per-request progress -------------------------------------------------------
+
+
+class NewToken(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+class EngineOutput(msgspec.Struct, frozen=True):
+    """New tokens of one request in one step."""
+
+    request_id: str
+    new_tokens: tuple[NewToken, ...]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    stopped_by_token: bool = False  # the last new token is EOS / a stop id (not rendered)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None  # set when finished
+
+
+# ---- front end -> core ------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float | None = None  # time.monotonic() at the front end (system-wide clock)
+    handoff: Handoff | None = None  # prefill role: pass it on after the first token
+
+
+class AbortRequests(msgspec.Struct, frozen=True, tag=True):
+    """End requests now (client gone, stop string found, failure); their KV is freed
+    before the next step."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class StatsRequest(msgspec.Struct, frozen=True, tag=True):
+    """Ask for an `EngineStats` reply (metrics, health checks, tests)."""
+
+    request_id: int  # echoed in the reply, so concurrent askers get their own answer
+    check_integrity: bool = False
+
+
+# ---- core -> front end ------------------------------------------------------------
+
+
+class EngineReady(msgspec.Struct, frozen=True, tag=True):
+    max_model_len: int
+    vocab_size: int
+
+
+class OutputBatch(msgspec.Struct, frozen=True, tag=True):
+    outputs: list[EngineOutput]
+
+
+class RequestRejected(msgspec.Struct, frozen=True, tag=True):
+    """`add_request` refused it; nothing was allocated. `overloaded`: the waiting
+    queue was full (EngineOverloadedError), else the request was invalid."""
+
+    request_id: str
+    message: str
+    param: str | None
+    overloaded: bool = False
+
+
+class EngineFailed(msgspec.Struct, frozen=True, tag=True):
+    """The core hit an unrecoverable error and is exiting."""
+
+    message: str
+
+
+class EngineStats(msgspec.Struct, frozen=True, tag=True):
+    request_id: int  # of the StatsRequest this answers
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    prefix_cache_hits: int  # tokens
+    prefix_cache_queries: int  # tokens
+    integrity_error: str | None = None  # set when a requested check failed
+    num_held: int = 0  # prefill: finished prompts whose KV waits for a decode instance
+    num_transferring: int = 0  # KV moves in flight (either side)
+    num_reserved: int = 0  # decode: reservations and requests waiting for KV
+
+
+class LoadReport(msgspec.Struct, frozen=True, tag=True):
+    """Sent every `report_interval_s` by an instance (TetriInfer's monitor); also what
+    tells the front end the instance is alive between outputs."""
+
+    sent_at: float  # monotonic
+    num_waiting: int
+    num_running: int
+    num_waiting_tokens: int  # prompt tokens not yet prefilled
+    num_obtainable_blocks: int  # free + evictable cached blocks
+    num_blocks: int
+    num_held: int
+    num_transferring: int
+    num_reserved: int

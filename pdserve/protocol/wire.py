@@ -1,0 +1,81 @@
+"""What each side of an instance's sockets decodes, and dispatch by message type.
+
+`EngineInput` is everything a front end sends an instance, `EngineMessage` everything an
+instance sends back (core and hand-off protocols together: one socket each way). A
+receiver keeps a `Handlers` table from message type to handler rather than a chain of
+isinstance tests; a message without a handler there is a bug and raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from pdserve.errors import InvalidRequestError
+from pdserve.protocol.core import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    LoadReport,
+    OutputBatch,
+    RequestRejected,
+    Shutdown,
+    StatsRequest,
+)
+from pdserve.protocol.handoff import (
+    AddPrefilled,
+    HandoffFailed,
+    KVHandedOff,
+    KVReceived,
+    KVReserved,
+    ReleaseKV,
+    ReserveKV,
+)
+
+EngineInput = (
+    AddRequest | AbortRequests | Shutdown | StatsRequest | AddPrefilled | ReserveKV | ReleaseKV
+)
+
+EngineMessage = (
+    EngineReady
+    | OutputBatch
+    | RequestRejected
+    | EngineFailed
+    | EngineStats
+    | KVHandedOff
+    | KVReserved
+    | KVReceived
+    | HandoffFailed
+    | LoadReport
+)
+
+
+def encode_input(encoder: msgspec.msgpack.Encoder, msg: EngineInput) -> bytes:
+    """`msg` as bytes for the core. A value msgpack cannot carry (an integer beyond 64
+    bits that slipped past validation) is the request's fault: InvalidRequestError."""
+    try:
+        return encoder.encode(msg)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise InvalidRequestError(f"the request cannot be sent to the engine: {e}") from None
+
+
+R = TypeVar("R")
+
+
+class Handlers(Generic[R]):
+    """Message type -> handler. `Handlers({AddRequest: self.add, ...})(msg)` calls the
+    handler of `type(msg)` and returns its result."""
+
+    def __init__(self, table: dict[type[Any], Callable[[Any], R]]) -> None:
+        self._table = table
+
+    def __call__(self, msg: object) -> R:
+        try:
+            handler = self._table[type(msg)]
+        except KeyError:
+            raise TypeError(f"no handler for message {type(msg).__name__}") from None
+        return handler(msg)
