@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -123,68 +120,6 @@ def test_abort_returns_blocks_immediately(make_engine) -> None:
     assert len(out.token_ids) == 2
     assert engine.abort(rid) is None
     assert_nothing_held(engine)
-
-
-def test_async_engine_streams_and_aborts(make_engine) -> None:
-    engine = make_engine()
-    aengine = AsyncEngine(engine)
-    prompt = chat_ids(engine, FRANCE)
-
-    async def scenario() -> tuple[str, list[str], int, bool]:
-        deltas, final = [], None
-        greedy = SamplingParams(max_tokens=64, temperature=0)
-        async for out in aengine.generate(prompt, greedy, "a"):
-            deltas.append(out.delta_text)
-            final = out
-        assert final is not None and final.finished
-        # A consumer that stops early aborts its request.
-        n = 0
-        gen = aengine.generate(prompt, SamplingParams(max_tokens=200, ignore_eos=True), "b")
-        async for _ in gen:
-            n += 1
-            if n == 3:
-                break
-        await gen.aclose()
-        for _ in range(500):  # applied before the loop's next step; bounded wait
-            if not engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
-        return final.text, deltas, n, engine.has_unfinished()
-
-    try:
-        text, deltas, n, unfinished = asyncio.run(scenario())
-    finally:
-        aengine.shutdown()
-    assert text == "The capital of France is Paris." == "".join(deltas)
-    assert n == 3 and not unfinished
-    assert_nothing_held(engine)
-
-
-def test_async_engine_survives_a_consumer_whose_loop_closed(make_engine) -> None:
-    """Outputs for a consumer whose event loop is gone are dropped, not fatal."""
-    engine = make_engine()
-    aengine = AsyncEngine(engine)
-    prompt = chat_ids(engine, FRANCE)
-
-    async def first_token_then_leave() -> None:
-        gen = aengine.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True), "x")
-        await gen.__anext__()  # never closed: the loop ends under it
-
-    async def full_run() -> str:
-        text = ""
-        async for out in aengine.generate(
-            prompt, SamplingParams(max_tokens=64, temperature=0), "y"
-        ):
-            text = out.text
-        return text
-
-    try:
-        asyncio.run(first_token_then_leave())
-        text = asyncio.run(asyncio.wait_for(full_run(), timeout=60))
-        assert text == "The capital of France is Paris."
-        assert aengine.is_alive
-    finally:
-        aengine.shutdown()
 
 
 # ---- bad input: refused at add_request, nothing allocated ------------------------

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import psutil
@@ -111,6 +112,18 @@ def test_chat_with_the_openai_client(client: OpenAI) -> None:
     assert r.choices[0].message.content == "The capital of France is Paris."
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "stop"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (37, 8)
+
+
+def test_the_readme_request_gets_the_readme_answer(server: Server) -> None:
+    """The README's first lines: its curl body, sent as is, gets the answer it shows."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    curl = readme[readme.index("curl -s http://127.0.0.1:8000/v1/chat/completions") :]
+    body = curl[curl.index("-d '") + 4 : curl.index("}'") + 1]
+    status, reply = server.post("/v1/chat/completions", body.encode())
+    assert status == 200, reply
+    assert reply["model"] == MODEL == json.loads(body)["model"]
+    assert reply["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    assert "# The capital of France is Paris." in readme  # what the openai example shows
 
 
 def test_chat_streaming_role_first_then_deltas_and_usage(client: OpenAI) -> None:

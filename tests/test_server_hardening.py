@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import psutil
 import pytest
 import uvicorn
 from test_server import KEY, MODEL, Server
@@ -430,9 +431,33 @@ def test_the_largest_seed_with_n_choices_wraps_and_reproduces(server: Server) ->
 
 
 def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
-    row = {"name": "engine", "role": "colocated", "alive": True}
-    want = {"instances": [row], "controller": {"retries": 0, "failed": 0}}
-    assert server.get("/debug/cluster", key=KEY) == (200, want)
+    """A single engine is a cluster of one instance: its row is a cluster row."""
+    status, reply = server.get("/debug/cluster", key=KEY)
+    assert status == 200 and reply["controller"] == {"retries": 0, "failed": 0}
+    (row,) = reply["instances"]
+    stats = row.pop("stats")
+    (engine,) = [
+        p
+        for p in psutil.Process(server.proc.pid).children()
+        if "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert row == {
+        "name": "engine",
+        "role": "colocated",
+        "pid": engine.pid,
+        "alive": True,
+        "dead_reason": None,
+        "assigned_prefill_tokens": 0,
+        "assigned_requests": 0,
+    }
+    free, cached = stats.pop("num_free_blocks"), stats.pop("num_cached_blocks")
+    # 1 GiB of fp32 KV for SmolLM2-135M: 2 x 30 layers x 3 heads x 64 x 4 B x 16 tokens.
+    assert free + cached == 2**30 // (2 * 30 * 3 * 64 * 4 * 16) == 1456
+    hits, queries = stats.pop("prefix_cache_hits"), stats.pop("prefix_cache_queries")
+    assert 0 <= hits <= queries
+    idle = ("num_running", "num_waiting", "num_swapped", "num_used_blocks", "num_held")
+    idle += ("num_transferring", "num_reserved")
+    assert stats == {**dict.fromkeys(idle, 0), "integrity_error": None}
 
 
 def test_docs_need_the_key_and_health_answers_head(server: Server) -> None:

@@ -1,7 +1,15 @@
-"""`Cluster`: the global scheduler in front of prefill, decode and colocated instances.
+"""`Cluster`: the one front end, in front of one engine or many instances.
 
-It lives in the HTTP process and offers what `EngineClient` offers (`generate`, `stats`,
-`cancel_all`, `is_alive`, `tokenizer`), so the API server runs unchanged on top of it.
+It owns the request table, tokenization, detokenization and stop strings
+(`OutputProcessor`), cancellation, timings (`RequestTimes`), and the choice of instances;
+each instance is an engine process behind an `Instance` handle. It is the
+`ServingBackend` the HTTP server runs on, and what `pdserve serve` starts for every
+deployment: a single engine is a cluster of one colocated instance (named "engine").
+One class rather than a single-engine client beside a cluster: the request life cycle,
+stop strings, aborts and engine death then have one implementation, and the only
+differences of a lone engine are policy - it has nowhere to retry, so a silent engine
+is never declared dead and its death fails every request with `EngineDeadError` (HTTP
+500, "the engine is not available"), as a server with no engine left must.
 
 Request life cycle (disaggregated; `_Record.phase`):
 
@@ -30,7 +38,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -42,7 +50,7 @@ from pdserve.cluster.instance import Instance
 from pdserve.cluster.policies import DecodeChooser, choose_prefill
 from pdserve.config import EngineConfig, Role, TransferMode
 from pdserve.engine.output_processor import LoopBudget, OutputProcessor
-from pdserve.engine.outputs import RequestMetrics, RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import check_request
 from pdserve.errors import (
@@ -71,7 +79,8 @@ from pdserve.protocol.handoff import (
     ReleaseKV,
     ReserveKV,
 )
-from pdserve.protocol.wire import EngineMessage
+from pdserve.protocol.timing import RequestTimes
+from pdserve.protocol.wire import EngineMessage, Handlers
 
 _WATCH_S = 0.1
 
@@ -103,7 +112,10 @@ class _Record:
     attempts: int = 0
     first_tokens: list[int] = field(default_factory=list)  # streamed by the prefill side
     num_streamed: int = 0  # tokens forwarded to the client
-    times: dict[str, float] = field(default_factory=dict)
+    times: RequestTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.times = RequestTimes(self.arrival)
 
     @property
     def key(self) -> str:
@@ -132,6 +144,17 @@ class Cluster:
         self._ids = itertools.count()
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
+        self._dead: EngineDeadError | None = None  # a lone engine died: why
+        self._handlers = Handlers[Awaitable[None] | None](
+            {
+                OutputBatch: self._on_outputs,
+                KVHandedOff: self._on_handed_off,
+                KVReserved: self._on_reserved,
+                KVReceived: self._on_received,
+                HandoffFailed: self._on_handoff_failed,
+                RequestRejected: self._on_rejected,
+            }
+        )
         self.num_retries = 0  # attempts started again from the prompt
         self.num_failed = 0  # requests ended with an instance / transfer error
 
@@ -139,10 +162,12 @@ class Cluster:
 
     @classmethod
     async def start(
-        cls, config: ClusterConfig, engine: EngineConfig, timeout: float = 600.0
+        cls, engine: EngineConfig, config: ClusterConfig | None = None, timeout: float = 600.0
     ) -> Cluster:
-        """Start every instance (in parallel) and wait until all are ready."""
-        cluster = cls(config, engine)
+        """Start every instance (in parallel) and wait until all are ready. `config`
+        None: a single engine. Raises what a failed start reports (EngineDeadError with
+        the engine's message, ModelLoadError); no process is left running then."""
+        cluster = cls(config or ClusterConfig(num_colocated=1), engine)
         try:
             await cluster._start(timeout)
         except BaseException:
@@ -150,25 +175,40 @@ class Cluster:
             raise
         return cluster
 
+    @property
+    def single_engine(self) -> bool:
+        """One instance: nowhere to retry or fail over (see the module docstring)."""
+        return self.config.num_instances == 1
+
     async def _start(self, timeout: float) -> None:
+        silence = None if self.single_engine else self.config.instance_timeout_s
         self.instances = [
-            Instance(cfg, self._ctx, self._on_message, self.config.instance_timeout_s)
+            Instance(cfg, self._ctx, self._on_message, silence)
             for cfg in instance_configs(self.config, self.engine)
         ]
         path = resolve_model(self.engine.model)
         self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, path)
         self._processor = OutputProcessor(self.tokenizer)
-        await asyncio.gather(*(i.start(timeout) for i in self.instances))
+        await asyncio.gather(*(self._start_instance(i, timeout) for i in self.instances))
         self.max_model_len = min(i.max_model_len for i in self.instances)
         self.vocab_size = self.instances[0].vocab_size
         self._watch = asyncio.create_task(self._watchdog())
 
+    async def _start_instance(self, inst: Instance, timeout: float) -> None:
+        try:
+            await inst.start(timeout)
+        except EngineDeadError as e:
+            if self.single_engine:
+                raise
+            raise EngineDeadError(f"{inst.name}: {e}") from None
+
     async def shutdown(self, timeout: float = 10.0) -> None:
+        """Fail what is open, then stop every instance (Shutdown; killed past `timeout`)."""
         self._closed = True
         if self._watch is not None:
             self._watch.cancel()
         self._fail_all(EngineDeadError("the server is shutting down"))
-        await asyncio.gather(*(i.shutdown() for i in self.instances))
+        await asyncio.gather(*(i.shutdown(timeout) for i in self.instances))
         self._ctx.term()
 
     def of_role(self, role: Role) -> list[Instance]:
@@ -176,7 +216,7 @@ class Cluster:
 
     @property
     def is_alive(self) -> bool:
-        if self._closed:
+        if self._closed or self._dead is not None:
             return False
         if self.config.disaggregated:
             return any(i.alive for i in self.of_role(Role.PREFILL)) and any(
@@ -189,9 +229,16 @@ class Cluster:
     async def generate(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream one request's outputs (the `EngineClient.generate` contract)."""
+        """Stream one request's outputs; the last has `finished=True`.
+
+        A request an instance refuses raises `InvalidRequestError` (or
+        `EngineOverloadedError`: its waiting queue is full) from the first iteration;
+        nothing was allocated for it. A consumer that stops iterating (client gone, task
+        cancelled) aborts the request: the instance frees its KV before its next step.
+        An instance failure ends the stream with `InstanceFailedError` (or, for a lone
+        engine, `EngineDeadError`) unless the request can be retried elsewhere."""
         if not self.is_alive:
-            raise EngineDeadError("no live instance can serve requests")
+            raise self._dead or EngineDeadError("no live instance can serve requests")
         assert self._processor is not None
         token_ids = self._tokenize(prompt)
         check_request(token_ids, params, self.vocab_size, self.max_model_len)
@@ -265,21 +312,15 @@ class Cluster:
 
     async def _on_message(self, inst: Instance, msg: EngineMessage) -> None:
         """Messages of one instance, in order (its reader awaits each)."""
-        if isinstance(msg, OutputBatch):
-            self._budget.reset()
-            for out in msg.outputs:
-                self._on_output(inst, out)
-                await self._budget.checkpoint()
-        elif isinstance(msg, KVHandedOff):
-            self._on_handed_off(inst, msg)
-        elif isinstance(msg, KVReserved):
-            self._on_reserved(inst, msg)
-        elif isinstance(msg, KVReceived):
-            self._on_received(inst, msg)
-        elif isinstance(msg, HandoffFailed):
-            self._on_handoff_failed(inst, msg)
-        elif isinstance(msg, RequestRejected):
-            self._on_rejected(inst, msg)
+        pending = self._handlers(msg, inst)
+        if pending is not None:
+            await pending
+
+    async def _on_outputs(self, inst: Instance, msg: OutputBatch) -> None:
+        self._budget.reset()
+        for out in msg.outputs:
+            self._on_output(inst, out)
+            await self._budget.checkpoint()
 
     def _on_output(self, inst: Instance, out: EngineOutput) -> None:
         rec = self.records.get(out.request_id)
@@ -294,7 +335,7 @@ class Cluster:
                 self._fail(rec, InstanceFailedError("the retried prefill ended the request"))
             return
         if from_prefill:
-            rec.times["first_token_seen"] = time.monotonic()
+            rec.times.first_token_seen = time.monotonic()
             rec.first_tokens = [t.token_id for t in out.new_tokens]
         self._forward(rec, inst, out)
 
@@ -307,9 +348,10 @@ class Cluster:
             return
         rec.num_streamed += len(out.new_tokens)
         if result.finished:
-            rec.times["finished"] = time.monotonic()
+            rec.times.finished = time.monotonic()
             if self.config.disaggregated:
-                result = dataclasses.replace(result, metrics=self._breakdown(rec))
+                pulled = self.mode is TransferMode.PULL
+                result = dataclasses.replace(result, metrics=rec.times.handoff_metrics(pulled))
             self._release(rec, abort=stop_string is not None)
         rec.queue.put_nowait(result)
 
@@ -322,13 +364,11 @@ class Cluster:
         rec.phase = Phase.HANDOFF
         if msg.source is None:
             rec.prefill = None  # pushed: the prefill side holds nothing any more
-        for key, value in (
-            ("first_scheduled", msg.first_scheduled),
-            ("p_first_token", msg.first_token),
-        ):
-            if value is not None:
-                rec.times[key] = value
-        rec.times["handed_off"] = time.monotonic()
+        if msg.first_scheduled is not None:
+            rec.times.first_scheduled = msg.first_scheduled
+        if msg.first_token is not None:
+            rec.times.first_token = msg.first_token
+        rec.times.handed_off = time.monotonic()
         decode = rec.decode if msg.source is None else self._choose_decode(rec)
         if decode is None:
             return
@@ -359,9 +399,8 @@ class Cluster:
             inst.send(AbortRequests([msg.request_id]))
             return
         rec.phase = Phase.DECODE
-        rec.times.update(
-            d_queued=msg.queued, transfer_start=msg.transfer_start, transfer_end=msg.transfer_end
-        )
+        rec.times.decode_queued = msg.queued
+        rec.times.transfer_start, rec.times.transfer_end = msg.transfer_start, msg.transfer_end
         if rec.prefill is not None:
             rec.prefill.send(ReleaseKV([rec.key]))
         rec.prefill = None
@@ -403,6 +442,9 @@ class Cluster:
                     self._on_dead(inst, reason)
 
     def _on_dead(self, inst: Instance, reason: str) -> None:
+        if self.single_engine:
+            self._on_engine_dead(inst, reason)
+            return
         for key, (prefill, decode) in list(self._push_stops.items()):
             if inst is prefill:  # a dead process writes nothing more
                 del self._push_stops[key]
@@ -421,6 +463,13 @@ class Cluster:
                 self._fail(rec, InstanceFailedError(f"instance {inst.name} failed: {reason}"))
             else:
                 self._retry_or_fail(rec, f"instance {inst.name} failed: {reason}")
+
+    def _on_engine_dead(self, inst: Instance, reason: str) -> None:
+        """The lone engine is gone: every request, open or new, fails with why."""
+        if inst.exit_code is not None:
+            reason = f"the engine process exited (exit code {inst.exit_code})"
+        self._dead = EngineDeadError(reason)
+        self._fail_all(self._dead)
 
     def _retry_or_fail(self, rec: _Record, why: str) -> None:
         if rec.attempts >= self.config.max_retries or self._closed:
@@ -483,34 +532,10 @@ class Cluster:
 
     # ---- reporting -----------------------------------------------------------------------
 
-    def _breakdown(self, rec: _Record) -> RequestMetrics:
-        """DistServe §6.3: prefill queueing, prefill, transfer, decode queueing, decode."""
-        t = rec.times
-        arrival, finished = rec.arrival, t.get("finished")
-
-        def span(a: str | float | None, b: str | float | None) -> float | None:
-            x = t.get(a) if isinstance(a, str) else a
-            y = t.get(b) if isinstance(b, str) else b
-            return None if x is None or y is None else max(0.0, y - x)
-
-        if self.mode is TransferMode.PULL:
-            transfer = span("transfer_start", "transfer_end")
-            decode_queue = span("d_queued", "transfer_start")
-        else:  # pushed: what was left to move after the first token
-            transfer = span("p_first_token", "handed_off")
-            decode_queue = span("handed_off", "transfer_end")
-        return RequestMetrics(
-            queue_time=span(arrival, "first_scheduled"),
-            prefill_time=span("first_scheduled", "p_first_token"),
-            decode_time=span("transfer_end", finished),
-            ttft=span(arrival, "first_token_seen"),
-            e2e=span(arrival, finished),
-            transfer_time=transfer,
-            decode_queue_time=decode_queue,
-        )
-
     async def stats(self, check_integrity: bool = False, timeout: float = 10.0) -> EngineStats:
         """Counters summed over the live instances; integrity errors name the instance."""
+        if self._dead is not None:
+            raise self._dead
         live = [i for i in self.instances if i.alive]
         if not live:
             raise EngineDeadError("no live instance")
@@ -535,7 +560,8 @@ class Cluster:
             if inst.alive:
                 with contextlib.suppress(Exception):
                     stats = await inst.stats(True, timeout)
-                    row["stats"] = {f: getattr(stats, f) for f in stats.__struct_fields__}
+                    fields = [f for f in stats.__struct_fields__ if f != "request_id"]
+                    row["stats"] = {f: getattr(stats, f) for f in fields}
             rows.append(row)
         return rows
 
@@ -575,7 +601,7 @@ def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[Engin
     configs = []
     for role in roles:
         index = counts[role] = counts.get(role, -1) + 1
-        name = f"{role.value}-{index}"
+        name = "engine" if len(roles) == 1 else f"{role.value}-{index}"
         scheduler = engine.scheduler
         if role is Role.PREFILL and cluster.prefill_chunk_size is not None:
             scheduler = dataclasses.replace(

@@ -1,10 +1,12 @@
-"""`Instance`: the controller's handle on one engine instance process.
+"""`Instance`: the front end's handle on one engine process; the only process handle.
 
-It spawns `run_engine_process` with the instance's role, owns the two ZeroMQ sockets to
-it, turns everything the instance sends into calls of the controller's `on_message`, and
-decides when the instance is dead: its process exited, it reported a failure, or it has
-sent nothing (outputs or load reports, every `report_interval_s`) for `timeout_s`.
-A dead instance is never used again; the controller retries or fails its requests.
+It spawns `run_engine_process` with the instance's role, owns the two ZeroMQ IPC sockets
+to it (bound in a private temporary directory), waits for the ready handshake, answers
+stats requests, hands everything else the instance sends to the front end's
+`on_message`, and decides when the instance is dead: its process exited, it reported a
+failure, or (with `timeout_s`) it has sent nothing - outputs or load reports, every
+`report_interval_s` - for that long. A dead instance is never used again; the front end
+retries or fails its requests.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from pdserve.protocol.core import (
     Shutdown,
     StatsRequest,
 )
-from pdserve.protocol.wire import EngineInput, EngineMessage, encode_input
+from pdserve.protocol.wire import EngineInput, EngineMessage, Handlers, encode_input
 
+_POLL_MS = 200  # while waiting for the handshake: how often to check the process
 _ids = itertools.count()
 
 
@@ -45,10 +48,10 @@ class Instance:
         config: EngineConfig,
         ctx: zmq.asyncio.Context,
         on_message: Callable[[Instance, EngineMessage], Awaitable[None]],
-        timeout_s: float,
+        timeout_s: float | None,
     ) -> None:
         self.config = config
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # None: silence is never a death (a lone engine)
         self.name = config.instance_name
         self.role: Role = config.role
         self.on_message = on_message
@@ -57,13 +60,14 @@ class Instance:
         self.report: LoadReport | None = None
         self.last_heard = time.monotonic()
         self.dead: str | None = None  # why, once dead
+        self.exit_code: int | None = None  # set when the death was the process exiting
         self._announced = False  # `check` has returned the reason
-        # Controller-side load (what it assigned and has not seen finish).
+        # Front-end-side load (what it assigned and has not seen finish).
         self.assigned_prefill_tokens = 0
         self.assigned_requests = 0
         self._dir = tempfile.mkdtemp(prefix=f"pdserve-{self.name}-")
         self._to = ctx.socket(zmq.PUSH)
-        self._to.setsockopt(zmq.SNDHWM, 0)
+        self._to.setsockopt(zmq.SNDHWM, 0)  # never block a send on a full queue
         self._from = ctx.socket(zmq.PULL)
         self._to.bind(f"ipc://{self._dir}/in")
         self._from.bind(f"ipc://{self._dir}/out")
@@ -71,6 +75,13 @@ class Instance:
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._stats: dict[int, asyncio.Future[EngineStats]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._own = Handlers[None](
+            {
+                LoadReport: self._on_report,
+                EngineStats: self._on_stats,
+                EngineFailed: self._on_failed,
+            }
+        )
         self.process: BaseProcess = multiprocessing.get_context("spawn").Process(
             target=run_engine_process,
             args=(config, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", True),
@@ -85,7 +96,8 @@ class Instance:
     # ---- life cycle ----------------------------------------------------------------
 
     async def start(self, timeout: float) -> None:
-        """Spawn the process and wait for EngineReady (EngineDeadError otherwise)."""
+        """Spawn the process and wait for EngineReady. EngineDeadError otherwise, with
+        the instance's own message ("engine failed to start: ...")."""
         self.process.start()
         await asyncio.wait_for(self._await_ready(), timeout)
         self.last_heard = time.monotonic()
@@ -93,25 +105,24 @@ class Instance:
 
     async def _await_ready(self) -> None:
         while True:
-            if await self._from.poll(200):
+            if await self._from.poll(_POLL_MS):
                 msg = self._decoder.decode(await self._from.recv())
                 if isinstance(msg, EngineReady):
                     self.max_model_len, self.vocab_size = msg.max_model_len, msg.vocab_size
                     return
                 if isinstance(msg, EngineFailed):
-                    raise EngineDeadError(f"{self.name}: {msg.message}")
+                    raise EngineDeadError(msg.message)
             elif not self.process.is_alive():
-                raise EngineDeadError(
-                    f"{self.name}: process exited with code {self.process.exitcode}"
-                )
+                raise EngineDeadError(f"engine process exited with code {self.process.exitcode}")
 
     def check(self, now: float) -> str | None:
         """Mark the instance dead if it is. Returns the reason exactly once, the first
         check after it died (whichever way: exit, silence, or a reported failure)."""
         if self.dead is None:
             if not self.process.is_alive():
-                self.mark_dead(f"process exited (exit code {self.process.exitcode})")
-            elif (silent := now - self.last_heard) > self.timeout_s:
+                self.exit_code = self.process.exitcode
+                self.mark_dead(f"process exited (exit code {self.exit_code})")
+            elif self.timeout_s is not None and (silent := now - self.last_heard) > self.timeout_s:
                 self.mark_dead(f"sent nothing for {silent:.1f} s")
         if self.dead is None or self._announced:
             return None
@@ -127,11 +138,12 @@ class Instance:
             self.process.kill()  # unresponsive: make sure it serves nobody half-way
         return reason
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Shutdown, then kill if it does not exit within `timeout`; close the sockets."""
         if self.process.is_alive():
             with contextlib.suppress(zmq.ZMQError):
                 await self._to.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
-            await asyncio.to_thread(self.process.join, 10)
+            await asyncio.to_thread(self.process.join, timeout)
         if self.process.is_alive():
             self.process.kill()
             await asyncio.to_thread(self.process.join, 5)
@@ -144,7 +156,8 @@ class Instance:
     # ---- messages ------------------------------------------------------------------
 
     def send(self, msg: EngineInput) -> bool:
-        """Queue a message; False if the instance is dead or not connected."""
+        """Queue a message; False if the instance is dead or not connected. A message
+        msgpack cannot carry raises InvalidRequestError (`encode_input`)."""
         if self.dead is not None:
             return False
         try:
@@ -169,12 +182,18 @@ class Instance:
         while True:
             msg = self._decoder.decode(await self._from.recv())
             self.last_heard = time.monotonic()
-            if isinstance(msg, LoadReport):
-                self.report = msg
-            elif isinstance(msg, EngineStats):
-                reply = self._stats.get(msg.request_id)
-                if reply is not None and not reply.done():
-                    reply.set_result(msg)
-            elif isinstance(msg, EngineFailed):
-                self.mark_dead(msg.message)
-            await self.on_message(self, msg)
+            if type(msg) in self._own:
+                self._own(msg)
+            else:
+                await self.on_message(self, msg)
+
+    def _on_report(self, msg: LoadReport) -> None:
+        self.report = msg
+
+    def _on_stats(self, msg: EngineStats) -> None:
+        reply = self._stats.get(msg.request_id)
+        if reply is not None and not reply.done():
+            reply.set_result(msg)
+
+    def _on_failed(self, msg: EngineFailed) -> None:
+        self.mark_dead(msg.message)

@@ -67,15 +67,18 @@ R = TypeVar("R")
 
 
 class Handlers(Generic[R]):
-    """Message type -> handler. `Handlers({AddRequest: self.add, ...})(msg)` calls the
-    handler of `type(msg)` and returns its result."""
+    """Message type -> handler. `handlers(msg, *context)` calls the handler of `type(msg)`
+    as `handler(*context, msg)` (e.g. the instance it came from) and returns its result."""
 
-    def __init__(self, table: dict[type[Any], Callable[[Any], R]]) -> None:
+    def __init__(self, table: dict[type[Any], Callable[..., R]]) -> None:
         self._table = table
 
-    def __call__(self, msg: object) -> R:
+    def __call__(self, msg: object, *context: object) -> R:
         try:
             handler = self._table[type(msg)]
         except KeyError:
             raise TypeError(f"no handler for message {type(msg).__name__}") from None
-        return handler(msg)
+        return handler(*context, msg)
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self._table

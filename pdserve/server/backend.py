@@ -1,8 +1,8 @@
 """What the HTTP layer needs from whatever runs the requests.
 
-`EngineClient` (one engine process) and `cluster.Cluster` (a controller in front of
-prefill / decode / colocated instances) both provide it, so the routes do not know
-which one they serve from.
+The front end, `cluster.Cluster` (one engine, or prefill / decode / colocated
+instances), provides it; the routes see only this protocol: generation, counters,
+per-instance rows for /debug/cluster, and the retry / failure counters.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ import uvicorn
 from pdserve.cluster.config import ClusterConfig, DecodePolicy
 from pdserve.cluster.controller import Cluster, instance_configs
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferConfig, TransferMode
-from pdserve.engine.client import EngineClient
 from pdserve.errors import RequestCancelledError
 from pdserve.model.loader import resolve_model
 from pdserve.runtime import freeze_startup_heap
@@ -69,12 +68,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
-    """None: today's single engine process (no --prefill/--decode, --colocated 1)."""
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The instances to run: by default one engine (no --prefill/--decode/--colocated)."""
     disaggregated = bool(args.prefill or args.decode)
     colocated = args.colocated if args.colocated is not None else (0 if disaggregated else 1)
-    if not disaggregated and colocated == 1:
-        return None
     return ClusterConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -87,14 +84,13 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
 
 async def start_backend(args: argparse.Namespace, config: EngineConfig) -> ServingBackend:
     cluster = cluster_config(args)
-    if cluster is None:
-        return await EngineClient.start(config)
-    for cfg in instance_configs(cluster, config):
-        print(
-            f"pdserve: instance {cfg.instance_name}: {cfg.threads} CPU threads",
-            file=sys.stderr,
-        )
-    return await Cluster.start(cluster, config)
+    if cluster.num_instances > 1:
+        for cfg in instance_configs(cluster, config):
+            print(
+                f"pdserve: instance {cfg.instance_name}: {cfg.threads} CPU threads",
+                file=sys.stderr,
+            )
+    return await Cluster.start(config, cluster)
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
-"""The engine core in its own process behind `EngineClient`: real spawn, real ZeroMQ
-IPC sockets, real signals. Outputs equal the in-process engine's."""
+"""A single engine: the core in its own process behind the front end (`Cluster` of one
+instance): real spawn, real ZeroMQ IPC sockets, real signals. Outputs equal the
+in-process engine's."""
 
 from __future__ import annotations
 
@@ -12,17 +13,17 @@ from collections.abc import AsyncGenerator
 import pytest
 from helpers.tiny_models import make_tiny_model
 
+from pdserve.cluster.controller import Cluster
 from pdserve.config import CacheConfig, EngineConfig
-from pdserve.engine.client import EngineClient, EngineDeadError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import InvalidRequestError, ModelLoadError
+from pdserve.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = SamplingParams(max_tokens=64, temperature=0)
 
 
-async def collect(client: EngineClient, prompt, params: SamplingParams) -> tuple[str, list]:
+async def collect(client: Cluster, prompt, params: SamplingParams) -> tuple[str, list]:
     deltas, last = [], None
     async for out in client.generate(prompt, params):
         deltas.append(out.delta_text)
@@ -36,11 +37,11 @@ def test_served_from_a_separate_process(make_engine) -> None:
     reference = make_engine()  # in-process engine over the same weights
 
     async def scenario() -> None:
-        client = await EngineClient.start(
+        client = await Cluster.start(
             EngineConfig(cache=CacheConfig(num_blocks=256, num_host_blocks=64))
         )
         try:
-            assert client.process.pid != os.getpid() and client.max_model_len == 4096
+            assert client.instances[0].process.pid != os.getpid() and client.max_model_len == 4096
             tok = client.tokenizer
             assert tok is not None
             ids = tok.encode(tok.apply_chat_template(FRANCE), add_special_tokens=False)
@@ -85,7 +86,8 @@ def test_served_from_a_separate_process(make_engine) -> None:
             assert stats.num_free_blocks + stats.num_cached_blocks == 256
         finally:
             await client.shutdown()
-        assert client.process.exitcode == 0 and not client.process.is_alive()
+        (engine,) = client.instances
+        assert engine.process.exitcode == 0 and not engine.process.is_alive()
 
     asyncio.run(scenario())
 
@@ -98,11 +100,11 @@ def test_killed_engine_fails_open_requests_quickly(tmp_path) -> None:
             pass
 
     async def scenario() -> None:
-        client = await EngineClient.start(EngineConfig(model=str(folder)))
+        client = await Cluster.start(EngineConfig(model=str(folder)))
         try:
             gen = client.generate([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
             await gen.__anext__()
-            os.kill(client.process.pid, signal.SIGKILL)
+            os.kill(client.instances[0].process.pid, signal.SIGKILL)
             # The watchdog ends the stream with the death, not a normal finish.
             with pytest.raises(EngineDeadError, match=r"exit code -9"):
                 await asyncio.wait_for(drain(gen), timeout=60)
@@ -120,9 +122,9 @@ def test_engine_runs_on_the_cpus_it_is_given(tmp_path) -> None:
     last = os.cpu_count() - 1  # type: ignore[operator]
 
     async def scenario() -> None:
-        client = await EngineClient.start(EngineConfig(model=str(folder), cpus=(last,)))
+        client = await Cluster.start(EngineConfig(model=str(folder), cpus=(last,)))
         try:
-            assert os.sched_getaffinity(client.process.pid) == {last}
+            assert os.sched_getaffinity(client.instances[0].process.pid) == {last}
             assert len((await collect(client, [5, 6, 7], GREEDY))[1]) == 64
         finally:
             await client.shutdown()
@@ -135,7 +137,7 @@ def test_engine_on_a_cpu_the_machine_lacks_fails_start_clearly(tmp_path) -> None
     count = os.cpu_count()
 
     async def scenario() -> None:
-        await EngineClient.start(EngineConfig(model=str(folder), cpus=(0, count)))  # type: ignore[arg-type]
+        await Cluster.start(EngineConfig(model=str(folder), cpus=(0, count)))  # type: ignore[arg-type]
 
     with pytest.raises(EngineDeadError) as exc:
         asyncio.run(scenario())
@@ -149,7 +151,7 @@ def test_engine_on_a_cpu_the_machine_lacks_fails_start_clearly(tmp_path) -> None
 
 def test_missing_model_fails_start_and_leaves_no_process(tmp_path) -> None:
     async def scenario() -> None:
-        await EngineClient.start(EngineConfig(model=str(tmp_path / "nope")))
+        await Cluster.start(EngineConfig(model=str(tmp_path / "nope")))
 
     with pytest.raises(ModelLoadError, match="nope"):
         asyncio.run(scenario())
