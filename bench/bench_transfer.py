@@ -45,9 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.kv.layout import KVLayout, RegionHandle
 from pdserve.kv.transfer import (
-    KVLayout,
-    RegionHandle,
     TransferPlan,
     Transport,
     gather,

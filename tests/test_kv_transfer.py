@@ -22,15 +22,14 @@ import msgspec
 import pytest
 import torch
 
+from pdserve.kv.layout import DTYPE_SIZES, KVLayout, RegionHandle
 from pdserve.kv.transfer import (
     ChecksumError,
     FaultConfig,
     FaultyTransport,
     InProcessTransport,
-    KVLayout,
     LayoutMismatchError,
     PeerUnavailableError,
-    RegionHandle,
     SharedMemoryTransport,
     TcpTransport,
     TokenRun,
@@ -40,13 +39,16 @@ from pdserve.kv.transfer import (
     TransferTimeoutError,
     TransferWorker,
     Transport,
+    dtype_name,
     gather,
+    layout_of,
     make_transport,
     plan_runs,
     scatter,
     split_plan,
     stream_in,
     stream_out,
+    torch_dtype,
 )
 from pdserve.kv.transfer import aggregate as aggregate_module
 from pdserve.kv.transfer import tcp as tcp_module
@@ -69,7 +71,7 @@ def layout(
 def filled(lay: KVLayout, seed: int) -> torch.Tensor:
     """A pool of distinct pseudo-random values (deterministic: same in every process)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(lay.shape, generator=gen).to(lay.torch_dtype)
+    return torch.randn(lay.shape, generator=gen).to(torch_dtype(lay))
 
 
 def reference_move(
@@ -120,11 +122,24 @@ def test_layout_geometry_of_smollm2() -> None:
     assert lay.shape == (30, 2, 64, 16, 3, 64)
     assert lay.token_bytes == 768 and 2 * lay.num_layers * lay.token_bytes == 46080
     assert lay.nbytes == 64 * 16 * 46080
-    assert lay.torch_dtype is torch.float32 and lay.elem_size == 4
+    assert torch_dtype(lay) is torch.float32 and lay.elem_size == 4
     half = KVLayout(3, 4, 16, 3, 64, "bfloat16", first_layer=6)
     assert half.layers == range(6, 9) and half.token_bytes == 384
     pool = torch.zeros(half.shape, dtype=torch.bfloat16)
-    assert KVLayout.of(pool, first_layer=6) == half
+    assert layout_of(pool, first_layer=6) == half
+
+
+def test_one_dtype_table_for_sizes_and_torch_dtypes() -> None:
+    assert list(DTYPE_SIZES) == ["float32", "bfloat16", "float16"]
+    for name, size in DTYPE_SIZES.items():
+        lay = layout(dtype=name)
+        assert lay.elem_size == size == torch_dtype(lay).itemsize
+        assert dtype_name(torch_dtype(lay)) == name
+    raises_exactly(
+        LayoutMismatchError,
+        "KV pool dtype must be one of float32, bfloat16, float16, got torch.int8",
+        lambda: layout_of(torch.zeros(1, 2, 1, 1, 1, 1, dtype=torch.int8)),
+    )
 
 
 def test_layout_rejects_bad_values() -> None:
@@ -138,7 +153,7 @@ def test_layout_rejects_bad_values() -> None:
         LayoutMismatchError,
         "a KV pool tensor has shape [num_layers, 2, num_blocks, block_size, num_kv_heads, "
         "head_dim], got (2, 3, 4)",
-        lambda: KVLayout.of(torch.zeros(2, 3, 4)),
+        lambda: layout_of(torch.zeros(2, 3, 4)),
     )
 
 

@@ -15,6 +15,7 @@ import torch
 from helpers.tiny_models import load_hf_reference, make_tiny_model
 
 from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout
 from pdserve.model.attention import GROUP_COST_TOKENS, AttentionMetadata, SeqSpec
 from pdserve.model.base import CausalLM, ForwardHooks
 from pdserve.model.layers import DecoderLayer
@@ -55,7 +56,11 @@ class Harness:
         self.model.load_weights(iter_weights(folder))
         self.model.finalize(pack)
         self.pack = pack
-        self.cache = KVCache(self.config, 64, 0, BLOCK, torch.float32)
+        c = self.config
+        layout = KVLayout(
+            c.num_hidden_layers, 64, BLOCK, c.num_key_value_heads, c.head_dim, "float32"
+        )
+        self.cache = KVCache(layout, num_host_blocks=0)
         self._free = list(torch.randperm(64).tolist())
 
     def blocks(self, n_tokens: int) -> list[int]:

@@ -25,10 +25,10 @@ from pdserve.engine.validation import check_request
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.kv.cache import KVCache
 from pdserve.kv.config import KVCacheConfig
+from pdserve.kv.layout import KVLayout
 from pdserve.kv.manager import KVManager
 from pdserve.kv.transfer import (
     FaultConfig,
-    KVLayout,
     Region,
     TransferWorker,
     Transport,
@@ -58,13 +58,19 @@ class EngineCore:
         self.outbox: list[EngineMessage] = []
         self.transport: Transport | None = None
         self.worker: TransferWorker | None = None
-        region = self._open_transfer(kv_config) if config.role is not Role.COLOCATED else None
+        mc = model.config
+        layout = KVLayout(
+            num_layers=mc.num_hidden_layers,
+            num_blocks=kv_config.num_blocks,
+            block_size=kv_config.block_size,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            dtype=config.dtype,
+        )
+        region = self._open_transfer(layout) if config.role is not Role.COLOCATED else None
         cache = KVCache(
-            model.config,
-            kv_config.num_blocks,
+            layout,
             kv_config.num_host_blocks,
-            kv_config.block_size,
-            config.torch_dtype,
             config.device,
             device_tensor=region.tensor if region is not None else None,
         )
@@ -76,7 +82,7 @@ class EngineCore:
         if region is not None:
             self._start_role(region)
 
-    def _open_transfer(self, kv_config: KVCacheConfig) -> Region:
+    def _open_transfer(self, layout: KVLayout) -> Region:
         t = self.config.transfer
         self.transport = make_transport(
             t.transport,
@@ -86,15 +92,6 @@ class EngineCore:
             faults=fault_config(self.config),
         )
         self.worker = TransferWorker(num_threads=1, name=f"{self.config.instance_name}-kv")
-        mc = self.model.config
-        layout = KVLayout(
-            num_layers=mc.num_hidden_layers,
-            num_blocks=kv_config.num_blocks,
-            block_size=kv_config.block_size,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
-            dtype=self.config.dtype,
-        )
         return self.transport.create_region(self.config.instance_name, layout)
 
     def _start_role(self, region: Region) -> None:
@@ -109,7 +106,7 @@ class EngineCore:
     @property
     def kv_layout(self) -> KVLayout:
         """Geometry of this instance's device KV tensor (as the transfer library sees it)."""
-        return KVLayout.of(self.runner.cache.device_tensor)
+        return self.runner.cache.layout
 
     def _post(self, msg: EngineMessage) -> None:
         self.outbox.append(msg)

@@ -39,8 +39,8 @@ from pdserve.config import TransferMode
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.transfer_role import TransferRole
+from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer import (
-    KVLayout,
     TransferPlan,
     TransferState,
     TransferTask,

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdserve.config import TransferConfig
+from pdserve.kv.layout import KVLayout
 from pdserve.kv.manager import KVManager
-from pdserve.kv.transfer import KVLayout, Region, TransferWorker, Transport
+from pdserve.kv.transfer import Region, TransferWorker, Transport
 from pdserve.protocol.wire import EngineMessage
 
 

@@ -3,7 +3,8 @@
 Bookkeeping (which block belongs to whom) is `KVManager`'s job; this module only
 holds memory and executes the copy plans the manager returns.
 
-Layout: `[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`.
+Layout: `KVLayout.shape` (`kv/layout.py`), `[num_layers, 2 (K, V), num_blocks, block_size,
+num_kv_heads, head_dim]`.
 Layer-major, so one layer's K and V for all blocks are one contiguous slice: the
 unit of layer-by-layer streaming. Zero-initialised (see `model/attention.py`).
 """
@@ -12,62 +13,63 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
-from pdserve.model.config import ModelConfig
-
-
-def kv_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (
-        config.num_hidden_layers,
-        2,
-        num_blocks,
-        block_size,
-        config.num_key_value_heads,
-        config.head_dim,
-    )
+from pdserve.kv.block_pool import KVCacheError
+from pdserve.kv.layout import KVLayout
+from pdserve.kv.transfer.layout import torch_dtype
 
 
 class KVCache:
     def __init__(
         self,
-        config: ModelConfig,
-        num_blocks: int,
+        layout: KVLayout,
         num_host_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
         device: torch.device | str = "cpu",
         device_tensor: torch.Tensor | None = None,
     ) -> None:
-        """`device_tensor`: memory to use for the device tier (a KV transfer region that
+        """`layout`: the device tier's geometry and dtype; the host tier is the same layout
+        with `num_host_blocks` blocks (0: no host tier, `host_tensor` and `host_layout` are
+        None). `device_tensor`: memory to use for the device tier (a KV transfer region that
         peers can reach); zero-filled, of the layout's shape and dtype."""
-        self.block_size = block_size
-        shape = kv_shape(config, num_blocks, block_size)
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.layout = layout
+        self.block_size = layout.block_size
+        dtype = torch_dtype(layout)
         if device_tensor is None:
-            device_tensor = torch.zeros(shape, dtype=dtype, device=device)
-        elif tuple(device_tensor.shape) != shape or device_tensor.dtype != dtype:
+            device_tensor = torch.zeros(layout.shape, dtype=dtype, device=device)
+        elif tuple(device_tensor.shape) != layout.shape or device_tensor.dtype != dtype:
             raise ValueError(
                 f"KV tensor has shape {tuple(device_tensor.shape)} {device_tensor.dtype}, "
-                f"expected {shape} {dtype}"
+                f"expected {layout.shape} {dtype}"
             )
         self.device_tensor = device_tensor
-        pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
-        self.host_tensor = torch.zeros(
-            kv_shape(config, num_host_blocks, block_size), dtype=dtype, pin_memory=pin
-        )
+        self.host_layout: KVLayout | None = None
+        self.host_tensor: torch.Tensor | None = None
+        if num_host_blocks > 0:
+            self.host_layout = msgspec.structs.replace(layout, num_blocks=num_host_blocks)
+            pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
+            self.host_tensor = torch.zeros(self.host_layout.shape, dtype=dtype, pin_memory=pin)
 
     def swap_out(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy (device_block, host_block) pairs device -> host."""
-        self._copy(self.device_tensor, self.host_tensor, copies)
+        if copies:
+            self._copy(self.device_tensor, self._host(), copies)
 
     def swap_in(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy (host_block, device_block) pairs host -> device."""
-        self._copy(self.host_tensor, self.device_tensor, copies)
+        if copies:
+            self._copy(self._host(), self.device_tensor, copies)
+
+    def _host(self) -> torch.Tensor:
+        if self.host_tensor is None:
+            raise KVCacheError("cannot swap: this cache has no host tier (num_host_blocks=0)")
+        return self.host_tensor
 
     @staticmethod
     def _copy(src: torch.Tensor, dst: torch.Tensor, copies: Sequence[tuple[int, int]]) -> None:
-        if not copies:
-            return
         s = torch.tensor([c[0] for c in copies], dtype=torch.long, device=src.device)
         d = torch.tensor([c[1] for c in copies], dtype=torch.long, device=dst.device)
         # One gather + one scatter for all blocks and layers (block aggregation).

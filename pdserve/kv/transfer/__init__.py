@@ -12,6 +12,7 @@ See docs/transfer.md.
 
 from __future__ import annotations
 
+from pdserve.kv.layout import KVLayout, RegionHandle
 from pdserve.kv.transfer.aggregate import apply_plan, copy_runs, gather, scatter
 from pdserve.kv.transfer.errors import (
     ChecksumError,
@@ -23,7 +24,7 @@ from pdserve.kv.transfer.errors import (
 from pdserve.kv.transfer.factory import make_transport
 from pdserve.kv.transfer.faults import FaultConfig, FaultyTransport
 from pdserve.kv.transfer.inproc import InProcessTransport
-from pdserve.kv.transfer.layout import KVLayout, token_view
+from pdserve.kv.transfer.layout import dtype_name, layout_of, token_view, torch_dtype
 from pdserve.kv.transfer.plan import (
     TokenRun,
     TransferPlan,
@@ -36,7 +37,6 @@ from pdserve.kv.transfer.shm import SharedMemoryTransport
 from pdserve.kv.transfer.tcp import TcpTransport
 from pdserve.kv.transfer.transport import (
     Region,
-    RegionHandle,
     Transport,
     check_plan,
 )
@@ -65,7 +65,9 @@ __all__ = [
     "apply_plan",
     "check_plan",
     "copy_runs",
+    "dtype_name",
     "gather",
+    "layout_of",
     "make_transport",
     "plan_runs",
     "scatter",
@@ -73,4 +75,5 @@ __all__ = [
     "stream_in",
     "stream_out",
     "token_view",
+    "torch_dtype",
 ]

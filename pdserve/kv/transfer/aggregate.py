@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
+from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer.errors import LayoutMismatchError
-from pdserve.kv.transfer.layout import KVLayout, token_view
+from pdserve.kv.transfer.layout import token_view, torch_dtype
 from pdserve.kv.transfer.plan import (
     TransferPlan,
     check_range,
@@ -208,8 +209,8 @@ def local_layers(layout: KVLayout, layers: range | None) -> tuple[int, int]:
 
 
 def _check_pool(pool: torch.Tensor, layout: KVLayout) -> None:
-    if tuple(pool.shape) != layout.shape or pool.dtype != layout.torch_dtype:
+    if tuple(pool.shape) != layout.shape or pool.dtype != torch_dtype(layout):
         raise LayoutMismatchError(
             f"pool tensor has shape {tuple(pool.shape)} {pool.dtype}, layout says "
-            f"{layout.shape} {layout.torch_dtype}"
+            f"{layout.shape} {torch_dtype(layout)}"
         )

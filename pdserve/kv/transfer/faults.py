@@ -19,10 +19,11 @@ import time
 import msgspec
 import torch
 
+from pdserve.kv.layout import KVLayout, RegionHandle
 from pdserve.kv.transfer.errors import ChecksumError, TransferError
-from pdserve.kv.transfer.layout import KVLayout, token_view
+from pdserve.kv.transfer.layout import token_view
 from pdserve.kv.transfer.plan import TransferPlan
-from pdserve.kv.transfer.transport import Region, RegionHandle, Transport
+from pdserve.kv.transfer.transport import Region, Transport
 
 
 class FaultConfig(msgspec.Struct, frozen=True):

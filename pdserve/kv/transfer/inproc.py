@@ -13,13 +13,13 @@ import threading
 
 import torch
 
+from pdserve.kv.layout import KVLayout, RegionHandle
 from pdserve.kv.transfer.aggregate import apply_plan
 from pdserve.kv.transfer.errors import PeerUnavailableError, TransferError
-from pdserve.kv.transfer.layout import KVLayout
+from pdserve.kv.transfer.layout import torch_dtype
 from pdserve.kv.transfer.plan import TransferPlan
 from pdserve.kv.transfer.transport import (
     Region,
-    RegionHandle,
     Transport,
     check_plan,
     local_layout,
@@ -42,7 +42,7 @@ class InProcessTransport(Transport):
             _REGISTRY[self.address] = {}
 
     def create_region(self, name: str, layout: KVLayout) -> Region:
-        tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+        tensor = torch.zeros(layout.shape, dtype=torch_dtype(layout))
         with _LOCK:
             regions = _REGISTRY.get(self.address)
             if regions is None:

@@ -17,8 +17,8 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
+from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer.errors import LayoutMismatchError
-from pdserve.kv.transfer.layout import KVLayout
 
 
 class TokenRun(NamedTuple):

@@ -32,13 +32,13 @@ from multiprocessing import resource_tracker
 
 import torch
 
+from pdserve.kv.layout import KVLayout, RegionHandle
 from pdserve.kv.transfer.aggregate import apply_plan
 from pdserve.kv.transfer.errors import LayoutMismatchError, PeerUnavailableError, TransferError
-from pdserve.kv.transfer.layout import KVLayout
+from pdserve.kv.transfer.layout import torch_dtype
 from pdserve.kv.transfer.plan import TransferPlan
 from pdserve.kv.transfer.transport import (
     Region,
-    RegionHandle,
     Transport,
     check_plan,
     local_layout,
@@ -56,7 +56,7 @@ def segment_path(segment: str) -> str:
 def _map(fd: int, layout: KVLayout) -> torch.Tensor:
     mapping = mmap.mmap(fd, layout.nbytes, flags=_MAP_FLAGS)
     # The tensor keeps `mapping` alive; it is unmapped when the last tensor over it goes.
-    return torch.frombuffer(mapping, dtype=layout.torch_dtype).view(layout.shape)
+    return torch.frombuffer(mapping, dtype=torch_dtype(layout)).view(layout.shape)
 
 
 class SharedMemoryTransport(Transport):

@@ -46,6 +46,7 @@ import msgspec
 import numpy as np
 import torch
 
+from pdserve.kv.layout import KVLayout, RegionHandle
 from pdserve.kv.transfer.errors import (
     ChecksumError,
     LayoutMismatchError,
@@ -53,11 +54,10 @@ from pdserve.kv.transfer.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from pdserve.kv.transfer.layout import KVLayout
+from pdserve.kv.transfer.layout import torch_dtype
 from pdserve.kv.transfer.plan import TransferPlan, split_plan
 from pdserve.kv.transfer.transport import (
     Region,
-    RegionHandle,
     Transport,
     check_plan,
     check_side,
@@ -131,7 +131,7 @@ class TcpTransport(Transport):
     # ---- Transport -------------------------------------------------------------
 
     def create_region(self, name: str, layout: KVLayout) -> Region:
-        tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+        tensor = torch.zeros(layout.shape, dtype=torch_dtype(layout))
         with self._lock:
             if self._closed:
                 raise TransferError(f"tcp transport {self.address} is closed")

@@ -20,25 +20,12 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
-import msgspec
 import torch
 
+from pdserve.kv.layout import KVLayout, RegionHandle
 from pdserve.kv.transfer.errors import LayoutMismatchError
-from pdserve.kv.transfer.layout import KVLayout
+from pdserve.kv.transfer.layout import layout_of
 from pdserve.kv.transfer.plan import TransferPlan
-
-
-class RegionHandle(msgspec.Struct, frozen=True):
-    """How a peer reaches a region: plain data, safe to send to other processes."""
-
-    transport: str  # "inproc" | "shm" | "tcp"
-    address: str  # inproc: registry key; shm: segment name; tcp: "host:port"
-    name: str  # region name within that address
-    layout: KVLayout
-
-    def describe(self) -> str:
-        """ "<transport> region '<name>' at <address>", for error messages."""
-        return f"{self.transport} region {self.name!r} at {self.address}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,7 +113,7 @@ def check_side(plan: TransferPlan, side: str, layout: KVLayout) -> None:
 
 def local_layout(tensor: torch.Tensor) -> KVLayout:
     """Layout of a local pool tensor (validates shape, dtype and contiguity)."""
-    layout = KVLayout.of(tensor)
+    layout = layout_of(tensor)
     if not tensor.is_contiguous():
         raise LayoutMismatchError(f"a KV pool must be contiguous, got {tuple(tensor.shape)}")
     return layout
