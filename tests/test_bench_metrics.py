@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 
-from pdserve.bench.arrivals import offsets_at, unit_offsets
 from pdserve.bench.config import SLO, ArrivalConfig, BenchInputError, SearchConfig
 from pdserve.bench.metrics import (
     attainment,
@@ -21,6 +20,7 @@ from pdserve.bench.metrics import (
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.results import comparison
 from pdserve.bench.search import GoodputSearch
+from pdserve.workload.arrivals import offsets_at, unit_offsets
 
 
 def rec(i: int, ttft: float | None, e2e: float, tokens: int, itl: list[float]) -> RequestRecord:

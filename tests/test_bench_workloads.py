@@ -15,7 +15,7 @@ from pdserve.bench.config import BenchInputError
 from pdserve.bench.tokens import PromptFactory, load_tokenizer
 from pdserve.bench.workloads import Workload, WorkloadOptions, build_workload
 from pdserve.bench.workloads.sessions import CONTEXT_BUDGET, STYLES
-from pdserve.bench.workloads.synthetic import PROFILES, TETRI_CLASSES, tetri_profile
+from pdserve.workload.profiles import PROFILES, TETRI_CLASSES, tetri_profile
 
 
 @pytest.fixture(scope="module")

@@ -328,10 +328,10 @@ def test_two_stage_pipeline_matches_distserve_eq2() -> None:
 
 
 def test_sample_workload_draws_what_pdserve_bench_sends() -> None:
-    from pdserve.bench.arrivals import unit_offsets
     from pdserve.bench.config import ArrivalConfig
     from pdserve.bench.tokens import PromptFactory, load_tokenizer
     from pdserve.bench.workloads import WorkloadOptions, build_workload
+    from pdserve.workload.arrivals import unit_offsets
 
     bench = build_workload(
         WorkloadOptions(name="chatbot", num_prompts=40, seed=7), PromptFactory(load_tokenizer(None))
@@ -341,6 +341,23 @@ def test_sample_workload_draws_what_pdserve_bench_sends() -> None:
     assert w.output_lens.tolist() == [bench.turn(i).output_len for i in range(40)]
     assert np.array_equal(w.arrivals, unit_offsets(40, ArrivalConfig(), 7) / 2.0)
     assert np.allclose(w.with_rate(4.0).arrivals, w.arrivals / 2)
+
+
+@pytest.mark.parametrize("name", ["chatbot", "summarization", "HPLD", "mixed"])
+def test_planner_and_bench_draw_lengths_through_one_function(name: str) -> None:
+    """Equal draws by construction: both call `pdserve.workload.profiles.draw_lengths`."""
+    import pdserve.planner.workload as planner_workload
+    from pdserve.bench.workloads import synthetic
+    from pdserve.workload.profiles import draw_lengths, find_profile
+
+    assert synthetic.draw_lengths is draw_lengths is planner_workload.draw_lengths
+    profile = find_profile(name)
+    assert profile is not None
+    for seed in (0, 5, 123):
+        drawn = draw_lengths(profile, 30, seed)
+        w = sample_workload(name.lower(), 30, 1.0, seed)
+        assert w.input_lens.tolist() == drawn.inputs
+        assert w.output_lens.tolist() == drawn.outputs
 
 
 def test_trace_files_are_resampled_and_malformed_ones_refused(tmp_path: Path) -> None:

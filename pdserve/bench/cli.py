@@ -35,6 +35,7 @@ from pdserve.bench.config import (
     SearchConfig,
     Target,
 )
+from pdserve.workload.errors import WorkloadInputError
 
 SYNTHETIC_DEFAULT_PROMPTS = 200
 
@@ -342,6 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     try:
         return int(args.func(args))
-    except BenchInputError as e:
+    except WorkloadInputError as e:  # BenchInputError included
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2

@@ -10,13 +10,18 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-ArrivalKind = Literal["poisson", "gamma", "burst"]
+from pdserve.workload.arrivals import ArrivalProcess
+from pdserve.workload.errors import WorkloadInputError
+
 Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
 ENDPOINTS: tuple[str, ...] = ("/v1/completions", "/v1/chat/completions")
 
 
-class BenchInputError(ValueError):
-    """Bad input from the user (names the problem); the command exits with status 2."""
+class BenchInputError(WorkloadInputError):
+    """Bad input from the user (names the problem); the command exits with status 2.
+
+    A `WorkloadInputError` from `pdserve.workload` (a length range, a burstiness) is
+    the same kind of input error: the command catches that base class."""
 
 
 @dataclass(frozen=True)
@@ -61,18 +66,15 @@ class SLO:
 
 
 @dataclass(frozen=True)
-class ArrivalConfig:
-    """When requests are released (open loop): rate None means all at once."""
+class ArrivalConfig(ArrivalProcess):
+    """When requests are released (open loop): rate None means all at once. The
+    arrival process (`kind`, `burstiness`) is `pdserve.workload`'s."""
 
-    kind: ArrivalKind = "poisson"
-    burstiness: float = 1.0
-    """Gamma shape: 1 is Poisson, below 1 burstier, above 1 more regular (vLLM's meaning)."""
     max_concurrency: int | None = None
     """At most this many requests in flight; later ones wait client-side (not counted)."""
 
     def __post_init__(self) -> None:
-        if not self.burstiness > 0:
-            raise BenchInputError(f"--burstiness must be positive, got {self.burstiness}")
+        super().__post_init__()
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise BenchInputError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from pdserve.bench import arrivals, client, results
+from pdserve.bench import client, results
 from pdserve.bench.config import (
     SLO,
     ArrivalConfig,
@@ -31,6 +31,7 @@ from pdserve.bench.runner import RunSettings, run_workload
 from pdserve.bench.search import GoodputSearch
 from pdserve.bench.tokens import PromptFactory
 from pdserve.bench.workloads.spec import Session, Workload, single_turn_order
+from pdserve.workload import arrivals
 
 
 @dataclass(frozen=True)

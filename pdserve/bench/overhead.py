@@ -76,7 +76,7 @@ def _workload(n: int, output_len: int) -> Workload:
 
 
 def _measure(rate: float | None, args: argparse.Namespace, url: str) -> dict[str, Any]:
-    from pdserve.bench.arrivals import offsets_at, unit_offsets
+    from pdserve.workload.arrivals import offsets_at, unit_offsets
 
     w = _workload(args.num_prompts, args.output_len)
     arrival = ArrivalConfig("poisson", 1.0, args.max_concurrency)

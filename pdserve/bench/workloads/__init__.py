@@ -9,14 +9,10 @@ from pdserve.bench.tokens import PromptFactory
 from pdserve.bench.workloads.options import WorkloadOptions
 from pdserve.bench.workloads.sessions import sessions_workload
 from pdserve.bench.workloads.spec import Session, Turn, Workload
-from pdserve.bench.workloads.synthetic import (
-    PROFILES,
-    TETRI_CLASSES,
-    profile_workload,
-    random_workload,
-    tetri_profile,
-)
+from pdserve.bench.workloads.synthetic import profile_workload, random_workload
 from pdserve.bench.workloads.trace import file_workload
+from pdserve.workload.errors import WorkloadInputError
+from pdserve.workload.profiles import PROFILES, TETRI_CLASSES, tetri_profile
 
 Builder = Callable[[WorkloadOptions, PromptFactory], Workload]
 
@@ -50,7 +46,12 @@ def canonical_name(name: str) -> str:
 def build_workload(opts: WorkloadOptions, factory: PromptFactory) -> Workload:
     if opts.num_prompts < 1:
         raise BenchInputError(f"--num-prompts must be >= 1, got {opts.num_prompts}")
-    return WORKLOADS[canonical_name(opts.name)](opts, factory)
+    try:
+        return WORKLOADS[canonical_name(opts.name)](opts, factory)
+    except BenchInputError:
+        raise
+    except WorkloadInputError as e:  # from pdserve.workload: a trace line, a length range
+        raise BenchInputError(str(e)) from None
 
 
 __all__ = [

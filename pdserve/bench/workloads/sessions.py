@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.bench.config import BenchInputError
-from pdserve.bench.lengths import LengthDist
 from pdserve.bench.tokens import PromptFactory
 from pdserve.bench.workloads.options import WorkloadOptions
 from pdserve.bench.workloads.spec import Session, Turn, Workload, interleave
+from pdserve.workload.lengths import LengthDist
 
 CONTEXT_BUDGET = 1800
 """Tokens a session's last prompt plus its output may reach (2,048 less a margin)."""

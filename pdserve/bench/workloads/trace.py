@@ -1,6 +1,6 @@
 """`file`: a JSONL trace the user brings, or a ShareGPT JSON file.
 
-JSONL, one request per line:
+JSONL, one request per line, parsed by `pdserve.workload.trace`:
     {"prompt": "text" | "input_len": 512, "output_len": 128,
      "arrival_time": 0.25, "session_id": "s1"}
 `prompt` or `input_len` (a word prompt of exactly that many tokens is made);
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -27,6 +26,7 @@ from pdserve.bench.config import BenchInputError
 from pdserve.bench.tokens import PromptFactory
 from pdserve.bench.workloads.options import WorkloadOptions
 from pdserve.bench.workloads.spec import Session, Turn, Workload, interleave, single_turn_order
+from pdserve.workload.trace import TraceRow, arrival_times, natural_rate, parse_jsonl
 
 # vLLM's ShareGPT filter: drop tiny and overlong samples (2,048-token context).
 MIN_LEN, MAX_PROMPT, MAX_TOTAL = 4, 1024, 2048
@@ -50,17 +50,13 @@ def file_workload(opts: WorkloadOptions, factory: PromptFactory) -> Workload:
 
 def _jsonl(path: Path, text: str, opts: WorkloadOptions, factory: PromptFactory) -> Workload:
     rng = np.random.default_rng(opts.seed)
-    rows = [_row(path, i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if not rows:
-        raise BenchInputError(f"{path}: no requests in the trace")
-    rows = rows[: opts.num_prompts]
-    times = [r.get("arrival_time") for r in rows]
-    if any(t is None for t in times) and any(t is not None for t in times):
-        raise BenchInputError(f"{path}: arrival_time must be on every line or on none")
+    rows = parse_jsonl(path, text)[: opts.num_prompts]
+    times = arrival_times(path, rows)
     unit, rate = None, None
-    if times[0] is not None:
-        rows.sort(key=lambda r: float(r["arrival_time"]))  # stable: ties keep file order
-        sorted_times = [float(r["arrival_time"]) for r in rows]
+    if times is not None:
+        by_time = sorted(range(len(rows)), key=times.__getitem__)  # stable: ties keep file order
+        rows = [rows[i] for i in by_time]
+        sorted_times = [times[i] for i in by_time]
         unit, rate = _unit_offsets(sorted_times), natural_rate(sorted_times)
     turns = [_turn(r, factory, rng) for r in rows]
     sessions, order = _group(rows, turns)
@@ -68,39 +64,16 @@ def _jsonl(path: Path, text: str, opts: WorkloadOptions, factory: PromptFactory)
     return Workload("file", sessions, order, unit, params, trace_rate=rate)
 
 
-def _row(path: Path, lineno: int, line: str) -> dict[str, Any]:
-    where = f"{path}:{lineno}"
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise BenchInputError(f"{where}: not JSON ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise BenchInputError(f"{where}: expected a JSON object")
-    if ("prompt" in row) == ("input_len" in row):
-        raise BenchInputError(f"{where}: give exactly one of 'prompt' and 'input_len'")
-    if "prompt" in row and not (isinstance(row["prompt"], str) and row["prompt"]):
-        raise BenchInputError(f"{where}: 'prompt' must be a non-empty string")
-    for key in ("input_len", "output_len"):
-        if key in row and not (isinstance(row[key], int) and row[key] >= 1):
-            raise BenchInputError(f"{where}: '{key}' must be an integer >= 1")
-    if "output_len" not in row:
-        raise BenchInputError(f"{where}: 'output_len' is required")
-    t = row.get("arrival_time")
-    if t is not None and not (isinstance(t, int | float) and t >= 0):
-        raise BenchInputError(f"{where}: 'arrival_time' must be a number >= 0")
-    return {**row, "_where": where}
-
-
-def _turn(row: dict[str, Any], factory: PromptFactory, rng: np.random.Generator) -> Turn:
-    if "prompt" in row:
-        text = row["prompt"]
-        return Turn(text, factory.count(text), row["output_len"])
-    p = factory.prompt(rng, row["input_len"])
-    return Turn(p.text, p.num_tokens, row["output_len"])
+def _turn(row: TraceRow, factory: PromptFactory, rng: np.random.Generator) -> Turn:
+    if row.prompt is not None:
+        return Turn(row.prompt, factory.count(row.prompt), row.output_len)
+    assert row.input_len is not None  # a row has exactly one of the two
+    p = factory.prompt(rng, row.input_len)
+    return Turn(p.text, p.num_tokens, row.output_len)
 
 
 def _group(
-    rows: list[dict[str, Any]], turns: list[Turn]
+    rows: list[TraceRow], turns: list[Turn]
 ) -> tuple[tuple[Session, ...], tuple[tuple[int, int], ...]]:
     """Lines with one session_id become one session, in file order; the arrival order
     stays the file's."""
@@ -108,7 +81,7 @@ def _group(
     members: list[list[Turn]] = []
     order: list[tuple[int, int]] = []
     for i, (row, turn) in enumerate(zip(rows, turns, strict=True)):
-        key = row.get("session_id", ("line", i))
+        key = ("line", i) if row.session_id is None else row.session_id
         if key not in index:
             index[key] = len(members)
             members.append([])
@@ -128,11 +101,6 @@ def _unit_offsets(times: list[float]) -> tuple[float, ...]:
         return tuple(0.0 for _ in times)
     rate = (len(times) - 1) / span
     return tuple((t - t0) * rate for t in times)
-
-
-def natural_rate(times: list[float]) -> float | None:
-    span = max(times) - min(times)
-    return None if span == 0 else (len(times) - 1) / span
 
 
 # ---- ShareGPT ---------------------------------------------------------------------

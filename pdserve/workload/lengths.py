@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.config import BenchInputError
+from pdserve.workload.errors import WorkloadInputError
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,9 @@ class LengthDist:
 
     def __post_init__(self) -> None:
         if not 1 <= self.lo <= self.hi:
-            raise BenchInputError(f"impossible length range [{self.lo}, {self.hi}]")
+            raise WorkloadInputError(f"impossible length range [{self.lo}, {self.hi}]")
         if self.median_param is not None and not (self.median_param > 0 and self.sigma > 0):
-            raise BenchInputError("a log-normal length needs a positive median and sigma")
+            raise WorkloadInputError("a log-normal length needs a positive median and sigma")
 
     @classmethod
     def fixed(cls, n: int) -> LengthDist:
@@ -52,7 +52,7 @@ class LengthDist:
         assert self.median_param is not None
         a, b = self._bound_quantiles()
         if b - a < 1e-4:
-            raise BenchInputError(f"length range [{self.lo}, {self.hi}] is almost never drawn")
+            raise WorkloadInputError(f"length range [{self.lo}, {self.hi}] is almost never drawn")
         mu = math.log(self.median_param)
         kept: list[int] = []
         while len(kept) < n:
