@@ -219,3 +219,48 @@ def test_kv_layout_imports_no_torch_and_no_transport() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     assert out.splitlines() == ["False", "[]"]
+
+
+def test_decoding_what_instances_send_loads_no_torch_and_no_transport() -> None:
+    """The HTTP process decodes every instance message, hand-off descriptors included,
+    with the protocol package alone (issue 16)."""
+    code = """
+import sys
+import msgspec
+from pdserve.kv.layout import KVLayout, RegionHandle
+from pdserve.protocol.handoff import KVHandedOff, KVSource
+from pdserve.protocol.wire import EngineMessage
+
+layout = KVLayout(2, 8, 4, 1, 8, "float32")
+source = KVSource(RegionHandle("shm", "seg", "prefill-0", layout), [3, 1], 6, 12.5)
+sent = KVHandedOff("r1", source, None, 1.0, 2.0)
+got = msgspec.msgpack.Decoder(EngineMessage).decode(msgspec.msgpack.encode(sent))
+assert got == sent, got
+heavy = [m for m in sys.modules if m.split(".")[0] == "torch"
+         or m.startswith(("pdserve.kv.transfer", "pdserve.engine.core", "pdserve.model"))]
+print(sorted(heavy))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.splitlines() == ["[]"]
+
+
+def test_the_server_never_probes_its_backend() -> None:
+    """Routes use the `ServingBackend` protocol only: no getattr / hasattr in server/."""
+    probes = []
+    for path in sorted((ROOT / "server").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if _is_probe(node):
+                probes.append(f"{path.name}:{node.lineno}")
+    assert probes == []
+
+
+def _is_probe(node: ast.AST) -> bool:
+    """`getattr(self.client, ...)` / `hasattr(backend, ...)` and the like."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        return False
+    if node.func.id not in ("getattr", "hasattr") or not node.args:
+        return False
+    target = ast.unparse(node.args[0])
+    return "client" in target or "backend" in target

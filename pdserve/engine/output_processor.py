@@ -1,10 +1,10 @@
 """Token ids -> text for each request: incremental detokenization and stop strings.
 
-Runs in the frontend: beside the core in `Engine`/`LLM`, in the caller's process
-with `EngineClient`. It consumes `EngineOutput` messages only. When a stop string
-appears, the processor reports it so the caller can end the request in the core
-(`EngineCore.finish_request`); outputs for a request it already finished (the core
-may have run one more step meanwhile) are dropped.
+Runs in the front end: beside the core in `Engine`/`LLM`, in the HTTP process in
+the serving front end (`Cluster`). It consumes `EngineOutput` messages only. When a
+stop string appears, the processor reports it so the caller can end the request in
+the core (an abort: the text is already final); outputs for a request it already
+finished (the core may have run one more step meanwhile) are dropped.
 """
 
 from __future__ import annotations

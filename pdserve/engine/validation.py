@@ -1,8 +1,8 @@
 """What a request must satisfy against the model serving it: token ids in the vocabulary,
 prompt plus max_tokens within the context.
 
-One function, called where each request enters: by the front ends (`EngineClient`,
-`Cluster`) before anything is encoded for another process — a 2**70 token id or
+One function, called where each request enters: by the front end (`Cluster`)
+before anything is encoded for another process — a 2**70 token id or
 max_tokens would otherwise fail in the msgpack encoder — and by the engine core for
 requests added in-process (`Engine`, `LLM`). It raises `InvalidRequestError` naming the
 field and the limit.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv.transfer import RegionHandle
+from pdserve.kv.layout import RegionHandle
 
 # ---- descriptors ------------------------------------------------------------------
 
