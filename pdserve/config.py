@@ -9,8 +9,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-import torch
+from pdserve.kv.layout import DTYPE_SIZES
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Role(StrEnum):
@@ -32,9 +36,6 @@ class TransferMode(StrEnum):
 class PreemptionMode(StrEnum):
     SWAP = "swap"  # copy the victim's blocks to the host tier; resume exactly where it was
     RECOMPUTE = "recompute"  # drop its KV; re-prefill prompt + generated tokens later
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,8 @@ class EngineConfig:
     report_interval_s: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
         if self.max_model_len is not None:
             _at_least("max_model_len", self.max_model_len, 2)
         if self.num_threads is not None:
@@ -162,7 +163,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        from pdserve.kv.transfer.layout import TORCH_DTYPES  # torch: only where it runs
+
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def threads(self) -> int:

@@ -186,7 +186,8 @@ def test_graph_resolves_the_import_forms() -> None:
     graph = import_graph()
     assert "pdserve.kv.layout" in graph["pdserve.kv.transfer"]  # `from m import name`
     assert "pdserve.kv.manager" in graph["pdserve.kv"]  # a package is its __init__
-    assert "pdserve.kv.transfer" in graph["pdserve.engine.core"]  # a name of a package
+    assert "pdserve.workload.arrivals" in graph["pdserve.bench.experiment"]  # a module of a package
+    assert "pdserve.kv.transfer.layout" in graph["pdserve.config"]  # lazy, in a method
     assert "pdserve.engine.llm" in graph["pdserve"]  # lazy, in a function
 
 
@@ -264,3 +265,18 @@ def _is_probe(node: ast.AST) -> bool:
         return False
     target = ast.unparse(node.args[0])
     return "client" in target or "backend" in target
+
+
+def test_the_http_process_loads_no_engine_and_no_transport() -> None:
+    """`pdserve serve`'s own process: the engine and the KV transports live in the
+    instance processes it spawns (their entry point imports them there)."""
+    code = (
+        "import sys, pdserve.server.launch\n"
+        "print(sorted(m for m in sys.modules if m.startswith(("
+        "'pdserve.kv.transfer', 'pdserve.engine.core', 'pdserve.engine.engine_process',"
+        " 'pdserve.model.base'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.splitlines() == ["[]"]

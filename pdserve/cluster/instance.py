@@ -26,7 +26,6 @@ import zmq
 import zmq.asyncio
 
 from pdserve.config import EngineConfig, Role
-from pdserve.engine.engine_process import run_engine_process
 from pdserve.errors import EngineDeadError
 from pdserve.protocol.core import (
     EngineFailed,
@@ -83,7 +82,7 @@ class Instance:
             }
         )
         self.process: BaseProcess = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process,
+            target=_run_engine,
             args=(config, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", True),
             name=f"pdserve-{self.name}",
             daemon=True,
@@ -197,3 +196,11 @@ class Instance:
 
     def _on_failed(self, msg: EngineFailed) -> None:
         self.mark_dead(msg.message)
+
+
+def _run_engine(config: EngineConfig, input_addr: str, output_addr: str, report: bool) -> None:
+    """The spawned process's entry point. The engine (and torch) is imported there, not
+    in the front end's process, which only decodes plain messages."""
+    from pdserve.engine.engine_process import run_engine_process
+
+    run_engine_process(config, input_addr, output_addr, report)
