@@ -22,6 +22,7 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig, Role, SchedulerConfig, TransferConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model
+from pdserve.engine.roles import PrefillRole
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.base import CausalLM
 from pdserve.protocol.handoff import (
@@ -62,7 +63,7 @@ def prefill_once(p: EngineCore, d: EngineCore, rid: str, prompt: list[int], mode
     tails = []
     while p.has_unfinished():
         p.step()
-        tails.append(p.prefill_role.last_tail_s if p.prefill_role else 0.0)
+        tails.append(p.role.last_tail_s if isinstance(p.role, PrefillRole) else 0.0)
     prefill_s = time.perf_counter() - t0
     handed = None
     while handed is None:

@@ -3,7 +3,8 @@ decode core over one model, a tiny synchronous router passing their messages (th
 cluster controller's job, tested with real processes in test_disagg_server.py).
 
 Checked exactly: greedy tokens equal the colocated core's, the decode pool holds the
-prefill pool's KV bit for bit, and block accounting is back to zero on both sides.
+prefill pool's KV bit for bit, and block accounting is back to zero on both sides. Also
+one live core switched between roles (`EngineCore.switch_role`), working in each.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from helpers.tiny_models import make_tiny_model
 from pdserve.config import CacheConfig, EngineConfig, Role, SchedulerConfig, TransferConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model
+from pdserve.engine.roles import ColocatedRole, DecodeRole, PrefillRole
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.transfer import gather
 from pdserve.model.base import CausalLM
@@ -110,8 +112,8 @@ class Router:
         self.failures: dict[str, str] = {}
         self.kv_equal: dict[str, bool] = {}
         self.snapshots: dict[str, torch.Tensor] = {}
-        role = prefill.prefill_role
-        assert role is not None
+        role = prefill.role
+        assert isinstance(role, PrefillRole)
         original = role.hand_off
 
         def spy(req):  # type: ignore[no-untyped-def]
@@ -189,11 +191,11 @@ def assert_clean(*cores: EngineCore) -> None:
         core.kv.check_integrity()
         assert core.kv.num_used_blocks == 0
         assert not core.requests and not core.has_unfinished()
-        if core.prefill_role is not None:
-            assert not core.prefill_role.outgoing
-        if core.decode_role is not None:
-            d = core.decode_role
-            assert not (d.queue or d.fetching or d.reservations)
+        role = core.role
+        if isinstance(role, PrefillRole):
+            assert not role.outgoing
+        if isinstance(role, DecodeRole):
+            assert not (role.queue or role.fetching or role.reservations)
 
 
 def run_pair(
@@ -319,9 +321,9 @@ def test_some_transfers_failing_leaves_the_rest_exact_and_leaks_nothing(
         }
         assert all(router.kv_equal[rid] for rid in completed)
         assert_clean(p, d)
-        assert p.prefill_role is not None and d.decode_role is not None
-        assert p.prefill_role.num_held == p.prefill_role.num_transferring == 0
-        assert d.decode_role.num_reserved == d.decode_role.num_transferring == 0
+        assert isinstance(p.role, PrefillRole) and isinstance(d.role, DecodeRole)
+        assert p.role.num_held == p.role.num_transferring == 0
+        assert d.role.num_reserved == d.role.num_transferring == 0
         for core in (p, d):
             assert core.kv.num_free_host_blocks == core.kv.cfg.num_host_blocks
             assert core.kv.num_obtainable_blocks == core.kv.cfg.num_blocks
@@ -387,3 +389,123 @@ def test_a_fetch_past_the_lease_fails_instead_of_reading_reused_blocks(
     finally:
         p.close()
         d.close()
+
+
+# ---- one live core, switched between roles -------------------------------------------
+
+
+def assert_idle_pool(core: EngineCore, cached: int | None = None) -> int:
+    """Integrity and exact accounting of an idle pool; returns the cached block count."""
+    kv = core.kv
+    kv.check_integrity()
+    assert kv.num_used_blocks == 0
+    assert kv.num_free_blocks + kv.num_cached_blocks == kv.cfg.num_blocks
+    if cached is not None:
+        assert kv.num_cached_blocks == cached
+    return kv.num_cached_blocks
+
+
+def assert_pair_exact(
+    prefill: EngineCore, decode: EngineCore, batch: list[list[int]], reference: EngineCore
+) -> None:
+    """Every request handed off (KVHandedOff -> AddPrefilled -> KVReceived, KV bit for
+    bit) and finished with the colocated `reference`'s tokens; both sides clean."""
+    router = Router(prefill, decode, "pull", batch, GREEDY)
+    router.run()
+    assert router.failures == {}
+    assert router.kv_equal == {f"r{i}": True for i in range(len(batch))}
+    assert router.tokens == colocated_outputs(reference, batch, GREEDY)
+    assert_clean(prefill, decode)
+
+
+def test_a_live_idle_core_switches_role_and_works_in_each(model_dir: Path, model: CausalLM) -> None:
+    """colocated -> prefill -> decode -> colocated on one core (shm regions): the switch
+    keeps the pool's accounting and prefix cache; as prefill the core hands every request
+    off to a decode core, as decode it takes every request from a prefill core (tokens
+    and KV exact), and back as colocated it gives its first outputs again, now from its
+    prefix cache (the pool was copied into the region with the cached blocks' KV)."""
+    vocab = model.config.vocab_size
+    first, handed, taken = (prompts(6, vocab, seed=s) for s in (7, 8, 9))
+    reference = make_core(model_dir, model, Role.COLOCATED)
+    core = make_core(model_dir, model, Role.COLOCATED, transport="shm")
+    peer_d = make_core(model_dir, model, Role.DECODE, transport="shm")
+    peer_p = make_core(model_dir, model, Role.PREFILL, transport="shm")
+    try:
+        before = colocated_outputs(core, first, GREEDY)
+        cached = assert_idle_pool(core)
+        assert cached > 0 and core.link is None
+
+        core.switch_role(Role.PREFILL)
+        assert isinstance(core.role, PrefillRole) and core.config.role is Role.PREFILL
+        assert core.link is not None
+        assert core.runner.cache.device_tensor is core.link.region.tensor
+        assert_idle_pool(core, cached)
+        assert_pair_exact(core, peer_d, handed, reference)
+        cached = assert_idle_pool(core)
+
+        region = core.link.region
+        core.switch_role(Role.DECODE)
+        assert isinstance(core.role, DecodeRole) and core.link.region is region
+        assert_idle_pool(core, cached)
+        assert_pair_exact(peer_p, core, taken, reference)
+        cached = assert_idle_pool(core)
+
+        core.switch_role(Role.COLOCATED)
+        assert isinstance(core.role, ColocatedRole) and core.runner.hooks is None
+        assert_idle_pool(core, cached)
+        hits = core.kv.prefix_cache_hits
+        assert colocated_outputs(core, first, GREEDY) == before
+        assert core.kv.prefix_cache_hits > hits
+        assert_idle_pool(core)
+    finally:
+        for c in (reference, core, peer_d, peer_p):
+            c.close()
+
+
+def refusal(core: EngineCore, role: Role) -> str:
+    """The error of a refused switch; the core kept its role, config and pool."""
+    before = (core.role, core.config, core.link, core.runner.cache.device_tensor)
+    with pytest.raises(RuntimeError) as exc:
+        core.switch_role(role)
+    assert (core.role, core.config, core.link, core.runner.cache.device_tensor) == before
+    return str(exc.value)
+
+
+def test_a_busy_core_refuses_to_switch_role(model_dir: Path, model: CausalLM) -> None:
+    """Refused with what it still holds, and nothing changes; once drained it switches."""
+    prompt = prompts(1, model.config.vocab_size, seed=10)[0][:40] * 2  # 80 tokens: 5 blocks
+    core = make_core(model_dir, model, Role.COLOCATED, transport="shm")
+    prefill = make_core(model_dir, model, Role.PREFILL, transport="shm")
+    try:
+        core.add_request("r0", prompt, GREEDY)
+        assert refusal(core, Role.PREFILL) == (
+            "cannot switch the colocated core to prefill: it is not idle (requests 1, "
+            "held 0, transferring 0, reserved 0, blocks in use 0); switch between steps "
+            "once it has drained"
+        )
+        core.step()  # one 64-token chunk: 4 blocks
+        assert refusal(core, Role.DECODE) == (
+            "cannot switch the colocated core to decode: it is not idle (requests 1, "
+            "held 0, transferring 0, reserved 0, blocks in use 4); switch between steps "
+            "once it has drained"
+        )
+        assert core.link is None  # no region was opened for the refused switches
+        drain(core)
+        core.switch_role(Role.DECODE)
+        assert isinstance(core.role, DecodeRole)
+
+        # A prefill core holding a handed-off prompt's KV (pull: until ReleaseKV).
+        prefill.add_request("r0", prompt, GREEDY, handoff=Handoff("pull"))
+        drain(prefill)
+        assert any(isinstance(m, KVHandedOff) for m in prefill.take_messages())
+        assert refusal(prefill, Role.COLOCATED) == (
+            "cannot switch the prefill core to colocated: it is not idle (requests 0, "
+            "held 1, transferring 0, reserved 0, blocks in use 5); switch between steps "
+            "once it has drained"
+        )
+        prefill.release(["r0"])
+        prefill.switch_role(Role.COLOCATED)
+        assert_idle_pool(prefill)
+    finally:
+        core.close()
+        prefill.close()

@@ -1,23 +1,34 @@
 """EngineCore: schedule -> run -> sample -> check stop conditions, on token ids.
 
 Text (detokenization, stop strings) is not the core's business: `Engine` layers an
-output processor on top, and later the HTTP process does that work while the core
-runs in its own process. A stop string found there comes back as `finish_request`.
+output processor on top, and in serving the front end does that work while the core
+runs in its own process. A stop string found there ends the request with `abort`.
+
+The instance's role (colocated, prefill, decode) is one `EngineRole` whose hooks the core
+calls at fixed points (`roles/base.py` lists them); the core never asks which role it
+holds. `switch_role` replaces it between steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
 import torch
 
 from pdserve.config import EngineConfig, Role
-from pdserve.engine.decode_role import DecodeRole
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import RequestMetrics
-from pdserve.engine.prefill_role import PrefillRole, generator_from_state
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, generator_from_state
+from pdserve.engine.roles import (
+    ColocatedRole,
+    DecodeRole,
+    EngineRole,
+    PrefillRole,
+    TransferLink,
+    TransferRole,
+    open_link,
+)
 from pdserve.engine.sampler import SampledToken, SamplingRow, sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
@@ -27,17 +38,15 @@ from pdserve.kv.cache import KVCache
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.manager import KVManager
-from pdserve.kv.transfer import (
-    FaultConfig,
-    Region,
-    TransferWorker,
-    Transport,
-    make_transport,
-)
-from pdserve.model.base import CausalLM, ForwardHooks
+from pdserve.model.base import CausalLM
 from pdserve.protocol.core import EngineOutput, NewToken, RequestRejected
 from pdserve.protocol.handoff import AddPrefilled, Handoff, ReserveKV
 from pdserve.protocol.wire import EngineMessage
+
+_TRANSFER_ROLES: dict[Role, type[TransferRole]] = {
+    Role.PREFILL: PrefillRole,
+    Role.DECODE: DecodeRole,
+}
 
 
 class EngineCore:
@@ -56,8 +65,6 @@ class EngineCore:
         self.kv = KVManager(kv_config)
         # Messages for the controller besides step outputs (hand-offs, reservations).
         self.outbox: list[EngineMessage] = []
-        self.transport: Transport | None = None
-        self.worker: TransferWorker | None = None
         mc = model.config
         layout = KVLayout(
             num_layers=mc.num_hidden_layers,
@@ -67,41 +74,79 @@ class EngineCore:
             head_dim=mc.head_dim,
             dtype=config.dtype,
         )
-        region = self._open_transfer(layout) if config.role is not Role.COLOCATED else None
+        # A prefill or decode pool is its transfer region's tensor from the start: peers
+        # read and write it in place. A colocated core opens one if it ever switches.
+        self.link: TransferLink | None = None
+        if config.role is not Role.COLOCATED:
+            self.link = open_link(config, layout)
         cache = KVCache(
             layout,
             kv_config.num_host_blocks,
             config.device,
-            device_tensor=region.tensor if region is not None else None,
+            device_tensor=self.link.region.tensor if self.link is not None else None,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, cache, self.kv)
         self.requests: dict[str, Request] = {}
-        self.prefill_role: PrefillRole | None = None
-        self.decode_role: DecodeRole | None = None
-        if region is not None:
-            self._start_role(region)
+        self._take_role(config.role)
 
-    def _open_transfer(self, layout: KVLayout) -> Region:
-        t = self.config.transfer
-        self.transport = make_transport(
-            t.transport,
-            host=t.host,
-            timeout_s=t.timeout_s,
-            verify_checksum=t.verify_checksum,
-            faults=fault_config(self.config),
+    # ---- the role --------------------------------------------------------------
+
+    def switch_role(self, role: Role) -> None:
+        """Make this a `role` instance (instance flip), between steps. The core must be
+        idle: no request, and nothing held, moving or reserved for a hand-off, and no block
+        in use; otherwise RuntimeError, and nothing changes.
+
+        Prefill and decode need the pool in a transfer region (peers read and write it in
+        place). A core that has none (built colocated) opens its link on the first switch
+        to either: the transport of `config.transfer`, a region of the pool's layout, the
+        transfer thread; the pool is copied into the region and the runner's cache uses the
+        region's tensor from then on. The copy keeps the prefix cache valid: cached blocks
+        keep their KV, the block accounting does not change. The link then stays open
+        until `close`: switching back to colocated keeps it (nothing is handed to peers
+        any more), and a later switch reuses it without a copy."""
+        idle = self._idle_report()
+        if idle is not None:
+            raise RuntimeError(
+                f"cannot switch the {self.config.role.value} core to {role.value}: it is not "
+                f"idle ({idle}); switch between steps once it has drained"
+            )
+        self._take_role(role)
+        self.config = dataclasses.replace(self.config, role=role)
+
+    def _idle_report(self) -> str | None:
+        """None when idle, else what the core still holds."""
+        r = self.role
+        counts = (
+            len(self.requests),
+            r.num_held,
+            r.num_transferring,
+            r.num_reserved,
+            self.kv.num_used_blocks,
         )
-        self.worker = TransferWorker(num_threads=1, name=f"{self.config.instance_name}-kv")
-        return self.transport.create_region(self.config.instance_name, layout)
+        if not any(counts) and not r.busy() and not self.scheduler.has_unfinished():
+            return None
+        names = ("requests", "held", "transferring", "reserved", "blocks in use")
+        return ", ".join(f"{name} {n}" for name, n in zip(names, counts, strict=True))
 
-    def _start_role(self, region: Region) -> None:
-        assert self.transport is not None and self.worker is not None
-        args = (self.kv, region, self.transport, self.worker, self.config.transfer, self._post)
-        if self.config.role is Role.PREFILL:
-            self.prefill_role = PrefillRole(*args)
-            self.runner.hooks = ForwardHooks(on_layer_done=self.prefill_role.on_layer_done)
+    def _take_role(self, role: Role) -> None:
+        self.role: EngineRole
+        if role is Role.COLOCATED:
+            self.role = ColocatedRole(self._post)
         else:
-            self.decode_role = DecodeRole(*args)
+            link = self._transfer_link()
+            self.role = _TRANSFER_ROLES[role](self.kv, link, self.config.transfer, self._post)
+        self.runner.hooks = self.role.forward_hooks
+
+    def _transfer_link(self) -> TransferLink:
+        """This core's link; opened on first use, the pool moving into its region."""
+        if self.link is None:
+            cache = self.runner.cache
+            link = open_link(self.config, cache.layout)
+            link.region.tensor.copy_(cache.device_tensor)
+            cache.device_tensor = link.region.tensor
+            self.link = link
+        return self.link
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -117,10 +162,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop transfer threads and release the KV region (shared memory)."""
-        if self.worker is not None:
-            self.worker.close()
-        if self.transport is not None:
-            self.transport.close()
+        if self.link is not None:
+            self.link.close()
 
     # ---- requests --------------------------------------------------------------
 
@@ -135,59 +178,52 @@ class EngineCore:
         """Validate and queue. Raises InvalidRequestError or EngineOverloadedError;
         nothing is allocated then. `arrival` (time.monotonic(), system-wide) is when
         the request reached the frontend, so queue time includes the trip here.
-        `handoff` (prefill role): pass the request on after its first token."""
+        `handoff` (prefill role): pass the request on after its first token; the role
+        refuses it (InvalidRequestError) on other instances."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         prompt = list(prompt_token_ids)
         self._validate(prompt, params)
         self._check_queue()
-        if handoff is not None and self.prefill_role is None:
-            raise InvalidRequestError("this instance is not a prefill instance", "handoff")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(request_id, prompt, params, gen)
         if arrival is not None:
             req.times.arrival = arrival
-        if handoff is not None:
-            assert self.prefill_role is not None
-            self.prefill_role.register(req, handoff)
+        self.role.request_added(req, handoff)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
 
     def add_prefilled(self, msg: AddPrefilled) -> None:
-        """Decode role: a request prefilled elsewhere (see decode_role.py). A request
+        """Decode role: a request prefilled elsewhere (see roles/decode.py). A request
         this instance cannot take is answered with RequestRejected."""
-        if self.decode_role is None:
-            self._post(RequestRejected(msg.request_id, "not a decode instance", None))
-            return
+        ready = self.role.add_prefilled(msg, self._prefilled_request)
+        if ready is not None:
+            self._join_batch(ready)
+
+    def _prefilled_request(self, msg: AddPrefilled) -> Request | None:
+        """The request an AddPrefilled describes; None (RequestRejected sent) if invalid."""
         try:
             self._validate(msg.prompt_token_ids, msg.params)
         except InvalidRequestError as e:
             self._post(RequestRejected(msg.request_id, e.message, e.param))
-            return
+            return None
         gen = generator_from_state(msg.generator_state)
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, gen)
         req.output_token_ids = list(msg.output_token_ids)
         req.times.arrival = msg.arrival
-        ready = self.decode_role.add(req, msg)
-        if ready is not None:
-            self._start_decoding(ready)
+        return req
 
     def reserve(self, msg: ReserveKV) -> None:
-        if self.decode_role is None:
-            self._post(RequestRejected(msg.request_id, "not a decode instance", None))
-            return
-        self.decode_role.reserve(msg)
+        """Decode role, push modes: reserve blocks (KVReserved once granted)."""
+        self.role.reserve(msg)
 
     def release(self, request_ids: Sequence[str]) -> None:
         """ReleaseKV: free hand-off KV (held prompt KV, or a reservation)."""
         for rid in request_ids:
-            if self.prefill_role is not None:
-                self.prefill_role.release(rid)
-            if self.decode_role is not None:
-                self.decode_role.release(rid)
+            self.role.release(rid)
 
-    def _start_decoding(self, req: Request) -> None:
+    def _join_batch(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.scheduler.add_running(req)
 
@@ -204,9 +240,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> EngineOutput | None:
         """Cancel; its KV returns to the pool now. None if unknown or already finished."""
-        if self.prefill_role is not None and self.prefill_role.abort(request_id):
-            return None
-        if self.decode_role is not None and self.decode_role.abort(request_id):
+        if self.role.abort(request_id):
             return None
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -217,56 +251,41 @@ class EngineCore:
             (),
             finish_reason="abort",
             num_cached_tokens=req.num_cached_prompt_tokens,
-            metrics=request_metrics(req),
+            metrics=req.times.metrics(req.num_preemptions),
         )
-
-    def finish_request(self, request_id: str, stop_reason: str) -> None:
-        """End a request that the output processor found a stop string in."""
-        if self.prefill_role is not None and self.prefill_role.abort(request_id):
-            return
-        if self.decode_role is not None and self.decode_role.abort(request_id):
-            return
-        req = self.requests.pop(request_id, None)
-        if req is not None:
-            req.stop_reason = stop_reason
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def transfers_in_flight(self) -> bool:
         """KV moves run in the background: the loop should poll again soon."""
-        return bool(
-            (self.prefill_role is not None and self.prefill_role.busy())
-            or (self.decode_role is not None and self.decode_role.busy())
-        )
+        return self.role.busy()
 
     def poll_transfers(self) -> None:
         """Advance hand-offs without blocking: finished fetches join the batch, finished
         pushes free their blocks, leases expire, waiting KV is admitted."""
-        if self.prefill_role is not None:
-            self.prefill_role.poll()
-        if self.decode_role is not None:
-            for req in self.decode_role.poll():
-                self._start_decoding(req)
-            free_slots = self.scheduler.config.max_num_seqs - len(self.scheduler.running)
-            self.decode_role.admit(free_slots)
+        free_slots = self.scheduler.config.max_num_seqs - len(self.scheduler.running)
+        for req in self.role.poll(free_slots):
+            self._join_batch(req)
 
     # ---- one step --------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
         sched = self.scheduler.schedule()
-        if self.prefill_role is not None:
-            self.prefill_role.begin_step(sched.seqs)
+        self.role.begin_step(sched.seqs)
         sampled, logits = self.runner.execute(sched)
-        if self.prefill_role is not None:
-            self.prefill_role.end_step()
+        self.role.end_step()
         for seq in sched.seqs:
             self.scheduler.advance(seq)
         if logits is None:
             return []
         tokens = sample(logits, [self._sampling_row(s) for s in sampled])
-        return [self._append(s, t) for s, t in zip(sampled, tokens, strict=True)]
+        firsts: list[Request] = []
+        outputs = [self._append(s.request, t, firsts) for s, t in zip(sampled, tokens, strict=True)]
+        for req in firsts:  # the role's say once a prompt is done (prefill: the hand-off)
+            if self.role.first_token(req):
+                self._leave_batch(req)
+        return outputs
 
     def _sampling_row(self, seq: ScheduledSeq) -> SamplingRow:
         r = seq.request
@@ -274,22 +293,17 @@ class EngineCore:
             r.params, r.generator, r.prompt_token_ids, r.output_token_ids, self.eos_token_ids
         )
 
-    def _append(self, seq: ScheduledSeq, tok: SampledToken) -> EngineOutput:
-        req = seq.request
+    def _append(self, req: Request, tok: SampledToken, firsts: list[Request]) -> EngineOutput:
+        """Add the sampled token, check the stop conditions; a request whose first token
+        this is goes to `firsts`."""
         req.output_token_ids.append(tok.token_id)
         if req.times.first_token is None:
             req.times.first_token = time.monotonic()
+            firsts.append(req)
         status = self._check_stop(req, tok.token_id)
         new = (NewToken(tok.token_id, tok.logprob, tok.top_logprobs),)
-        role = self.prefill_role
         if status is RequestStatus.RUNNING:
-            if role is not None and req.request_id in role.outgoing:
-                self.requests.pop(req.request_id, None)
-                self.scheduler.detach(req)
-                role.hand_off(req)
             return EngineOutput(req.request_id, new, num_cached_tokens=req.num_cached_prompt_tokens)
-        if role is not None:
-            role.forget(req.request_id)
         self.requests.pop(req.request_id, None)
         self.scheduler.finish(req, status)
         return EngineOutput(
@@ -299,8 +313,13 @@ class EngineCore:
             stop_reason=req.stop_reason,
             stopped_by_token=status is RequestStatus.FINISHED_STOPPED,
             num_cached_tokens=req.num_cached_prompt_tokens,
-            metrics=request_metrics(req),
+            metrics=req.times.metrics(req.num_preemptions),
         )
+
+    def _leave_batch(self, req: Request) -> None:
+        """The role took `req` over: out of the batch, its KV kept (the role frees it)."""
+        self.requests.pop(req.request_id, None)
+        self.scheduler.detach(req)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus:
         p = req.params
@@ -314,31 +333,3 @@ class EngineCore:
         if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return RequestStatus.RUNNING
-
-
-def fault_config(config: EngineConfig) -> FaultConfig | None:
-    t = config.transfer
-    if not t.injects_faults:
-        return None
-    return FaultConfig(
-        failure_rate=t.fault_failure_rate,
-        delay_s=t.fault_delay_s,
-        bandwidth_bytes_per_s=t.fault_bandwidth,
-        seed=t.fault_seed,
-    )
-
-
-def request_metrics(req: Request) -> RequestMetrics:
-    t = req.times
-
-    def span(a: float | None, b: float | None) -> float | None:
-        return b - a if a is not None and b is not None else None
-
-    return RequestMetrics(
-        queue_time=span(t.arrival, t.first_scheduled),
-        prefill_time=span(t.first_scheduled, t.first_token),
-        decode_time=span(t.first_token, t.finished),
-        ttft=span(t.arrival, t.first_token),
-        e2e=span(t.arrival, t.finished),
-        num_preemptions=req.num_preemptions,
-    )

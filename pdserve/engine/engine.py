@@ -66,7 +66,8 @@ class Engine:
         for out in self.core.step():
             result, stop_string = self.processor.process(out)
             if stop_string is not None:
-                self.core.finish_request(out.request_id, stop_string)
+                # The processor made the final output; the core's abort output is not news.
+                self.core.abort(out.request_id)
             if result is not None:
                 results.append(result)
         return results

@@ -1,6 +1,6 @@
 """The engine core in its own process, driven over ZeroMQ.
 
-Life cycle: the frontend (`EngineClient`) binds two IPC sockets and spawns
+Life cycle: the front end (a cluster `Instance`) binds two IPC sockets and spawns
 `run_engine_process`; the process connects, loads the model, sends `EngineReady`
 (or `EngineFailed`), then loops: apply every queued input message, run one step if
 anything is unfinished, push the step's outputs as one `OutputBatch`. While idle it
@@ -42,7 +42,7 @@ from pdserve.protocol.core import (
     StatsRequest,
 )
 from pdserve.protocol.handoff import AddPrefilled, ReleaseKV, ReserveKV
-from pdserve.protocol.wire import EngineInput, EngineMessage
+from pdserve.protocol.wire import EngineInput, EngineMessage, Handlers
 from pdserve.runtime import freeze_startup_heap, pin_process
 
 _IDLE_POLL_MS = 100
@@ -62,6 +62,18 @@ class _Loop:
         self.report_every = core.config.report_interval_s if report else None
         self.last_report = 0.0
         self.trace = StepTrace.from_env(core.scheduler, core.config.instance_name)
+        self.stopping = False
+        self.handlers = Handlers[None](
+            {
+                Shutdown: self.shutdown,
+                AddRequest: self.add_request,
+                AddPrefilled: core.add_prefilled,
+                ReserveKV: core.reserve,
+                ReleaseKV: self.release,
+                AbortRequests: self.abort,
+                StatsRequest: self.send_stats,
+            }
+        )
 
     def send(self, msg: EngineMessage) -> None:
         self.out.send(self.encoder.encode(msg))
@@ -107,7 +119,7 @@ class _Loop:
             for r in s.running
             if r.num_computed_tokens < len(r.prompt_token_ids)
         )
-        held, moving, reserved = role_counts(core)
+        role = core.role
         return LoadReport(
             sent_at=now,
             num_waiting=len(s.waiting),
@@ -115,9 +127,9 @@ class _Loop:
             num_waiting_tokens=pending,
             num_obtainable_blocks=kv.num_obtainable_blocks,
             num_blocks=kv.cfg.num_blocks,
-            num_held=held,
-            num_transferring=moving,
-            num_reserved=reserved,
+            num_held=role.num_held,
+            num_transferring=role.num_transferring,
+            num_reserved=role.num_reserved,
         )
 
     def apply_inputs(self, timeout_ms: int) -> bool:
@@ -133,34 +145,38 @@ class _Loop:
                 return False
 
     def apply(self, msg: EngineInput) -> bool:
-        if isinstance(msg, Shutdown):
-            return False
-        if isinstance(msg, AddRequest):
-            try:
-                self.core.add_request(
-                    msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival, msg.handoff
-                )
-            except InvalidRequestError as e:
-                self.send(RequestRejected(msg.request_id, e.message, e.param))
-            except EngineOverloadedError as e:
-                self.send(RequestRejected(msg.request_id, str(e), None, overloaded=True))
-        elif isinstance(msg, AddPrefilled):
-            self.core.add_prefilled(msg)
-        elif isinstance(msg, ReserveKV):
-            self.core.reserve(msg)
-        elif isinstance(msg, ReleaseKV):
-            self.core.release(msg.request_ids)
-        elif isinstance(msg, AbortRequests):
-            aborted = [self.core.abort(rid) for rid in msg.request_ids]
-            if any(aborted):
-                self.send(OutputBatch([a for a in aborted if a is not None]))
-        elif isinstance(msg, StatsRequest):
-            self.send(self.stats(msg.request_id, msg.check_integrity))
-        return True
+        """Apply one input; False once it was Shutdown."""
+        self.handlers(msg)
+        return not self.stopping
+
+    # ---- handlers, one per input type -------------------------------------------------
+
+    def shutdown(self, msg: Shutdown) -> None:
+        self.stopping = True
+
+    def add_request(self, msg: AddRequest) -> None:
+        try:
+            self.core.add_request(
+                msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival, msg.handoff
+            )
+        except InvalidRequestError as e:
+            self.send(RequestRejected(msg.request_id, e.message, e.param))
+        except EngineOverloadedError as e:
+            self.send(RequestRejected(msg.request_id, str(e), None, overloaded=True))
+
+    def release(self, msg: ReleaseKV) -> None:
+        self.core.release(msg.request_ids)
+
+    def abort(self, msg: AbortRequests) -> None:
+        aborted = [self.core.abort(rid) for rid in msg.request_ids]
+        if any(aborted):
+            self.send(OutputBatch([a for a in aborted if a is not None]))
+
+    def send_stats(self, msg: StatsRequest) -> None:
+        self.send(self.stats(msg.request_id, msg.check_integrity))
 
     def stats(self, request_id: int, check: bool) -> EngineStats:
-        s, kv = self.core.scheduler, self.core.kv
-        held, moving, reserved = role_counts(self.core)
+        s, kv, role = self.core.scheduler, self.core.kv, self.core.role
         error = None
         if check:
             try:
@@ -178,28 +194,16 @@ class _Loop:
             prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_queries=kv.prefix_cache_queries,
             integrity_error=error,
-            num_held=held,
-            num_transferring=moving,
-            num_reserved=reserved,
+            num_held=role.num_held,
+            num_transferring=role.num_transferring,
+            num_reserved=role.num_reserved,
         )
-
-
-def role_counts(core: EngineCore) -> tuple[int, int, int]:
-    """(held prompt KV, KV moves in flight, reservations + KV-waiting requests)."""
-    held = moving = reserved = 0
-    if core.prefill_role is not None:
-        held = core.prefill_role.num_held
-        moving += core.prefill_role.num_transferring
-    if core.decode_role is not None:
-        moving += core.decode_role.num_transferring
-        reserved = core.decode_role.num_reserved
-    return held, moving, reserved
 
 
 def run_engine_process(
     config: EngineConfig, input_addr: str, output_addr: str, report: bool = False
 ) -> None:
-    """Process entry point (spawned by `EngineClient` or a cluster instance handle).
+    """Process entry point (spawned by a cluster `Instance`).
     `report`: send a `LoadReport` every `config.report_interval_s`.
 
     Ctrl-C in a terminal signals the whole process group: the server drains and then

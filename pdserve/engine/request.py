@@ -1,4 +1,4 @@
-"""A request inside the engine, and what the engine reports about it."""
+"""A request inside the engine: its tokens, status, timestamps and sampling generator."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.timing import RequestTimes
 
 
 class RequestStatus(enum.Enum):
@@ -31,16 +32,6 @@ _FINISHED = {
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
 }
-
-
-@dataclass
-class RequestTimes:
-    """Monotonic timestamps (seconds) for latency breakdowns."""
-
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
 
 
 @dataclass
@@ -74,3 +65,22 @@ class Request:
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_token_ids) + self.params.max_tokens
+
+
+# ---- a seeded request's random stream, across a hand-off ----------------------------
+
+
+def generator_state(gen: torch.Generator | None) -> bytes | None:
+    """The state of a request's sampling generator, to send with its hand-off."""
+    if gen is None:
+        return None
+    return bytes(gen.get_state().numpy().tobytes())
+
+
+def generator_from_state(state: bytes | None) -> torch.Generator | None:
+    """A sampling generator that continues the stream `generator_state` captured."""
+    if state is None:
+        return None
+    gen = torch.Generator()
+    gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return gen

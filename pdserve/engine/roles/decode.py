@@ -24,8 +24,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from pdserve.config import Role
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.transfer_role import TransferRole
+from pdserve.engine.roles.base import BuildRequest
+from pdserve.engine.roles.transfer import TransferRole
 from pdserve.kv.transfer import (
     TransferState,
     TransferTask,
@@ -61,6 +63,8 @@ class _Reservation:
 
 
 class DecodeRole(TransferRole):
+    role = Role.DECODE
+
     def _init_state(self) -> None:
         self.queue: deque[_Incoming] = deque()  # pull: waiting for room
         self.fetching: dict[str, _Incoming] = {}
@@ -82,8 +86,11 @@ class DecodeRole(TransferRole):
 
     # ---- inputs -------------------------------------------------------------------
 
-    def add(self, req: Request, msg: AddPrefilled) -> Request | None:
+    def add_prefilled(self, msg: AddPrefilled, build: BuildRequest) -> Request | None:
         """Queue a pulled request, or complete a pushed one (returned: ready to run)."""
+        req = build(msg)
+        if req is None:
+            return None
         req.status = RequestStatus.WAITING_FOR_KV
         now = time.monotonic()
         if msg.source is not None:
@@ -129,6 +136,13 @@ class DecodeRole(TransferRole):
 
     # ---- the step loop ------------------------------------------------------------
 
+    def poll(self, free_seq_slots: int) -> list[Request]:
+        """Requests whose fetched KV is now in place (ready for the scheduler); then
+        reservations and fetches are admitted into what is left."""
+        ready = self._collect_fetches()
+        self.admit(free_seq_slots - len(ready))
+        return ready
+
     def admit(self, free_seq_slots: int) -> None:
         """Grant reservations, then start fetches, FCFS, while blocks and slots allow."""
         while self._pending_reservations:
@@ -147,8 +161,7 @@ class DecodeRole(TransferRole):
             self.queue.popleft()
             self._start_fetch(incoming)
 
-    def poll(self) -> list[Request]:
-        """Requests whose fetched KV is now in place (ready for the scheduler)."""
+    def _collect_fetches(self) -> list[Request]:
         ready = []
         for rid, incoming in list(self.fetching.items()):
             assert incoming.task is not None

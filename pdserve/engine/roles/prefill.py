@@ -6,8 +6,8 @@ Life cycle of a request on a prefill instance (DistServe §4.3, TetriInfer §3.3
    chunks of at most `max_num_batched_tokens` tokens, packed with other prompts (a
    request's progress is its `num_computed_tokens`).
 2. The step that computes the last prompt token samples the first token. The core emits
-   it at once (TTFT does not wait for the KV to move) and calls `hand_off`: the request
-   leaves the batch but keeps its blocks.
+   it at once (TTFT does not wait for the KV to move) and calls `first_token`, which hands
+   the request off: it leaves the batch but keeps its blocks.
 3. By mode:
    - pull: the KV stays in the pool as a queue buffer. `KVHandedOff` says where it is and
      until when (the lease). The blocks are freed on `ReleaseKV` (the controller sends it
@@ -21,9 +21,10 @@ Life cycle of a request on a prefill instance (DistServe §4.3, TetriInfer §3.3
 
 A failed flush sends `HandoffFailed`; the blocks are freed once no task reads them.
 
-Contract with the step loop: `begin_step` before the forward pass, `end_step` after it and
-before the scheduler commits the step (a commit may swap a block for an identical indexed
-one and free the original, which must not happen while a flush still reads it).
+Contract with the step loop (`EngineRole`'s call points): `begin_step` before the forward
+pass, `end_step` after it and before the scheduler commits the step (a commit may swap a
+block for an identical indexed one and free the original, which must not happen while a
+flush still reads it).
 """
 
 from __future__ import annotations
@@ -33,12 +34,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-import torch
 
-from pdserve.config import TransferMode
-from pdserve.engine.request import Request
+from pdserve.config import Role, TransferMode
+from pdserve.engine.request import Request, generator_state
+from pdserve.engine.roles.transfer import TransferRole
 from pdserve.engine.scheduler import ScheduledSeq
-from pdserve.engine.transfer_role import TransferRole
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer import (
     TransferPlan,
@@ -47,6 +47,7 @@ from pdserve.kv.transfer import (
     gather,
     stream_out,
 )
+from pdserve.model.base import ForwardHooks
 from pdserve.protocol.handoff import Handoff, HandoffFailed, KVHandedOff, KVSource, PushTarget
 
 
@@ -83,11 +84,14 @@ class _Chunk:
 
 
 class PrefillRole(TransferRole):
+    role = Role.PREFILL
+
     def _init_state(self) -> None:
         self.outgoing: dict[str, _Outgoing] = {}
         self._step_chunks: list[_Chunk] = []
         self._step_tasks: list[TransferTask] = []
         self.last_tail_s = 0.0  # layer-push: wait after the last layer, previous step
+        self.forward_hooks = ForwardHooks(on_layer_done=self.on_layer_done)
 
     # ---- counters ---------------------------------------------------------------
 
@@ -105,22 +109,30 @@ class PrefillRole(TransferRole):
 
     # ---- requests ---------------------------------------------------------------
 
-    def register(self, req: Request, handoff: Handoff) -> None:
+    def request_added(self, req: Request, handoff: Handoff | None) -> None:
+        """A request with a `handoff` is passed on after its first token; one without
+        runs here to the end, as on a colocated instance."""
+        if handoff is None:
+            return
         mode = TransferMode(handoff.mode)
         if mode is not TransferMode.PULL and handoff.target is None:
             raise ValueError(f"transfer mode {mode.value!r} needs a push target")
         self.outgoing[req.request_id] = _Outgoing(req, handoff)
 
-    def owns(self, request_id: str) -> bool:
-        entry = self.outgoing.get(request_id)
-        return entry is not None and entry.handed_off
-
-    def forget(self, request_id: str) -> None:
-        """The request finished before its hand-off (first token was the last)."""
-        self.outgoing.pop(request_id, None)
+    def first_token(self, req: Request) -> bool:
+        """Hand `req` off (True: it leaves the batch holding its blocks), unless it has no
+        hand-off or its first token was its last."""
+        entry = self.outgoing.get(req.request_id)
+        if entry is None:
+            return False
+        if req.status.finished:
+            del self.outgoing[req.request_id]  # nothing to pass on; the core freed it
+            return False
+        self.hand_off(req)
+        return True
 
     def hand_off(self, req: Request) -> None:
-        """The first token is out and `req` left the batch holding its blocks."""
+        """The first token is out; `req` leaves the batch holding its blocks."""
         entry = self.outgoing[req.request_id]
         entry.handed_off = True
         mode = TransferMode(entry.handoff.mode)
@@ -205,8 +217,9 @@ class PrefillRole(TransferRole):
         self._step_chunks = []
         self._step_tasks = []
 
-    def poll(self) -> None:
-        """Finish pushes whose last task is done; expire unclaimed pull leases."""
+    def poll(self, free_seq_slots: int) -> list[Request]:
+        """Finish pushes whose last task is done; expire unclaimed pull leases. Nothing
+        joins the batch here."""
         now = time.monotonic()
         for entry in list(self.outgoing.values()):
             if not entry.handed_off or not entry.tasks_done():
@@ -218,6 +231,7 @@ class PrefillRole(TransferRole):
                 self._finish_push(entry)
             elif entry.lease_deadline is not None and now > entry.lease_deadline:
                 self._free(entry)
+        return []
 
     # ---- internals ----------------------------------------------------------------
 
@@ -232,11 +246,12 @@ class PrefillRole(TransferRole):
 
     def _handed_off(self, entry: _Outgoing, source: KVSource | None) -> KVHandedOff:
         req = entry.request
-        state = None
-        if req.generator is not None:
-            state = bytes(req.generator.get_state().numpy().tobytes())
         return KVHandedOff(
-            req.request_id, source, state, req.times.first_scheduled, req.times.first_token
+            req.request_id,
+            source,
+            generator_state(req.generator),
+            req.times.first_scheduled,
+            req.times.first_token,
         )
 
     def _push_whole(self, entry: _Outgoing) -> TransferTask:
@@ -307,12 +322,3 @@ def _one_layer(plan: TransferPlan, local_layer: int) -> TransferPlan | None:
     return msgspec.structs.replace(
         plan, src_layers=(local_layer, local_layer + 1), dst_layers=(dst, dst + 1)
     )
-
-
-def generator_from_state(state: bytes | None) -> torch.Generator | None:
-    """The decode side's sampling generator, continuing the prefill side's stream."""
-    if state is None:
-        return None
-    gen = torch.Generator()
-    gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    return gen
