@@ -5,7 +5,7 @@ Instances step as our engines do; a step's duration comes from the latency model
 
 Semantics (each mirrors an engine; tests pin them down exactly):
 
-- **Prefill instance** (`engine/prefill_role.py`): one FCFS queue. A step takes
+- **Prefill instance** (`engine/roles/prefill.py`): one FCFS queue. A step takes
   prompts from the head within the `max_batch_tokens` budget; with `chunked` the
   last one taken may be split (chunked prefill, TetriInfer's ChunkSize), without it
   whole prompts are batched while they fit L_m and a longer prompt runs alone
@@ -13,7 +13,7 @@ Semantics (each mirrors an engine; tests pin them down exactly):
   chunk ends (pipelines: after all stages). A prompt is admitted only when its KV
   fits beside the prompts in progress; KV held after the prefill (waiting for the
   decode side to pull it) is not modelled.
-- **Decode instance** (`engine/decode_role.py`): FCFS queue; a request is admitted at
+- **Decode instance** (`engine/roles/decode.py`): FCFS queue; a request is admitted at
   a step boundary (or at once when idle) when a batch slot is free and its whole KV,
   prompt + output tokens, fits (reserved up front, so nothing is ever preempted).
   Its prompt KV then transfers (input_len * kv_bytes_per_token / bandwidth) and it
