@@ -216,9 +216,7 @@ def test_kv_layout_imports_no_torch_and_no_transport() -> None:
         "print('torch' in sys.modules)\n"
         "print(sorted(m for m in sys.modules if m.startswith('pdserve.kv.transfer')))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
+    out = _python(code)
     assert out.splitlines() == ["False", "[]"]
 
 
@@ -241,9 +239,7 @@ heavy = [m for m in sys.modules if m.split(".")[0] == "torch"
          or m.startswith(("pdserve.kv.transfer", "pdserve.engine.core", "pdserve.model"))]
 print(sorted(heavy))
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
+    out = _python(code)
     assert out.splitlines() == ["[]"]
 
 
@@ -276,7 +272,12 @@ def test_the_http_process_loads_no_engine_and_no_transport() -> None:
         "'pdserve.kv.transfer', 'pdserve.engine.core', 'pdserve.engine.engine_process',"
         " 'pdserve.model.base'))))\n"
     )
-    out = subprocess.run(
+    out = _python(code)
+    assert out.splitlines() == ["[]"]
+
+
+def _python(code: str) -> str:
+    """What `code` prints, run by a fresh interpreter (its own sys.modules)."""
+    return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout
-    assert out.splitlines() == ["[]"]

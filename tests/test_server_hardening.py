@@ -158,8 +158,10 @@ def test_stop_strings_at_the_limits_match_every_token_and_health_stays_live(
 
     with ThreadPoolExecutor(1) as pool:
         prober = pool.submit(probe)
-        status, reply = post(server, "/v1/completions", {**plain, "n": 16, "stop": stops})
-        done.set()
+        try:
+            status, reply = post(server, "/v1/completions", {**plain, "n": 16, "stop": stops})
+        finally:
+            done.set()  # the prober stops whatever happened to the request
         prober.result(30)
     assert status == 200
     assert [c["text"] for c in reply["choices"]] == [text] * 16

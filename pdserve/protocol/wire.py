@@ -14,43 +14,29 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from pdserve.errors import InvalidRequestError
-from pdserve.protocol.core import (
-    AbortRequests,
-    AddRequest,
-    EngineFailed,
-    EngineReady,
-    EngineStats,
-    LoadReport,
-    OutputBatch,
-    RequestRejected,
-    Shutdown,
-    StatsRequest,
-)
-from pdserve.protocol.handoff import (
-    AddPrefilled,
-    HandoffFailed,
-    KVHandedOff,
-    KVReceived,
-    KVReserved,
-    ReleaseKV,
-    ReserveKV,
-)
+from pdserve.protocol import core, handoff
 
 EngineInput = (
-    AddRequest | AbortRequests | Shutdown | StatsRequest | AddPrefilled | ReserveKV | ReleaseKV
+    core.AddRequest
+    | core.AbortRequests
+    | core.Shutdown
+    | core.StatsRequest
+    | handoff.AddPrefilled
+    | handoff.ReserveKV
+    | handoff.ReleaseKV
 )
 
 EngineMessage = (
-    EngineReady
-    | OutputBatch
-    | RequestRejected
-    | EngineFailed
-    | EngineStats
-    | KVHandedOff
-    | KVReserved
-    | KVReceived
-    | HandoffFailed
-    | LoadReport
+    core.EngineReady
+    | core.OutputBatch
+    | core.RequestRejected
+    | core.EngineFailed
+    | core.EngineStats
+    | core.LoadReport
+    | handoff.KVHandedOff
+    | handoff.KVReserved
+    | handoff.KVReceived
+    | handoff.HandoffFailed
 )
 
 
