@@ -50,7 +50,9 @@ class Instance:
         timeout_s: float | None,
     ) -> None:
         self.config = config
-        self.timeout_s = timeout_s  # None: silence is never a death (a lone engine)
+        # None: silence is never a death (a lone engine), and nothing needs its load
+        # reports (they feed routing and the silence deadline), so it sends none.
+        self.timeout_s = timeout_s
         self.name = config.instance_name
         self.role: Role = config.role
         self.on_message = on_message
@@ -83,7 +85,7 @@ class Instance:
         )
         self.process: BaseProcess = multiprocessing.get_context("spawn").Process(
             target=_run_engine,
-            args=(config, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", True),
+            args=(config, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", timeout_s is not None),
             name=f"pdserve-{self.name}",
             daemon=True,
         )
