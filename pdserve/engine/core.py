@@ -15,11 +15,14 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-import torch
-
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request, RequestStatus, generator_from_state
+from pdserve.engine.request import (
+    Request,
+    RequestStatus,
+    generator_from_state,
+    resumed_generator,
+)
 from pdserve.engine.roles import (
     ColocatedRole,
     DecodeRole,
@@ -174,24 +177,40 @@ class EngineCore:
         params: SamplingParams,
         arrival: float | None = None,
         handoff: Handoff | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> Request:
         """Validate and queue. Raises InvalidRequestError or EngineOverloadedError;
         nothing is allocated then. `arrival` (time.monotonic(), system-wide) is when
         the request reached the frontend, so queue time includes the trip here.
         `handoff` (prefill role): pass the request on after its first token; the role
-        refuses it (InvalidRequestError) on other instances."""
+        refuses it (InvalidRequestError) on other instances.
+
+        `output_token_ids` (a migrated request): tokens generated before, elsewhere. They
+        count as output (max_tokens, min_tokens, penalties); their KV is computed with the
+        prompt's, like a request preempted by recompute, and the next token sampled is the
+        one after them. A seeded generator skips the draws they took (`resumed_generator`),
+        so greedy and seeded requests continue exactly as if nothing had happened."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         prompt = list(prompt_token_ids)
         self._validate(prompt, params)
         self._check_queue()
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        req = Request(request_id, prompt, params, gen)
+        outputs = list(output_token_ids)
+        if len(outputs) >= params.max_tokens:
+            raise InvalidRequestError(
+                f"a migrated request carries {len(outputs)} generated tokens, which leaves "
+                f"nothing to generate under max_tokens={params.max_tokens}",
+                "output_token_ids",
+            )
+        gen = resumed_generator(params, len(outputs))
+        req = Request(request_id, prompt, params, gen, output_token_ids=outputs)
         if arrival is not None:
             req.times.arrival = arrival
+        if outputs:
+            req.times.first_token = req.times.arrival  # not a first token: no hand-off
         self.role.request_added(req, handoff)
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        self.scheduler.add(req, first=bool(outputs))
         return req
 
     def add_prefilled(self, msg: AddPrefilled) -> None:

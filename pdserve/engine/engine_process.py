@@ -157,7 +157,12 @@ class _Loop:
     def add_request(self, msg: AddRequest) -> None:
         try:
             self.core.add_request(
-                msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival, msg.handoff
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                msg.arrival,
+                msg.handoff,
+                msg.output_token_ids,
             )
         except InvalidRequestError as e:
             self.send(RequestRejected(msg.request_id, e.message, e.param))

@@ -84,3 +84,17 @@ def generator_from_state(state: bytes | None) -> torch.Generator | None:
     gen = torch.Generator()
     gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
     return gen
+
+
+def resumed_generator(params: SamplingParams, num_sampled: int) -> torch.Generator | None:
+    """The generator of a seeded request that already sampled `num_sampled` tokens (a
+    migrated request): seeded from `params.seed`, then past the draws those tokens took.
+    The sampler draws exactly one float64 per sampled token of a non-greedy row and none
+    for a greedy one (sampler.py's determinism contract); this replays the same calls."""
+    if params.seed is None:
+        return None
+    gen = torch.Generator().manual_seed(params.seed)
+    if not params.greedy:
+        for _ in range(num_sampled):
+            torch.rand(1, dtype=torch.float64, generator=gen)
+    return gen

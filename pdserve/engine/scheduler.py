@@ -64,8 +64,13 @@ class Scheduler:
 
     # ---- queue management ------------------------------------------------------
 
-    def add(self, req: Request) -> None:
-        self.waiting.append(req)
+    def add(self, req: Request, first: bool = False) -> None:
+        """Queue `req`; `first`: ahead of every waiting request (a migrated request
+        already waited once, before its instance failed)."""
+        if first:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def add_running(self, req: Request) -> None:
         """Admit a request whose KV is already in its block table (decode role: it

@@ -45,6 +45,10 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     arrival: float | None = None  # time.monotonic() at the front end (system-wide clock)
     handoff: Handoff | None = None  # prefill role: pass it on after the first token
+    # A migrated request (its instance failed): the tokens already streamed to the client.
+    # The instance computes their KV with the prompt's and continues after the last one;
+    # a seeded generator is advanced past their draws, so the text continues unchanged.
+    output_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True):

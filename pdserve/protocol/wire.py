@@ -1,7 +1,7 @@
 """What each side of an instance's sockets decodes, and dispatch by message type.
 
 `EngineInput` is everything a front end sends an instance, `EngineMessage` everything an
-instance sends back (core and hand-off protocols together: one socket each way). A
+instance sends back (core, hand-off and replication protocols together: one socket each way). A
 receiver keeps a `Handlers` table from message type to handler rather than a chain of
 isinstance tests; a message without a handler there is a bug and raises.
 """
@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from pdserve.errors import InvalidRequestError
-from pdserve.protocol import core, handoff
+from pdserve.protocol import core, handoff, replica
 
 EngineInput = (
     core.AddRequest
@@ -24,6 +24,11 @@ EngineInput = (
     | handoff.AddPrefilled
     | handoff.ReserveKV
     | handoff.ReleaseKV
+    | replica.OpenReplicaStore
+    | replica.StoreReplicas
+    | replica.DropReplicas
+    | replica.ResumeFromReplica
+    | replica.ReplicateTo
 )
 
 EngineMessage = (
@@ -37,6 +42,9 @@ EngineMessage = (
     | handoff.KVReserved
     | handoff.KVReceived
     | handoff.HandoffFailed
+    | replica.ReplicaStoreOpened
+    | replica.KVReplicated
+    | replica.ReplicasStored
 )
 
 
