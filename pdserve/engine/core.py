@@ -7,6 +7,12 @@ runs in its own process. A stop string found there ends the request with `abort`
 The instance's role (colocated, prefill, decode) is one `EngineRole` whose hooks the core
 calls at fixed points (`roles/base.py` lists them); the core never asks which role it
 holds. `switch_role` replaces it between steps.
+
+Any core also takes part in DéjàVu's KV replication (protocol/replica.py): as a source its
+`Replicator` streams running requests' KV into a holder's region after every step
+(`ReplicateTo`); as a holder its `ReplicaStore` keeps other instances' regions and
+records, and `resume_from_replica` turns a replica into a request's KV when its source
+died. Either opens the core's transfer link on first use.
 """
 
 from __future__ import annotations
@@ -15,8 +21,12 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
+import torch
+
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.replica_store import ReplicaStore
+from pdserve.engine.replicator import Replicator
 from pdserve.engine.request import (
     Request,
     RequestStatus,
@@ -41,9 +51,20 @@ from pdserve.kv.cache import KVCache
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.manager import KVManager
+from pdserve.kv.transfer import LayoutMismatchError, Region, apply_plan, stream_in
 from pdserve.model.base import CausalLM
 from pdserve.protocol.core import EngineOutput, NewToken, RequestRejected
 from pdserve.protocol.handoff import AddPrefilled, Handoff, ReserveKV
+from pdserve.protocol.replica import (
+    DropReplicas,
+    OpenReplicaStore,
+    ReplicaBlocks,
+    ReplicasStored,
+    ReplicaStoreOpened,
+    ReplicateTo,
+    ResumeFromReplica,
+    StoreReplicas,
+)
 from pdserve.protocol.wire import EngineMessage
 
 _TRANSFER_ROLES: dict[Role, type[TransferRole]] = {
@@ -91,6 +112,12 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, cache, self.kv)
         self.requests: dict[str, Request] = {}
+        # DéjàVu replication: the holder side (other instances' replicas kept here) and
+        # the source side (this instance's running requests streamed to a holder).
+        self.replicas = ReplicaStore(config.instance_name, self._transfer_link)
+        self.replicator = Replicator(
+            self.kv, self.runner.cache, self._post, config.transfer.timeout_s
+        )
         self._take_role(config.role)
 
     # ---- the role --------------------------------------------------------------
@@ -164,9 +191,18 @@ class EngineCore:
         return out
 
     def close(self) -> None:
-        """Stop transfer threads and release the KV region (shared memory)."""
+        """Stop transfer threads and release the KV regions (shared memory): the pool's
+        and the replica regions held for other instances. A replication write in flight
+        is waited for first (the only place the core waits for one)."""
+        self.replicator.close(self.config.transfer.timeout_s)
+        self.replicas.close()
         if self.link is not None:
             self.link.close()
+
+    def check_integrity(self) -> None:
+        """AssertionError unless the pool's and the replica store's accounting hold."""
+        self.kv.check_integrity()
+        self.replicas.check_integrity()
 
     # ---- requests --------------------------------------------------------------
 
@@ -190,11 +226,24 @@ class EngineCore:
         prompt's, like a request preempted by recompute, and the next token sampled is the
         one after them. A seeded generator skips the draws they took (`resumed_generator`),
         so greedy and seeded requests continue exactly as if nothing had happened."""
+        req = self._new_request(request_id, prompt_token_ids, params, arrival, output_token_ids)
+        self._check_queue()
+        self._queue(req, handoff)
+        return req
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival: float | None,
+        output_token_ids: Sequence[int],
+    ) -> Request:
+        """A validated request (see `add_request`), not queued anywhere yet."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         prompt = list(prompt_token_ids)
         self._validate(prompt, params)
-        self._check_queue()
         outputs = list(output_token_ids)
         if len(outputs) >= params.max_tokens:
             raise InvalidRequestError(
@@ -208,10 +257,103 @@ class EngineCore:
             req.times.arrival = arrival
         if outputs:
             req.times.first_token = req.times.arrival  # not a first token: no hand-off
-        self.role.request_added(req, handoff)
-        self.requests[request_id] = req
-        self.scheduler.add(req, first=bool(outputs))
         return req
+
+    def _queue(self, req: Request, handoff: Handoff | None) -> None:
+        """Queue a new request (a migrated one ahead of the waiting ones)."""
+        self.role.request_added(req, handoff)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req, first=bool(req.output_token_ids))
+
+    # ---- replication (protocol/replica.py) ----------------------------------------
+
+    def open_replica_store(self, msg: OpenReplicaStore) -> None:
+        """Holder: a region for `msg.source`'s replicas (ReplicaStoreOpened)."""
+        handle = self.replicas.open(msg.source, msg.layout)
+        self._post(ReplicaStoreOpened(msg.source, handle))
+
+    def store_replicas(self, msg: StoreReplicas) -> None:
+        """Holder: record replicas (ReplicasStored: those recorded)."""
+        self._post(ReplicasStored(msg.source, self.replicas.store(msg.source, msg.replicas)))
+
+    def drop_replicas(self, msg: DropReplicas) -> None:
+        self.replicas.drop(msg.source, msg.request_ids)
+
+    def replicate_to(self, msg: ReplicateTo) -> None:
+        """Source: stream running requests' KV into `msg.region` (None: stop). ValueError
+        when the region's geometry is not the pool's (nothing changes then)."""
+        if msg.region is None:
+            self.replicator.stop()
+        else:
+            self.replicator.start(msg.holder, msg.region, self._transfer_link())
+
+    def resume_from_replica(self, msg: ResumeFromReplica) -> Request:
+        """Holder: continue `msg.request` from its replica (DéjàVu §4.3). The replica's KV
+        of the first `num_tokens` tokens (at most all tokens but the last) is copied into
+        pool blocks (prefix-cache hits first), committed, and the request joins the batch:
+        the next step computes the tokens after `num_tokens` and samples on. When the
+        replica is unknown, shorter than `num_tokens` or unusable, or the pool or batch
+        has no room, the request is recomputed instead, as `add_request` would queue it.
+        The replica is consumed either way. Raises like `add_request` (nothing changes)."""
+        r = msg.request
+        req = self._new_request(
+            r.request_id, r.prompt_token_ids, r.params, r.arrival, r.output_token_ids
+        )
+        found = self.replicas.get(msg.source, msg.replica_id)
+        if found is None or not self._place_replica(req, *found, msg.num_tokens):
+            self._check_queue()
+            self._queue(req, None)
+        else:
+            self.role.request_added(req, None)
+            self._join_batch(req)
+        self.replicas.drop(msg.source, [msg.replica_id])
+        return req
+
+    def _place_replica(
+        self, req: Request, region: Region, replica: ReplicaBlocks, num_tokens: int
+    ) -> bool:
+        """Give `req` pool blocks holding its first `num_tokens` tokens' KV (from the
+        prefix cache, then copied from the replica) and commit them. False, with nothing
+        allocated, when that cannot be done."""
+        tokens = req.all_token_ids
+        n = min(num_tokens, len(tokens) - 1)
+        room = len(self.scheduler.running) < self.scheduler.config.max_num_seqs
+        if n <= 0 or replica.num_tokens < n or not room:
+            return False
+        rid = req.request_id
+        cached = self.kv.match_prefix(tokens).num_cached_tokens
+        alloc = self.kv.allocate(rid, tokens, max(n - cached, 0))
+        if alloc is None:
+            return False
+        cached = alloc.num_cached_tokens
+        try:
+            self._copy_replica(rid, region, replica, cached, n)
+        except LayoutMismatchError:
+            self.kv.free(rid)
+            return False
+        done = max(n, cached)
+        self.kv.commit(rid, tokens, done)
+        req.num_computed_tokens = done
+        req.num_cached_prompt_tokens = min(cached, len(req.prompt_token_ids))
+        return True
+
+    def _copy_replica(
+        self, request_id: str, region: Region, replica: ReplicaBlocks, start: int, end: int
+    ) -> None:
+        """Copy tokens [start, end) from the replica region into the request's blocks
+        (both are tensors of this process). LayoutMismatchError if the replica's table or
+        geometry does not fit."""
+        if end <= start:
+            return
+        plan = stream_in(
+            region.handle.layout,
+            replica.blocks,
+            self.kv_layout,
+            self.kv.block_table(request_id),
+            start,
+            end,
+        )
+        apply_plan(plan, region.tensor, self.runner.cache.device_tensor)
 
     def add_prefilled(self, msg: AddPrefilled) -> None:
         """Decode role: a request prefilled elsewhere (see roles/decode.py). A request
@@ -265,6 +407,7 @@ class EngineCore:
         if req is None:
             return None
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self.replicator.request_ended(request_id)
         return EngineOutput(
             request_id,
             (),
@@ -278,7 +421,7 @@ class EngineCore:
 
     def transfers_in_flight(self) -> bool:
         """KV moves run in the background: the loop should poll again soon."""
-        return self.role.busy()
+        return self.role.busy() or self.replicator.busy()
 
     def poll_transfers(self) -> None:
         """Advance hand-offs without blocking: finished fetches join the batch, finished
@@ -286,6 +429,7 @@ class EngineCore:
         free_slots = self.scheduler.config.max_num_seqs - len(self.scheduler.running)
         for req in self.role.poll(free_slots):
             self._join_batch(req)
+        self.replicator.poll()
 
     # ---- one step --------------------------------------------------------------
 
@@ -296,8 +440,14 @@ class EngineCore:
         self.role.end_step()
         for seq in sched.seqs:
             self.scheduler.advance(seq)
-        if logits is None:
-            return []
+        outputs = [] if logits is None else self._sample(sampled, logits)
+        # The step's KV is committed and ended requests are gone: replicate the rest.
+        self.replicator.after_step(self.scheduler.running)
+        return outputs
+
+    def _sample(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[EngineOutput]:
+        """Sample, append and stop-check the step's tokens; then the role's first-token
+        hook."""
         tokens = sample(logits, [self._sampling_row(s) for s in sampled])
         firsts: list[Request] = []
         outputs = [self._append(s.request, t, firsts) for s, t in zip(sampled, tokens, strict=True)]
@@ -325,6 +475,7 @@ class EngineCore:
             return EngineOutput(req.request_id, new, num_cached_tokens=req.num_cached_prompt_tokens)
         self.requests.pop(req.request_id, None)
         self.scheduler.finish(req, status)
+        self.replicator.request_ended(req.request_id)
         return EngineOutput(
             req.request_id,
             new,
@@ -339,6 +490,7 @@ class EngineCore:
         """The role took `req` over: out of the batch, its KV kept (the role frees it)."""
         self.requests.pop(req.request_id, None)
         self.scheduler.detach(req)
+        self.replicator.request_ended(req.request_id)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus:
         p = req.params

@@ -42,6 +42,13 @@ from pdserve.protocol.core import (
     StatsRequest,
 )
 from pdserve.protocol.handoff import AddPrefilled, ReleaseKV, ReserveKV
+from pdserve.protocol.replica import (
+    DropReplicas,
+    OpenReplicaStore,
+    ReplicateTo,
+    ResumeFromReplica,
+    StoreReplicas,
+)
 from pdserve.protocol.wire import EngineInput, EngineMessage, Handlers
 from pdserve.runtime import freeze_startup_heap, pin_process
 
@@ -72,6 +79,11 @@ class _Loop:
                 ReleaseKV: self.release,
                 AbortRequests: self.abort,
                 StatsRequest: self.send_stats,
+                OpenReplicaStore: core.open_replica_store,
+                StoreReplicas: core.store_replicas,
+                DropReplicas: core.drop_replicas,
+                ResumeFromReplica: self.resume_from_replica,
+                ReplicateTo: self.replicate_to,
             }
         )
 
@@ -169,6 +181,24 @@ class _Loop:
         except EngineOverloadedError as e:
             self.send(RequestRejected(msg.request_id, str(e), None, overloaded=True))
 
+    def resume_from_replica(self, msg: ResumeFromReplica) -> None:
+        """Answered like an AddRequest: outputs, or RequestRejected."""
+        rid = msg.request.request_id
+        try:
+            self.core.resume_from_replica(msg)
+        except InvalidRequestError as e:
+            self.send(RequestRejected(rid, e.message, e.param))
+        except EngineOverloadedError as e:
+            self.send(RequestRejected(rid, str(e), None, overloaded=True))
+
+    def replicate_to(self, msg: ReplicateTo) -> None:
+        """A region this pool cannot fill is the front end's mistake, not the engine's
+        failure: said on stderr, and this instance does not replicate."""
+        try:
+            self.core.replicate_to(msg)
+        except ValueError as e:
+            print(f"pdserve: not replicating to {msg.holder}: {e}", file=sys.stderr)
+
     def release(self, msg: ReleaseKV) -> None:
         self.core.release(msg.request_ids)
 
@@ -185,7 +215,7 @@ class _Loop:
         error = None
         if check:
             try:
-                kv.check_integrity()
+                self.core.check_integrity()
             except AssertionError as e:
                 error = str(e) or "integrity check failed"
         return EngineStats(
@@ -202,6 +232,9 @@ class _Loop:
             num_held=role.num_held,
             num_transferring=role.num_transferring,
             num_reserved=role.num_reserved,
+            num_replicas=self.core.replicas.num_replicas,
+            num_replica_blocks=self.core.replicas.num_replica_blocks,
+            num_replicating=self.core.replicator.num_replicating,
         )
 
 

@@ -111,6 +111,9 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_held: int = 0  # prefill: finished prompts whose KV waits for a decode instance
     num_transferring: int = 0  # KV moves in flight (either side)
     num_reserved: int = 0  # decode: reservations and requests waiting for KV
+    num_replicas: int = 0  # holder: replicas recorded for other instances
+    num_replica_blocks: int = 0  # holder: distinct region blocks those replicas reference
+    num_replicating: int = 0  # source: requests holding blocks in a holder's region
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag=True):

@@ -13,7 +13,7 @@ See docs/transfer.md.
 from __future__ import annotations
 
 from pdserve.kv.layout import KVLayout, RegionHandle
-from pdserve.kv.transfer.aggregate import apply_plan, copy_runs, gather, scatter
+from pdserve.kv.transfer.aggregate import apply_plan, copy_runs, gather, gather_many, scatter
 from pdserve.kv.transfer.errors import (
     ChecksumError,
     LayoutMismatchError,
@@ -28,6 +28,7 @@ from pdserve.kv.transfer.layout import dtype_name, layout_of, token_view, torch_
 from pdserve.kv.transfer.plan import (
     TokenRun,
     TransferPlan,
+    merge_plans,
     plan_runs,
     split_plan,
     stream_in,
@@ -67,8 +68,10 @@ __all__ = [
     "copy_runs",
     "dtype_name",
     "gather",
+    "gather_many",
     "layout_of",
     "make_transport",
+    "merge_plans",
     "plan_runs",
     "scatter",
     "split_plan",

@@ -157,6 +157,32 @@ def gather(
     return out
 
 
+def gather_many(
+    pool: torch.Tensor, layout: KVLayout, pieces: Sequence[tuple[Sequence[int], int, int]]
+) -> torch.Tensor:
+    """Several requests' tokens, one after another, as ONE contiguous `[L, 2, n, H, D]`
+    tensor of every layer the pool holds: piece `(blocks, start, end)` is tokens
+    [start, end) of the request whose block table is `blocks`, and fills the next
+    `end - start` rows. One `copy_runs` call for all pieces (the replicator's per-step
+    aggregation: a few tokens of many requests, flushed with one transport call)."""
+    _check_pool(pool, layout)
+    slots: list[np.ndarray] = []
+    for blocks, start, end in pieces:
+        check_range(start, end)
+        check_table("source", blocks, layout.block_size, end)
+        slots.append(token_slots(blocks, layout.block_size, start, end))
+    src = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+    n = len(src)
+    out = torch.empty(
+        (layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim),
+        dtype=pool.dtype,
+        device=pool.device,
+    )
+    runs = runs_between(src, np.arange(n))
+    copy_runs(token_view(pool), out.view(layout.num_layers, 2, n, layout.row_elems), runs)
+    return out
+
+
 def scatter(
     buf: torch.Tensor,
     pool: torch.Tensor,

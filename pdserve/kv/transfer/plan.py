@@ -243,3 +243,30 @@ def _split_runs(plan: TransferPlan, parts: int) -> list[tuple[tuple[int, int, in
                 current = []
     out.append(tuple(current))
     return [runs for runs in out if runs]
+
+
+def merge_plans(plans: Sequence[TransferPlan]) -> TransferPlan:
+    """One plan moving exactly what `plans` move, in order: their runs concatenated (a run
+    that continues the previous one on both sides is joined to it). Used to flush several
+    requests' KV, gathered into one buffer, with one transport call.
+
+    Raises ValueError for no plans, or plans whose layers or token_bytes differ (they would
+    not be one set of pieces between the same two pools)."""
+    if not plans:
+        raise ValueError("merge_plans needs at least one plan")
+    first = plans[0]
+    runs: list[tuple[int, int, int]] = []
+    for plan in plans:
+        same = (plan.src_layers, plan.dst_layers, plan.token_bytes)
+        if same != (first.src_layers, first.dst_layers, first.token_bytes):
+            raise ValueError(
+                f"cannot merge plans of different layers or token rows: {same} vs "
+                f"{(first.src_layers, first.dst_layers, first.token_bytes)}"
+            )
+        for s, d, n in plan.runs:
+            if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+                ps, pd, pn = runs[-1]
+                runs[-1] = (ps, pd, pn + n)
+            else:
+                runs.append((s, d, n))
+    return msgspec.structs.replace(first, runs=tuple(runs))

@@ -1,0 +1,160 @@
+"""`ReplicaStore`: the holder side of DéjàVu's KV replication (protocol/replica.py).
+
+The holder keeps, per source instance, one host-memory region of the source's pool layout
+(`OpenReplicaStore`), created through this core's transfer link so the source can write
+into it with its transport. Contracts:
+
+- Who writes: only the source writes its region, into blocks it allocates itself; the
+  holder never writes a replica and reads one only to resume it (`take`), after the
+  source is dead. The holder never allocates region blocks.
+- What is recorded: `StoreReplicas` as relayed by the front end (request id -> blocks,
+  num_tokens); a later record of a request replaces the earlier one. A record naming a
+  block outside the region is refused (not acknowledged). A record sharing a block with
+  another live replica of the same source means the source reused that block (the older
+  request ended and its DropReplicas was lost or is late): the older replica's KV is
+  overwritten, so it is forgotten.
+- When records go: `DropReplicas` (no ids: all of that source's), a resume consuming one,
+  a re-open with another layout (a new region; the old one stays mapped until `close`,
+  the transport has no per-region release) and `close` (the link's transport releases
+  the regions).
+
+Single-threaded: called from the step loop between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from pdserve.engine.roles.transfer import TransferLink
+from pdserve.kv.block_pool import integrity_check
+from pdserve.kv.layout import KVLayout, RegionHandle
+from pdserve.kv.transfer import Region
+from pdserve.protocol.replica import ReplicaBlocks
+
+
+@dataclass
+class _SourceStore:
+    """One source's region and the replicas recorded in it."""
+
+    region: Region
+    replicas: dict[str, ReplicaBlocks] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.region.handle.layout
+
+    def fits(self, replica: ReplicaBlocks) -> bool:
+        """The blocks lie within the region and cover `num_tokens`."""
+        layout = self.layout
+        in_range = all(0 <= b < layout.num_blocks for b in replica.blocks)
+        covers = len(replica.blocks) * layout.block_size >= replica.num_tokens >= 0
+        return in_range and covers
+
+    def record(self, replica: ReplicaBlocks) -> None:
+        """Record `replica`, forgetting older replicas that share a block with it."""
+        blocks = set(replica.blocks)
+        stale = [
+            rid
+            for rid, other in self.replicas.items()
+            if rid != replica.request_id and not blocks.isdisjoint(other.blocks)
+        ]
+        for rid in stale:
+            del self.replicas[rid]
+        self.replicas[replica.request_id] = replica
+
+    def block_ids(self) -> set[int]:
+        return {b for r in self.replicas.values() for b in r.blocks}
+
+
+class ReplicaStore:
+    """Replica regions and records of every source this instance holds for."""
+
+    def __init__(self, instance_name: str, link: Callable[[], TransferLink]) -> None:
+        self.instance_name = instance_name
+        self._link = link  # the core's transfer link, opened on first use
+        self._stores: dict[str, _SourceStore] = {}
+        self._opened = 0  # regions created (unique region names)
+
+    # ---- counters ---------------------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        return sum(len(s.replicas) for s in self._stores.values())
+
+    @property
+    def num_replica_blocks(self) -> int:
+        """Distinct region blocks referenced by live replicas (all sources)."""
+        return sum(len(s.block_ids()) for s in self._stores.values())
+
+    def sources(self) -> list[str]:
+        return list(self._stores)
+
+    # ---- the messages -----------------------------------------------------------
+
+    def open(self, source: str, layout: KVLayout) -> RegionHandle:
+        """The region for `source`'s replicas: the existing one when its layout is
+        `layout` (idempotent), else a new zeroed region (the old records are dropped)."""
+        store = self._stores.get(source)
+        if store is not None and store.layout == layout:
+            return store.region.handle
+        self._opened += 1
+        suffix = "" if self._opened == 1 else f"-{self._opened}"
+        name = f"{self.instance_name}-replica-{source}{suffix}"
+        region = self._link().transport.create_region(name, layout)
+        self._stores[source] = _SourceStore(region)
+        return region.handle
+
+    def store(self, source: str, replicas: Iterable[ReplicaBlocks]) -> list[ReplicaBlocks]:
+        """Record `replicas` of `source`; returns those recorded (the acknowledgement).
+        Nothing is recorded for a source without a region, or for a replica that does
+        not fit the region."""
+        store = self._stores.get(source)
+        if store is None:
+            return []
+        recorded = [r for r in replicas if store.fits(r)]
+        for replica in recorded:
+            store.record(replica)
+        return recorded
+
+    def drop(self, source: str, request_ids: Iterable[str]) -> None:
+        """Forget these replicas of `source`; an empty list forgets all of them."""
+        store = self._stores.get(source)
+        if store is None:
+            return
+        ids = list(request_ids)
+        if not ids:
+            store.replicas.clear()
+        for rid in ids:
+            store.replicas.pop(rid, None)
+
+    def get(self, source: str, request_id: str) -> tuple[Region, ReplicaBlocks] | None:
+        """The region and record of one replica, or None if unknown (it stays recorded)."""
+        store = self._stores.get(source)
+        if store is None:
+            return None
+        replica = store.replicas.get(request_id)
+        return None if replica is None else (store.region, replica)
+
+    # ---- integrity --------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """AssertionError unless every recorded block lies within its region and no block
+        belongs to two live replicas of one source."""
+        for source, store in self._stores.items():
+            seen: set[int] = set()
+            for rid, replica in store.replicas.items():
+                integrity_check(
+                    store.fits(replica),
+                    f"replica {rid!r} of {source!r} does not fit its region "
+                    f"({store.layout.num_blocks} blocks): {replica.blocks}",
+                )
+                integrity_check(
+                    seen.isdisjoint(replica.blocks),
+                    f"replica {rid!r} of {source!r} shares blocks with another replica",
+                )
+                seen.update(replica.blocks)
+
+    def close(self) -> None:
+        """Forget every record; the link's transport releases the regions."""
+        self._stores.clear()
