@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core
+from pdserve.engine.engine_process import _Loop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.errors import InvalidRequestError
@@ -32,7 +34,7 @@ from pdserve.kv.transfer import (
 )
 from pdserve.model.base import CausalLM
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.core import AddRequest
+from pdserve.protocol.core import AddRequest, RequestRejected
 from pdserve.protocol.replica import (
     DropReplicas,
     KVReplicated,
@@ -44,6 +46,7 @@ from pdserve.protocol.replica import (
     ResumeFromReplica,
     StoreReplicas,
 )
+from pdserve.protocol.wire import EngineMessage
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -434,3 +437,60 @@ def test_invalid_resume_is_refused_and_keeps_the_replica(
     assert holder.kv.num_used_blocks == 0
     run_rest(relay)
     assert_all_freed(relay)
+
+
+# ---- the process loop's handlers -----------------------------------------------------
+
+
+class FakeSocket:
+    """What `_Loop` sends, decoded."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+        self.decoder = msgspec.msgpack.Decoder(EngineMessage)
+
+    def send(self, raw: bytes) -> None:
+        self.sent.append(self.decoder.decode(raw))
+
+
+def test_engine_process_handles_the_replication_messages(make_core: MakeCore) -> None:
+    holder, source = make_core("holder"), make_core("source")
+    out = FakeSocket()
+    loop = _Loop(holder, None, out)  # type: ignore[arg-type]
+    layout = source.kv_layout
+    loop.apply(OpenReplicaStore("src", layout))
+    loop.apply(OpenReplicaStore("src", layout))  # idempotent: the same region
+    loop.flush_messages()
+    first, again = out.sent
+    assert isinstance(first, ReplicaStoreOpened) and first == again
+    blocks = [ReplicaBlocks("a", [0, 1], 20), ReplicaBlocks("b", [2], 16)]
+    outside = ReplicaBlocks("c", [NUM_BLOCKS], 1)  # not in the region: not recorded
+    loop.apply(StoreReplicas("src", [*blocks, outside]))
+    loop.apply(StoreReplicas("src", [ReplicaBlocks("a", [0, 1, 3], 40)]))  # replaces a
+    loop.flush_messages()
+    assert out.sent[2:] == [
+        ReplicasStored("src", blocks),
+        ReplicasStored("src", [ReplicaBlocks("a", [0, 1, 3], 40)]),
+    ]
+    stats = loop.stats(1, check=True)
+    assert (stats.num_replicas, stats.num_replica_blocks, stats.integrity_error) == (2, 4, None)
+    # A record reusing b's block: the source reused it, so b's KV is gone (b forgotten).
+    loop.apply(StoreReplicas("src", [ReplicaBlocks("d", [2], 5)]))
+    assert sorted(holder.replicas._stores["src"].replicas) == ["a", "d"]
+    # Invalid: nothing left to generate. Refused like an AddRequest; the replica is kept.
+    request = AddRequest("x", [1, 2, 3], SamplingParams(max_tokens=1), output_token_ids=[4])
+    loop.apply(ResumeFromReplica(request, "src", "a", 3))
+    rejected = out.sent[-1]
+    assert isinstance(rejected, RequestRejected) and rejected.request_id == "x"
+    loop.apply(DropReplicas("src", ["d", "unknown"]))
+    assert loop.stats(2, check=True).num_replicas == 1
+    loop.apply(DropReplicas("src", []))
+    assert loop.stats(3, check=True).num_replica_blocks == 0
+    # The source side: a region of another geometry is refused without failing the loop.
+    src_loop = _Loop(source, None, FakeSocket())  # type: ignore[arg-type]
+    other = msgspec.structs.replace(layout, head_dim=8)
+    wrong = msgspec.structs.replace(first.region, layout=other)
+    src_loop.apply(ReplicateTo("holder", wrong))
+    assert not source.replicator.active
+    src_loop.apply(ReplicateTo("holder", first.region))
+    assert source.replicator.active and src_loop.stats(4, check=True).num_replicating == 0
