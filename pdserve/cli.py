@@ -213,6 +213,12 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         default=10.0,
         help="mark an instance dead after this many seconds without a report",
     )
+    g.add_argument(
+        "--max-migrations",
+        type=int,
+        default=2,
+        help="times a request may move off a failed instance before it fails (default 2)",
+    )
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     g.add_argument(
         "--kv-lease", type=float, default=60.0, help="pull: seconds unclaimed prefill KV is kept"

@@ -22,9 +22,11 @@ class ClusterConfig:
     # An instance that has sent nothing (outputs or load reports) for this long is marked
     # dead: new requests avoid it and its requests are retried or failed.
     instance_timeout_s: float = 10.0
-    # A request whose KV hand-off failed (or whose instance died before it produced a
-    # second token) is run again from its prompt on other instances at most this often.
+    # A request whose KV hand-off failed (both instances alive) is run again at most this
+    # often: from its prompt, or after its streamed tokens (cluster/recovery.py).
     max_retries: int = 1
+    # A request whose instance died is moved to a live one at most this often (--max-migrations).
+    max_migrations: int = 2
     # Seed of the power-of-two choice (tests); None: random.
     seed: int | None = None
     # Prefill instances: tokens per prefill-only chunk (TetriInfer ChunkSize); None: the
@@ -32,7 +34,7 @@ class ClusterConfig:
     prefill_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_prefill", "num_decode", "num_colocated", "max_retries"):
+        for name in ("num_prefill", "num_decode", "num_colocated", "max_retries", "max_migrations"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

@@ -23,12 +23,18 @@ Request life cycle (disaggregated; `_Record.phase`):
            HANDOFF    KVHandedOff -> AddPrefilled(no source) -> D -> KVReceived
            DECODE
 
-Failures: a `HandoffFailed`, or the death of an instance before the request produced a
-token there, sends it back to the start (at most `max_retries` times) on other
-instances; the retry keeps the first token already streamed (the new prefill's sampled
-token is discarded; its KV is the same). Otherwise the request ends with
-`InstanceFailedError` (HTTP 503). Every path releases what the other side holds
-(ReleaseKV / AbortRequests), so no block stays allocated for a request that is gone.
+Failures (`cluster/recovery.py`, docs/fault-tolerance.md): when an instance dies every
+request on it is migrated (at most `max_migrations` times), and a `HandoffFailed` with
+both instances alive is retried (at most `max_retries` times). A request that streamed
+nothing yet starts again from its prompt; one that did continues after its last streamed
+token on a live instance that decodes (`AddRequest.output_token_ids`: the KV of prompt and
+tokens is recomputed there; a seeded generator skips the draws already taken), so the
+client's stream only pauses. With no live instance of a role left the other role runs
+requests whole. Past the bound, or with no live instance at all, the request ends with
+`InstanceFailedError` (HTTP 503). A dead instance is fenced: its process is killed and
+gone before its requests move, and nothing it sent after its death is read. Every path
+releases what the other side holds (ReleaseKV / AbortRequests), so no block stays
+allocated for a request that is gone.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import zmq.asyncio
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.policies import DecodeChooser, choose_prefill
+from pdserve.cluster.recovery import FaultCounters
 from pdserve.config import EngineConfig, Role, TransferMode
 from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.engine.outputs import RequestOutput
@@ -109,9 +116,10 @@ class _Record:
     # Instances whose assigned load counts this request (released exactly once).
     credit_prefill: Instance | None = None
     credit_decode: Instance | None = None
-    attempts: int = 0
-    first_tokens: list[int] = field(default_factory=list)  # streamed by the prefill side
-    num_streamed: int = 0  # tokens forwarded to the client
+    attempts: int = 0  # dispatches after the first (retries and migrations)
+    migrations: int = 0
+    streamed: list[int] = field(default_factory=list)  # token ids forwarded to the client
+    recompute: int = 0  # tokens a move sent to be computed again (counted on its output)
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -121,7 +129,7 @@ class _Record:
     def key(self) -> str:
         """The id instances know this attempt by: messages about an earlier attempt
         (stragglers) cannot be mistaken for the current one."""
-        return self.request_id if self.attempts == 0 else f"{self.request_id}~retry{self.attempts}"
+        return self.request_id if self.attempts == 0 else f"{self.request_id}~move{self.attempts}"
 
 
 class Cluster:
@@ -155,8 +163,7 @@ class Cluster:
                 RequestRejected: self._on_rejected,
             }
         )
-        self.num_retries = 0  # attempts started again from the prompt
-        self.num_failed = 0  # requests ended with an instance / transfer error
+        self.faults = FaultCounters()
 
     # ---- life cycle ----------------------------------------------------------------
 
@@ -214,15 +221,16 @@ class Cluster:
     def of_role(self, role: Role) -> list[Instance]:
         return [i for i in self.instances if i.role is role]
 
+    def live(self, role: Role) -> list[Instance]:
+        return [i for i in self.instances if i.role is role and i.alive]
+
     @property
     def is_alive(self) -> bool:
+        """Some instance can serve: with only prefill or only decode instances left, they
+        run requests whole (see `_dispatch`)."""
         if self._closed or self._dead is not None:
             return False
-        if self.config.disaggregated:
-            return any(i.alive for i in self.of_role(Role.PREFILL)) and any(
-                i.alive for i in self.of_role(Role.DECODE)
-            )
-        return any(i.alive for i in self.of_role(Role.COLOCATED))
+        return any(i.alive for i in self.instances)
 
     # ---- requests ------------------------------------------------------------------
 
@@ -274,10 +282,16 @@ class Cluster:
     # ---- dispatch ------------------------------------------------------------------
 
     def _dispatch(self, rec: _Record) -> None:
-        """Send a request (new, or retried from its prompt) to its first instance."""
+        """Send a request (new, or moved before it streamed anything) to its first
+        instance. With every prefill (or every decode) instance dead, a live instance of
+        the other role runs it whole: slower for everyone, but no request is refused."""
         rec.phase = Phase.PREFILL
         if not self.config.disaggregated:
             self._send_prefill(rec, self.of_role(Role.COLOCATED), None)
+        elif not self.live(Role.DECODE):
+            self._send_prefill(rec, self.of_role(Role.PREFILL), None)
+        elif not self.live(Role.PREFILL):
+            self._run_whole_on_decode(rec)
         elif self.mode is TransferMode.PULL:
             self._send_prefill(rec, self.of_role(Role.PREFILL), Handoff(self.mode.value))
         else:
@@ -295,11 +309,17 @@ class Cluster:
             return
         rec.prefill = rec.credit_prefill = inst
         inst.assigned_prefill_tokens += len(rec.prompt)
-        params = rec.params if rec.num_streamed == 0 else _retry_params(rec.params)
-        inst.send(AddRequest(rec.key, rec.prompt, params, rec.arrival, handoff))
+        inst.send(AddRequest(rec.key, rec.prompt, rec.params, rec.arrival, handoff))
+
+    def _run_whole_on_decode(self, rec: _Record) -> None:
+        """No prefill instance is alive: a decode instance prefills the prompt itself."""
+        inst = self._choose_decode(rec)
+        if inst is not None:
+            rec.phase = Phase.DECODE
+            inst.send(AddRequest(rec.key, rec.prompt, rec.params, rec.arrival))
 
     def _choose_decode(self, rec: _Record) -> Instance | None:
-        need = -(-(len(rec.prompt) + 1) // self.engine.cache.block_size)
+        need = -(-(len(rec.prompt) + len(rec.streamed) + 1) // self.engine.cache.block_size)
         inst = self.decode_chooser.choose(self.of_role(Role.DECODE), need)
         if inst is None:
             self._fail(rec, InstanceFailedError("no live decode instance"))
@@ -324,29 +344,26 @@ class Cluster:
 
     def _on_output(self, inst: Instance, out: EngineOutput) -> None:
         rec = self.records.get(out.request_id)
-        if rec is None:
+        if rec is None or (inst is not rec.prefill and inst is not rec.decode):
             return
         from_prefill = self.config.disaggregated and inst is rec.prefill
         if from_prefill and rec.phase is not Phase.PREFILL:
             return
-        if from_prefill and rec.num_streamed:
-            # A retry's prefill: its KV is what we need, its token we already sent.
-            if out.finish_reason is not None:
-                self._fail(rec, InstanceFailedError("the retried prefill ended the request"))
-            return
-        if from_prefill:
+        if rec.times.first_token_seen is None:
             rec.times.first_token_seen = time.monotonic()
-            rec.first_tokens = [t.token_id for t in out.new_tokens]
+        if rec.recompute:  # the first output after a move: what it really recomputed
+            self.faults.recomputed_tokens += max(0, rec.recompute - out.num_cached_tokens)
+            rec.recompute = 0
         self._forward(rec, inst, out)
 
     def _forward(self, rec: _Record, inst: Instance, out: EngineOutput) -> None:
         assert self._processor is not None
         if out.request_id != rec.request_id:  # a retry's key: the client knows the id
             out = msgspec.structs.replace(out, request_id=rec.request_id)
+        rec.streamed.extend(t.token_id for t in out.new_tokens)
         result, stop_string = self._processor.process(out)
         if result is None:
             return
-        rec.num_streamed += len(out.new_tokens)
         if result.finished:
             rec.times.finished = time.monotonic()
             if self.config.disaggregated:
@@ -376,7 +393,7 @@ class Cluster:
             AddPrefilled(
                 rec.key,
                 rec.prompt,
-                rec.first_tokens,
+                rec.streamed,
                 rec.params,
                 rec.arrival,
                 msg.source,
@@ -418,7 +435,7 @@ class Cluster:
         elif inst is rec.decode:
             rec.decode = None
         self._release(rec, abort=True)
-        self._retry_or_fail(rec, f"{inst.name}: {msg.message}")
+        self._move(rec, f"{inst.name}: {msg.message}", migration=False)
 
     def _on_rejected(self, inst: Instance, msg: RequestRejected) -> None:
         rec = self.records.get(msg.request_id)
@@ -439,12 +456,15 @@ class Cluster:
             for inst in self.instances:
                 reason = inst.check(now)
                 if reason is not None:
+                    await inst.fence()
                     self._on_dead(inst, reason)
 
     def _on_dead(self, inst: Instance, reason: str) -> None:
+        """`inst` is dead and fenced (its process is gone): move what it held."""
         if self.single_engine:
             self._on_engine_dead(inst, reason)
             return
+        self.faults.instance_failed(inst.role.value)
         for key, (prefill, decode) in list(self._push_stops.items()):
             if inst is prefill:  # a dead process writes nothing more
                 del self._push_stops[key]
@@ -452,17 +472,12 @@ class Cluster:
         for rec in list(self.records.values()):
             if inst is not rec.prefill and inst is not rec.decode:
                 continue
-            dead_decode = rec.decode
             if inst is rec.prefill:
                 rec.prefill = None
             else:
                 rec.decode = None
             self._release(rec, abort=True)
-            produced_there = inst is dead_decode and rec.num_streamed > len(rec.first_tokens)
-            if not self.config.disaggregated or produced_there:
-                self._fail(rec, InstanceFailedError(f"instance {inst.name} failed: {reason}"))
-            else:
-                self._retry_or_fail(rec, f"instance {inst.name} failed: {reason}")
+            self._move(rec, f"instance {inst.name} failed: {reason}", migration=True)
 
     def _on_engine_dead(self, inst: Instance, reason: str) -> None:
         """The lone engine is gone: every request, open or new, fails with why."""
@@ -471,20 +486,62 @@ class Cluster:
         self._dead = EngineDeadError(reason)
         self._fail_all(self._dead)
 
-    def _retry_or_fail(self, rec: _Record, why: str) -> None:
-        if rec.attempts >= self.config.max_retries or self._closed:
-            tries = f" (after {rec.attempts} retries)" if rec.attempts else ""
+    def _move(self, rec: _Record, why: str, migration: bool) -> None:
+        """Run `rec` again elsewhere, or fail it past its bound. `migration`: its instance
+        died (bounded by `max_migrations`), else its hand-off failed (`max_retries`)."""
+        done, bound = (
+            (rec.migrations, self.config.max_migrations)
+            if migration
+            else (rec.attempts - rec.migrations, self.config.max_retries)
+        )
+        if done >= bound or self._closed:
+            moves = "migrations" if migration else "retries"
+            tries = f" (after {done} {moves})" if done else ""
             self._fail(rec, InstanceFailedError(f"the request failed{tries}: {why}"))
             return
         self.records.pop(rec.key, None)
-        self.num_retries += 1
         rec.attempts += 1
+        if migration:
+            rec.migrations += 1
+            self.faults.migrations += 1
+        else:
+            self.faults.retries += 1
         self.records[rec.key] = rec
-        self._dispatch(rec)
+        if rec.streamed:
+            self._resume(rec)
+        else:
+            self._dispatch(rec)
+
+    def _resume(self, rec: _Record) -> None:
+        """Continue `rec` after its last streamed token: the instance computes the KV of
+        prompt + streamed tokens again (prefix-cache hits excepted) and samples the next
+        token."""
+        inst = self._continuation_instance(rec)
+        if inst is None:
+            self._fail(rec, InstanceFailedError("no live instance to continue the request on"))
+            return
+        rec.decode = rec.credit_decode = inst
+        inst.assigned_requests += 1
+        rec.prefill, rec.phase = None, Phase.DECODE
+        rec.recompute = len(rec.prompt) + len(rec.streamed) - 1
+        inst.send(
+            AddRequest(rec.key, rec.prompt, rec.params, rec.arrival, output_token_ids=rec.streamed)
+        )
+
+    def _continuation_instance(self, rec: _Record) -> Instance | None:
+        """Where a moved request continues: a live decode instance (by the decode policy,
+        preferring room for its tokens), else a colocated one, else - no instance that
+        decodes is left - a prefill instance, which runs it to the end."""
+        need = -(-(len(rec.prompt) + len(rec.streamed) + 1) // self.engine.cache.block_size)
+        for role in (Role.DECODE, Role.COLOCATED, Role.PREFILL):
+            live = self.live(role)
+            if live:
+                return self.decode_chooser.choose(live, need)
+        return None
 
     def _fail(self, rec: _Record, error: Exception) -> None:
         if isinstance(error, InstanceFailedError):
-            self.num_failed += 1
+            self.faults.failed += 1
         self._release(rec, abort=True)
         rec.queue.put_nowait(error)
 
@@ -564,11 +621,6 @@ class Cluster:
                     row["stats"] = {f: getattr(stats, f) for f in fields}
             rows.append(row)
         return rows
-
-
-def _retry_params(params: SamplingParams) -> SamplingParams:
-    """A retry's prefill must hand off whatever it samples (the token is discarded)."""
-    return dataclasses.replace(params, ignore_eos=True, stop_token_ids=(), min_tokens=0)
 
 
 def _sum_stats(live: list[Instance], replies: Sequence[EngineStats | BaseException]) -> EngineStats:

@@ -4,9 +4,15 @@ It spawns `run_engine_process` with the instance's role, owns the two ZeroMQ IPC
 to it (bound in a private temporary directory), waits for the ready handshake, answers
 stats requests, hands everything else the instance sends to the front end's
 `on_message`, and decides when the instance is dead: its process exited, it reported a
-failure, or (with `timeout_s`) it has sent nothing - outputs or load reports, every
-`report_interval_s` - for that long. A dead instance is never used again; the front end
-retries or fails its requests.
+failure, or (with `timeout_s`) it has sent nothing - outputs, load reports, or the
+heartbeats a thread of the instance sends every `report_interval_s` whatever its step
+loop does - for that long. A dead instance is never used again; the front end
+moves or fails its requests.
+
+Fencing: a dead instance that is still running (silent, e.g. SIGSTOPped) is killed when it
+is marked dead, `fence` waits until its process is gone, and nothing it sent after its
+death is read. The front end moves its requests only after `fence`, so a request is never
+served, and no KV block written, by the dead instance and its successor at once.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pdserve.protocol.core import (
     EngineFailed,
     EngineReady,
     EngineStats,
+    Heartbeat,
     LoadReport,
     Shutdown,
     StatsRequest,
@@ -79,6 +86,7 @@ class Instance:
         self._own = Handlers[None](
             {
                 LoadReport: self._on_report,
+                Heartbeat: _ignore,  # reading it is the point: `last_heard`
                 EngineStats: self._on_stats,
                 EngineFailed: self._on_failed,
             }
@@ -139,6 +147,13 @@ class Instance:
             self.process.kill()  # unresponsive: make sure it serves nobody half-way
         return reason
 
+    async def fence(self, timeout: float = 10.0) -> None:
+        """Once dead: wait until the process is gone (it was killed when marked dead)."""
+        assert self.dead is not None
+        if self.process.is_alive():
+            self.process.kill()
+            await asyncio.to_thread(self.process.join, timeout)
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Shutdown, then kill if it does not exit within `timeout`; close the sockets."""
         if self.process.is_alive():
@@ -182,6 +197,8 @@ class Instance:
     async def _read(self) -> None:
         while True:
             msg = self._decoder.decode(await self._from.recv())
+            if self.dead is not None:
+                continue  # fenced: nothing a dead instance says counts
             self.last_heard = time.monotonic()
             if type(msg) in self._own:
                 self._own(msg)
@@ -198,6 +215,10 @@ class Instance:
 
     def _on_failed(self, msg: EngineFailed) -> None:
         self.mark_dead(msg.message)
+
+
+def _ignore(msg: Heartbeat) -> None:
+    pass
 
 
 def _run_engine(config: EngineConfig, input_addr: str, output_addr: str, report: bool) -> None:

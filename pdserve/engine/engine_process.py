@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -35,6 +36,7 @@ from pdserve.protocol.core import (
     EngineFailed,
     EngineReady,
     EngineStats,
+    Heartbeat,
     LoadReport,
     OutputBatch,
     RequestRejected,
@@ -238,6 +240,26 @@ class _Loop:
         )
 
 
+def _start_heartbeat(ctx: zmq.Context, output_addr: str, interval_s: float) -> threading.Event:
+    """A daemon thread sending `Heartbeat` every `interval_s` on its own socket (ZeroMQ
+    sockets are not shared between threads) until the returned event is set. It runs
+    while a step computes (torch releases the GIL), so silence means the process is
+    stopped or gone, not busy."""
+    stop = threading.Event()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+
+    def beat() -> None:
+        while not stop.wait(interval_s):
+            sock.send(encoder.encode(Heartbeat(time.monotonic())))
+        sock.close(0)
+
+    threading.Thread(target=beat, name="pdserve-heartbeat", daemon=True).start()
+    return stop
+
+
 def run_engine_process(
     config: EngineConfig, input_addr: str, output_addr: str, report: bool = False
 ) -> None:
@@ -266,6 +288,7 @@ def run_engine_process(
     freeze_startup_heap()
     out.send(encoder.encode(EngineReady(core.max_model_len, model.config.vocab_size)))
     loop = _Loop(core, inp, out, report)
+    beat = _start_heartbeat(ctx, output_addr, config.report_interval_s) if report else None
     try:
         loop.run()
     except Exception as e:
@@ -275,6 +298,8 @@ def run_engine_process(
     finally:
         if loop.trace is not None:
             loop.trace.close()
+        if beat is not None:
+            beat.set()
         core.close()
         inp.close(0)
         out.close()

@@ -116,6 +116,13 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_replicating: int = 0  # source: requests holding blocks in a holder's region
 
 
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    """Sent every `report_interval_s` by a thread of the instance beside its step loop, so
+    a long step is not silence: only a stopped, frozen or dead process goes quiet."""
+
+    sent_at: float  # monotonic
+
+
 class LoadReport(msgspec.Struct, frozen=True, tag=True):
     """Sent every `report_interval_s` by an instance (TetriInfer's monitor); also what
     tells the front end the instance is alive between outputs."""

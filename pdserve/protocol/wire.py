@@ -38,6 +38,7 @@ EngineMessage = (
     | core.EngineFailed
     | core.EngineStats
     | core.LoadReport
+    | core.Heartbeat
     | handoff.KVHandedOff
     | handoff.KVReserved
     | handoff.KVReceived

@@ -88,6 +88,7 @@ class _Api:
         assert client.tokenizer is not None
         self.render = Renderer(client.tokenizer)
         self.metrics = ServerMetrics()
+        self.metrics.watch_faults(client.faults)
 
     async def health(self) -> JSONResponse:
         if not self.client.is_alive:
@@ -106,7 +107,7 @@ class _Api:
     async def debug_cluster(self) -> dict[str, Any]:
         """Per instance (role, pid, liveness, load, counters, integrity); one row for a
         single-engine server."""
-        counters = {"retries": self.client.num_retries, "failed": self.client.num_failed}
+        counters = self.client.faults.as_dict()
         return {"instances": await self.client.instance_stats(), "controller": counters}
 
     async def prometheus(self) -> Response:

@@ -2,7 +2,7 @@
 
 The front end, `cluster.Cluster` (one engine, or prefill / decode / colocated
 instances), provides it; the routes see only this protocol: generation, counters,
-per-instance rows for /debug/cluster, and the retry / failure counters.
+per-instance rows for /debug/cluster, and the failure counters.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
+from pdserve.cluster.recovery import FaultCounters
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
@@ -19,8 +20,7 @@ from pdserve.protocol.core import EngineStats
 class ServingBackend(Protocol):
     tokenizer: Tokenizer | None
     max_model_len: int
-    num_retries: int  # attempts started again on other instances (a cluster's controller)
-    num_failed: int  # requests ended by an instance or transfer failure
+    faults: FaultCounters  # retries, migrations, failures (cluster/recovery.py)
 
     @property
     def is_alive(self) -> bool: ...

@@ -78,6 +78,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         num_colocated=colocated,
         decode_policy=DecodePolicy(args.decode_policy),
         instance_timeout_s=args.instance_timeout,
+        max_migrations=args.max_migrations,
         prefill_chunk_size=args.chunk_size,
     )
 

@@ -7,8 +7,13 @@ engine process at scrape time, so they are never stale.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdserve.cluster.recovery import FaultCounters
 from pdserve.engine.outputs import RequestOutput
 from pdserve.protocol.core import EngineStats
 
@@ -58,6 +63,10 @@ class ServerMetrics:
         if m.decode_time is not None and len(out.token_ids) > 1:
             self.tpot.observe(m.decode_time / (len(out.token_ids) - 1))
 
+    def watch_faults(self, faults: FaultCounters) -> None:
+        """Export the front end's failure counters (read at every scrape)."""
+        self.registry.register(_FaultCollector(faults))
+
     def render(self, stats: EngineStats | None) -> bytes:
         if stats is not None:
             self.running.set(stats.num_running)
@@ -67,3 +76,40 @@ class ServerMetrics:
             queries = stats.prefix_cache_queries
             self.hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
         return generate_latest(self.registry)
+
+
+class _FaultCollector(Collector):
+    """The front end's failure counters (`FaultCounters`), read at scrape: Prometheus
+    counters over the live object, so nothing is copied per event."""
+
+    def __init__(self, faults: FaultCounters) -> None:
+        self.faults = faults
+
+    def collect(self) -> Iterator[Metric]:
+        f = self.faults
+        for name, doc, value in (
+            ("pdserve_migrations", "Requests moved off a failed instance", f.migrations),
+            (
+                "pdserve_resumed_from_replica",
+                "Migrations that continued from replicated KV",
+                f.resumed_from_replica,
+            ),
+            (
+                "pdserve_recomputed_tokens",
+                "Tokens whose KV a migration or retry computed again",
+                f.recomputed_tokens,
+            ),
+            ("pdserve_handoff_retries", "Requests run again after a failed KV hand-off", f.retries),
+            (
+                "pdserve_failed_requests",
+                "Requests ended by an instance or transfer failure",
+                f.failed,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        by_role = CounterMetricFamily(
+            "pdserve_instance_failures", "Instances that failed, by role", labels=["role"]
+        )
+        for role, count in sorted(f.instance_failures.items()):
+            by_role.add_metric([role], count)
+        yield by_role
