@@ -219,6 +219,11 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         default=2,
         help="times a request may move off a failed instance before it fails (default 2)",
     )
+    g.add_argument(
+        "--kv-replication",
+        action="store_true",
+        help="stream each decoding instance's KV to a peer; a lost request resumes from it",
+    )
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     g.add_argument(
         "--kv-lease", type=float, default=60.0, help="pull: seconds unclaimed prefill KV is kept"

@@ -27,6 +27,9 @@ class ClusterConfig:
     max_retries: int = 1
     # A request whose instance died is moved to a live one at most this often (--max-migrations).
     max_migrations: int = 2
+    # DéjàVu KV replication (--kv-replication): every instance that decodes streams its
+    # requests' KV to a peer, so a lost request resumes from the replica (cluster/replication.py).
+    replicate: bool = False
     # Seed of the power-of-two choice (tests); None: random.
     seed: int | None = None
     # Prefill instances: tokens per prefill-only chunk (TetriInfer ChunkSize); None: the

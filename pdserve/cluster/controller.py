@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.policies import DecodeChooser, choose_prefill
 from pdserve.cluster.recovery import FaultCounters
+from pdserve.cluster.replication import RecoveryCost, ring
 from pdserve.config import EngineConfig, Role, TransferMode
 from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.engine.outputs import RequestOutput
@@ -86,10 +88,21 @@ from pdserve.protocol.handoff import (
     ReleaseKV,
     ReserveKV,
 )
+from pdserve.protocol.replica import (
+    DropReplicas,
+    KVReplicated,
+    OpenReplicaStore,
+    ReplicasStored,
+    ReplicaStoreOpened,
+    ReplicateTo,
+    ResumeFromReplica,
+    StoreReplicas,
+)
 from pdserve.protocol.timing import RequestTimes
 from pdserve.protocol.wire import EngineMessage, Handlers
 
 _WATCH_S = 0.1
+log = logging.getLogger("pdserve.recovery")
 
 Item = RequestOutput | BaseException
 
@@ -120,6 +133,11 @@ class _Record:
     migrations: int = 0
     streamed: list[int] = field(default_factory=list)  # token ids forwarded to the client
     recompute: int = 0  # tokens a move sent to be computed again (counted on its output)
+    # Replication (`config.replicate`): where this attempt's KV is replicated and how far
+    # the holder acknowledged it (tokens of prompt + output).
+    replica_source: Instance | None = None
+    replica_holder: Instance | None = None
+    replicated: int = 0
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +148,17 @@ class _Record:
         """The id instances know this attempt by: messages about an earlier attempt
         (stragglers) cannot be mistaken for the current one."""
         return self.request_id if self.attempts == 0 else f"{self.request_id}~move{self.attempts}"
+
+
+@dataclass(frozen=True)
+class _Replica:
+    """A lost request's replicated KV: on `holder`, under `source`'s name and the key the
+    source knew the request by, through `tokens` tokens."""
+
+    holder: Instance
+    source: str
+    key: str
+    tokens: int
 
 
 class Cluster:
@@ -161,9 +190,14 @@ class Cluster:
                 KVReceived: self._on_received,
                 HandoffFailed: self._on_handoff_failed,
                 RequestRejected: self._on_rejected,
+                ReplicaStoreOpened: self._on_store_opened,
+                KVReplicated: self._on_replicated,
+                ReplicasStored: self._on_replicas_stored,
             }
         )
         self.faults = FaultCounters()
+        self.recovery = RecoveryCost()
+        self.holders: dict[str, Instance] = {}  # replication: source name -> holder
 
     # ---- life cycle ----------------------------------------------------------------
 
@@ -199,6 +233,7 @@ class Cluster:
         await asyncio.gather(*(self._start_instance(i, timeout) for i in self.instances))
         self.max_model_len = min(i.max_model_len for i in self.instances)
         self.vocab_size = self.instances[0].vocab_size
+        self._arrange_replication()
         self._watch = asyncio.create_task(self._watchdog())
 
     async def _start_instance(self, inst: Instance, timeout: float) -> None:
@@ -385,6 +420,8 @@ class Cluster:
             rec.times.first_scheduled = msg.first_scheduled
         if msg.first_token is not None:
             rec.times.first_token = msg.first_token
+        if msg.first_scheduled is not None and msg.first_token is not None:
+            self.recovery.prefill.observe(len(rec.prompt), msg.first_token - msg.first_scheduled)
         rec.times.handed_off = time.monotonic()
         decode = rec.decode if msg.source is None else self._choose_decode(rec)
         if decode is None:
@@ -418,6 +455,7 @@ class Cluster:
         rec.phase = Phase.DECODE
         rec.times.decode_queued = msg.queued
         rec.times.transfer_start, rec.times.transfer_end = msg.transfer_start, msg.transfer_end
+        self.recovery.copy.observe(msg.nbytes, msg.transfer_end - msg.transfer_start)
         if rec.prefill is not None:
             rec.prefill.send(ReleaseKV([rec.key]))
         rec.prefill = None
@@ -460,7 +498,8 @@ class Cluster:
                     self._on_dead(inst, reason)
 
     def _on_dead(self, inst: Instance, reason: str) -> None:
-        """`inst` is dead and fenced (its process is gone): move what it held."""
+        """`inst` is dead and fenced (its process is gone): move what it held, then
+        rearrange replication around it."""
         if self.single_engine:
             self._on_engine_dead(inst, reason)
             return
@@ -469,15 +508,24 @@ class Cluster:
             if inst is prefill:  # a dead process writes nothing more
                 del self._push_stops[key]
                 decode.send(ReleaseKV([key]))
+        why = f"instance {inst.name} failed: {reason}"
         for rec in list(self.records.values()):
+            if rec.replica_holder is inst:  # its replica died with the holder
+                rec.replica_source = rec.replica_holder = None
+                rec.replicated = 0
             if inst is not rec.prefill and inst is not rec.decode:
                 continue
+            replica = self._take_replica(rec) if inst is rec.decode else None
             if inst is rec.prefill:
                 rec.prefill = None
             else:
                 rec.decode = None
             self._release(rec, abort=True)
-            self._move(rec, f"instance {inst.name} failed: {reason}", migration=True)
+            self._move(rec, why, migration=True, replica=replica)
+        holder = self.holders.pop(inst.name, None)
+        if holder is not None and holder.alive:
+            holder.send(DropReplicas(inst.name, []))  # after the resumes it consumed
+        self._arrange_replication()
 
     def _on_engine_dead(self, inst: Instance, reason: str) -> None:
         """The lone engine is gone: every request, open or new, fails with why."""
@@ -486,9 +534,16 @@ class Cluster:
         self._dead = EngineDeadError(reason)
         self._fail_all(self._dead)
 
-    def _move(self, rec: _Record, why: str, migration: bool) -> None:
+    def _move(
+        self,
+        rec: _Record,
+        why: str,
+        migration: bool,
+        replica: _Replica | None = None,
+    ) -> None:
         """Run `rec` again elsewhere, or fail it past its bound. `migration`: its instance
-        died (bounded by `max_migrations`), else its hand-off failed (`max_retries`)."""
+        died (bounded by `max_migrations`), else its hand-off failed (`max_retries`).
+        `replica`: the KV replicated before the death."""
         done, bound = (
             (rec.migrations, self.config.max_migrations)
             if migration
@@ -507,10 +562,45 @@ class Cluster:
         else:
             self.faults.retries += 1
         self.records[rec.key] = rec
+        if rec.streamed and replica is not None and self._resume_from_replica(rec, replica):
+            return
         if rec.streamed:
             self._resume(rec)
         else:
             self._dispatch(rec)
+
+    def _take_replica(self, rec: _Record) -> _Replica | None:
+        """The live replica of `rec`'s KV, detached from the record (its source died: the
+        holder consumes it on resume or drops it with the rest of the source's)."""
+        holder, source, through = rec.replica_holder, rec.replica_source, rec.replicated
+        rec.replica_source = rec.replica_holder = None
+        rec.replicated = 0
+        if holder is None or source is None or not holder.alive or through <= 0:
+            return None
+        return _Replica(holder, source.name, rec.key, through)
+
+    def _resume_from_replica(self, rec: _Record, replica: _Replica) -> bool:
+        """The cost rule (`RecoveryCost`): resume on the holder from the replica when that
+        is cheaper than recomputing every token; the choice is logged with its numbers.
+        `rec` has been re-keyed already; the replica is known by the previous key."""
+        holder, layout = replica.holder, replica.holder.kv_layout
+        assert layout is not None
+        total = len(rec.prompt) + len(rec.streamed) - 1
+        through = min(replica.tokens, total)
+        choice = self.recovery.choose(through, total, 2 * layout.num_layers * layout.token_bytes)
+        log.info("request %s: %s", rec.request_id, choice.describe())
+        if not choice.resume:
+            return False
+        rec.decode = rec.credit_decode = holder
+        holder.assigned_requests += 1
+        rec.prefill, rec.phase = None, Phase.DECODE
+        request = AddRequest(
+            rec.key, rec.prompt, rec.params, rec.arrival, output_token_ids=rec.streamed
+        )
+        holder.send(ResumeFromReplica(request, replica.source, replica.key, through))
+        self.faults.resumed_from_replica += 1
+        self.faults.recomputed_tokens += total - through
+        return True
 
     def _resume(self, rec: _Record) -> None:
         """Continue `rec` after its last streamed token: the instance computes the KV of
@@ -558,6 +648,7 @@ class Cluster:
         modes the decode side's reservation is only released once the prefill side says
         it stopped writing into it (HandoffFailed after the abort, or its death)."""
         prefill, decode, key = rec.prefill, rec.decode, rec.key
+        self._drop_replica(rec)
         writing = (
             abort
             and self.mode is not TransferMode.PULL
@@ -587,6 +678,93 @@ class Cluster:
             rec.credit_decode.assigned_requests -= 1
             rec.credit_decode = None
 
+    # ---- replication (cluster/replication.py, protocol/replica.py) --------------------
+
+    def _arrange_replication(self) -> None:
+        """Point every live source at its holder in the ring (`ring`): a source whose
+        holder is new gets a store opened there and replicates from token 0 (its requests'
+        old replicas are forgotten); a source without one stops."""
+        if not self.config.replicate or self._closed:
+            return
+        sources, others = self._replication_roles()
+        wanted = ring(sources, others)
+        for source in sources:
+            if not source.alive:
+                continue
+            holder = wanted.get(source.name)
+            old = self.holders.get(source.name)
+            if holder is old:
+                continue
+            self._forget_replicas(source)
+            if old is not None and old.alive:
+                old.send(DropReplicas(source.name, []))
+            if holder is None:
+                self.holders.pop(source.name, None)
+                source.send(ReplicateTo("", None))
+                continue
+            self.holders[source.name] = holder
+            assert source.kv_layout is not None
+            holder.send(OpenReplicaStore(source.name, source.kv_layout))
+
+    def _replication_roles(self) -> tuple[list[Instance], list[Instance]]:
+        """(sources: the instances that decode, others: where a lone source may replicate)."""
+        if self.config.disaggregated:
+            return self.of_role(Role.DECODE), self.of_role(Role.PREFILL)
+        return self.of_role(Role.COLOCATED), []
+
+    def _forget_replicas(self, source: Instance) -> None:
+        for rec in self.records.values():
+            if rec.replica_source is source:
+                rec.replica_source = rec.replica_holder = None
+                rec.replicated = 0
+
+    def _on_store_opened(self, inst: Instance, msg: ReplicaStoreOpened) -> None:
+        source = self._instance(msg.source)
+        if source is not None and source.alive and self.holders.get(msg.source) is inst:
+            source.send(ReplicateTo(inst.name, msg.region))
+
+    def _on_replicated(self, inst: Instance, msg: KVReplicated) -> None:
+        """A source's write completed: relay the records of requests it still runs for us
+        to the holder (others ended: their records must not reach the holder)."""
+        holder = self.holders.get(inst.name)
+        if holder is None or holder.name != msg.holder or not holder.alive:
+            return
+        keep = []
+        for replica in msg.replicas:
+            rec = self.records.get(replica.request_id)
+            if rec is not None and rec.decode is inst:
+                rec.replica_source, rec.replica_holder = inst, holder
+                keep.append(replica)
+        if keep:
+            holder.send(StoreReplicas(inst.name, keep))
+
+    def _on_replicas_stored(self, inst: Instance, msg: ReplicasStored) -> None:
+        """The holder's acknowledgement: how far each request is replicated."""
+        for replica in msg.replicas:
+            rec = self.records.get(replica.request_id)
+            if rec is not None and rec.replica_holder is inst:
+                rec.replicated = max(rec.replicated, replica.num_tokens)
+
+    def _drop_replica(self, rec: _Record) -> None:
+        """The attempt ended or moves: its holder forgets the replica."""
+        holder, source = rec.replica_holder, rec.replica_source
+        rec.replica_source = rec.replica_holder = None
+        rec.replicated = 0
+        if holder is not None and source is not None and holder.alive:
+            holder.send(DropReplicas(source.name, [rec.key]))
+
+    def _instance(self, name: str) -> Instance | None:
+        return next((i for i in self.instances if i.name == name), None)
+
+    def replicated_tokens(self) -> dict[str, int]:
+        """Per holder: tokens the front end knows are replicated there, summed (equal to
+        the holder's own `num_replicated_tokens` once messages in flight arrive)."""
+        out = {i.name: 0 for i in self.instances}
+        for rec in self.records.values():
+            if rec.replica_holder is not None:
+                out[rec.replica_holder.name] += rec.replicated
+        return out
+
     # ---- reporting -----------------------------------------------------------------------
 
     async def stats(self, check_integrity: bool = False, timeout: float = 10.0) -> EngineStats:
@@ -604,6 +782,7 @@ class Cluster:
     async def instance_stats(self, timeout: float = 5.0) -> list[dict[str, object]]:
         """Per instance: role, liveness, assigned load, last report and counters."""
         rows: list[dict[str, object]] = []
+        replicated = self.replicated_tokens()
         for inst in self.instances:
             row: dict[str, object] = {
                 "name": inst.name,
@@ -613,6 +792,8 @@ class Cluster:
                 "dead_reason": inst.dead,
                 "assigned_prefill_tokens": inst.assigned_prefill_tokens,
                 "assigned_requests": inst.assigned_requests,
+                "replicating_to": getattr(self.holders.get(inst.name), "name", None),
+                "replicated_tokens": replicated[inst.name],  # held here, as the front end knows
             }
             if inst.alive:
                 with contextlib.suppress(Exception):

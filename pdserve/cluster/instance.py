@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from pdserve.config import EngineConfig, Role
 from pdserve.errors import EngineDeadError
+from pdserve.kv.layout import KVLayout
 from pdserve.protocol.core import (
     EngineFailed,
     EngineReady,
@@ -65,6 +66,7 @@ class Instance:
         self.on_message = on_message
         self.max_model_len = 0
         self.vocab_size = 0
+        self.kv_layout: KVLayout | None = None  # its pool's geometry, once ready
         self.report: LoadReport | None = None
         self.last_heard = time.monotonic()
         self.dead: str | None = None  # why, once dead
@@ -118,6 +120,7 @@ class Instance:
                 msg = self._decoder.decode(await self._from.recv())
                 if isinstance(msg, EngineReady):
                     self.max_model_len, self.vocab_size = msg.max_model_len, msg.vocab_size
+                    self.kv_layout = msg.kv_layout
                     return
                 if isinstance(msg, EngineFailed):
                     raise EngineDeadError(msg.message)

@@ -236,6 +236,7 @@ class _Loop:
             num_reserved=role.num_reserved,
             num_replicas=self.core.replicas.num_replicas,
             num_replica_blocks=self.core.replicas.num_replica_blocks,
+            num_replicated_tokens=self.core.replicas.num_replicated_tokens,
             num_replicating=self.core.replicator.num_replicating,
         )
 
@@ -286,7 +287,9 @@ def run_engine_process(
         out.send(encoder.encode(EngineFailed(f"engine failed to start: {e}")))
         sys.exit(1)
     freeze_startup_heap()
-    out.send(encoder.encode(EngineReady(core.max_model_len, model.config.vocab_size)))
+    out.send(
+        encoder.encode(EngineReady(core.max_model_len, model.config.vocab_size, core.kv_layout))
+    )
     loop = _Loop(core, inp, out, report)
     beat = _start_heartbeat(ctx, output_addr, config.report_interval_s) if report else None
     try:

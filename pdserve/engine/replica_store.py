@@ -87,6 +87,11 @@ class ReplicaStore:
         """Distinct region blocks referenced by live replicas (all sources)."""
         return sum(len(s.block_ids()) for s in self._stores.values())
 
+    @property
+    def num_replicated_tokens(self) -> int:
+        """Tokens the recorded replicas hold, summed (the front end keeps the same sum)."""
+        return sum(r.num_tokens for s in self._stores.values() for r in s.replicas.values())
+
     def sources(self) -> list[str]:
         return list(self._stores)
 

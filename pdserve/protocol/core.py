@@ -13,6 +13,7 @@ import msgspec
 
 from pdserve.engine.outputs import RequestMetrics
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv.layout import KVLayout
 from pdserve.protocol.handoff import Handoff
 
 # ---- per-request progress -------------------------------------------------------
@@ -75,6 +76,7 @@ class StatsRequest(msgspec.Struct, frozen=True, tag=True):
 class EngineReady(msgspec.Struct, frozen=True, tag=True):
     max_model_len: int
     vocab_size: int
+    kv_layout: KVLayout  # the device pool's geometry (a replica store for it has the same)
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True):
@@ -114,6 +116,7 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_replicas: int = 0  # holder: replicas recorded for other instances
     num_replica_blocks: int = 0  # holder: distinct region blocks those replicas reference
     num_replicating: int = 0  # source: requests holding blocks in a holder's region
+    num_replicated_tokens: int = 0  # holder: tokens its replicas hold, summed
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

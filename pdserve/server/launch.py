@@ -79,6 +79,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         decode_policy=DecodePolicy(args.decode_policy),
         instance_timeout_s=args.instance_timeout,
         max_migrations=args.max_migrations,
+        replicate=args.kv_replication,
         prefill_chunk_size=args.chunk_size,
     )
 
