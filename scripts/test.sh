@@ -9,4 +9,4 @@ bash scripts/setup.sh --dev
 .venv/bin/ruff check pdserve tests bench
 .venv/bin/ruff format --check pdserve tests bench
 .venv/bin/mypy
-PYTHONPATH="tests/plugins${PYTHONPATH:+:$PYTHONPATH}" .venv/bin/python -m pytest -p no_skips -q "$@"
+PYTHONPATH="tests/plugins${PYTHONPATH:+:$PYTHONPATH}" .venv/bin/python -m pytest -p no_skips -q --durations=25 "$@"
