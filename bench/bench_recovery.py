@@ -38,9 +38,10 @@ Parts (`--parts`, default all):
    HTTP, so a heuristic picks them: the gap spanning the kill exceeds `--victim-factor`
    times the median inter-token gap before the kill (the victim's `assigned_requests`
    just before the kill is reported next to their count as a cross-check). For those:
-   recovery = first token after the kill - kill, median, split into detection (a thread
-   polls /debug/cluster every 20 ms and records when `alive` turns false) and the rest
-   (promotion + recompute or replica copy). All texts must equal the reference.
+   recovery = first token after the kill - kill, median, split into detection (from the
+   kill on, a thread polls /debug/cluster every 20 ms and records when `alive` turns
+   false; see DeadWatcher for what the figure bounds) and the rest (promotion +
+   recompute or replica copy). All texts must equal the reference.
 3. overhead - TPOT (mean inter-token time of a request, median over requests) with
    replication on vs off at `--overhead-levels` concurrent streams (`--overhead-tokens`
    each); two servers started once and kept, runs alternating on/off per level and repeat
@@ -59,7 +60,9 @@ noisy and slower than on separate devices: read the ratios. A "token" on the cli
 an SSE text chunk (each carries at least one token; `usage` at the end gives the exact
 count). In (b) the retry hits the prefill instance's prefix cache, as a real client's
 would. The victim-stream heuristic of `stall` can miss a victim stream whose gap was
-short or include a survivor that stalled behind the recompute.
+short or include a survivor that stalled behind the recompute. /debug/cluster asks every
+live instance for its stats and a pool integrity check, so it is polled only from the
+kill on (never during the undisturbed part of a run).
 """
 
 from __future__ import annotations
@@ -231,38 +234,52 @@ def busiest_decode(url: str) -> dict[str, Any] | None:
 
 
 class DeadWatcher:
-    """Polls /debug/cluster every POLL_S from a thread; records (monotonic) when each
-    instance is first seen dead."""
+    """When the controller marks instance `name` dead, from the client: once `arm()`ed
+    (right after the kill; nothing is polled before, so the run is not disturbed), polls
+    /debug/cluster every POLL_S from a thread until `name` shows dead.
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.dead_at: dict[str, float] = {}
+    `/debug/cluster` reads `alive` between a poll's send and its reply, and a poll in
+    flight at the kill waits on the dead instance's stats until the controller fences it;
+    so the first poll that shows it dead is sent just after the detection: `dead_sent`
+    (the estimate) and `dead_seen` (its reply, an upper bound)."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.url, self.name = url, name
+        self.dead_sent: float | None = None
+        self.dead_seen: float | None = None
+        self._go = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def arm(self) -> None:
+        self._go.set()
+
     def _run(self) -> None:
-        with httpx.Client(timeout=5) as client:
+        while not self._go.wait(POLL_S):
+            if self._stop.is_set():
+                return
+        with httpx.Client(timeout=10) as client:
             while not self._stop.is_set():
+                sent = time.monotonic()
                 try:
                     rows = client.get(self.url + "/debug/cluster").json()["instances"]
                 except (httpx.HTTPError, ValueError, KeyError):
                     rows = []
-                now = time.monotonic()
-                for row in rows:
-                    if not row["alive"]:
-                        self.dead_at.setdefault(row["name"], now)
+                if any(r["name"] == self.name and not r["alive"] for r in rows):
+                    self.dead_sent, self.dead_seen = sent, time.monotonic()
+                    return
                 self._stop.wait(POLL_S)
 
-    def wait_dead(self, name: str, timeout_s: float) -> float | None:
-        deadline = time.monotonic() + timeout_s
-        while name not in self.dead_at and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        return self.dead_at.get(name)
+    def wait(self, timeout_s: float) -> float | None:
+        """`dead_sent` once seen (None past `timeout_s`)."""
+        self._thread.join(timeout_s)
+        return self.dead_sent
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._go.set()
+        self._thread.join(15)
 
 
 # ---- streams -------------------------------------------------------------------------
@@ -448,7 +465,8 @@ class Fig10Run:
     tokens: int | None
     killed: str | None = None
     killed_at_token: int | None = None
-    detection_s: float | None = None
+    detection_s: float | None = None  # kill -> the first poll showing it dead was sent
+    detection_seen_s: float | None = None  # kill -> that poll's reply (upper bound)
     recovery_s: float | None = None  # kill -> next token (restart: -> the retry's first)
     first_error: str | None = None  # restart: the error that ended the first stream
     error: str | None = None  # the final stream's, if it did not end normally
@@ -460,12 +478,15 @@ class Killer:
     def __init__(self, at: int) -> None:
         self.at = at
         self.pid: int | None = None
+        self.watcher: DeadWatcher | None = None
         self.killed_at: float | None = None
 
     def __call__(self, k: int) -> None:
         if k == self.at and self.pid is not None and self.killed_at is None:
             os.kill(self.pid, signal.SIGKILL)
             self.killed_at = time.monotonic()
+            if self.watcher is not None:
+                self.watcher.arm()
 
 
 def find_victim(url: str, rec: StreamRecord, timeout_s: float) -> dict[str, Any]:
@@ -485,17 +506,17 @@ def fig10_once(
 ) -> Fig10Run:
     """One measured request on a warmed server; the serving decode instance is killed at
     token `kill_at` unless `config` is the baseline; restart re-sends after the error."""
-    watcher = DeadWatcher(url)
     killer = Killer(kill_at)
     rec = StreamRecord()
     thread = threading.Thread(
         target=stream_completion, args=(url, request, timeout_s, killer, rec), daemon=True
     )
     thread.start()
-    victim = None
+    victim, watcher = None, None
     try:
         if config != "baseline":
             victim = find_victim(url, rec, timeout_s)
+            killer.watcher = watcher = DeadWatcher(url, victim["name"])
             killer.pid = victim["pid"]
         thread.join(timeout_s)
         if thread.is_alive():
@@ -504,9 +525,10 @@ def fig10_once(
         if config == "restart" and not rec.ok:
             first_error = rec.error
             final = stream_completion(url, request, timeout_s)
-        dead = watcher.wait_dead(victim["name"], 10) if killer.killed_at and victim else None
+        dead = watcher.wait(30) if watcher is not None and killer.killed_at else None
     finally:
-        watcher.stop()
+        if watcher is not None:
+            watcher.stop()
     t_kill = killer.killed_at
     return Fig10Run(
         config=config,
@@ -517,11 +539,16 @@ def fig10_once(
         tokens=final.completion_tokens,
         killed=victim["name"] if victim and t_kill else None,
         killed_at_token=kill_at if t_kill else None,
-        detection_s=dead - t_kill if dead is not None and t_kill is not None else None,
+        detection_s=_since(dead, t_kill),
+        detection_seen_s=_since(watcher.dead_seen if watcher else None, t_kill),
         recovery_s=_recovery(final, t_kill),
         first_error=first_error,
         error=final.error,
     )
+
+
+def _since(t: float | None, t_kill: float | None) -> float | None:
+    return t - t_kill if t is not None and t_kill is not None else None
 
 
 def _recovery(final: StreamRecord, t_kill: float | None) -> float | None:
@@ -612,7 +639,8 @@ class StallRun:
     after_gaps_s: list[float | None]  # per stream: the worst gap ending after the kill
     recovery_s: list[float | None]  # per stream: kill -> its first token after the kill
     on_victim: list[bool]  # the heuristic: kill gap > factor x normal gap
-    detection_s: float | None
+    detection_s: float | None  # kill -> the first poll showing it dead was sent
+    detection_seen_s: float | None  # kill -> that poll's reply (upper bound)
     texts_equal: int
     streams_ok: int
 
@@ -653,17 +681,18 @@ def stall_once(
     bad = [r.error for r in reference if not r.ok]
     if bad:
         raise RuntimeError(f"stall {config}: the undisturbed run failed: {bad[0]}")
-    watcher = DeadWatcher(url)
+    streams = Streams(url, requests, args.request_timeout)
+    streams.wait_tokens(8, args.request_timeout)
+    victim = busiest_decode(url)
+    if victim is None:
+        raise RuntimeError(f"stall {config}: no decode instance holds a request")
+    watcher = DeadWatcher(url, victim["name"])
     try:
-        streams = Streams(url, requests, args.request_timeout)
-        streams.wait_tokens(8, args.request_timeout)
-        victim = busiest_decode(url)
-        if victim is None:
-            raise RuntimeError(f"stall {config}: no decode instance holds a request")
         os.kill(victim["pid"], signal.SIGKILL)
         t_kill = time.monotonic()
+        watcher.arm()
         records = streams.results()
-        dead = watcher.wait_dead(victim["name"], 30)
+        dead = watcher.wait(30)
     finally:
         watcher.stop()
     normal, kill, after, recovery, on_victim = stall_figures(records, t_kill, args.victim_factor)
@@ -677,7 +706,8 @@ def stall_once(
         after_gaps_s=after,
         recovery_s=recovery,
         on_victim=on_victim,
-        detection_s=dead - t_kill if dead is not None else None,
+        detection_s=_since(dead, t_kill),
+        detection_seen_s=_since(watcher.dead_seen, t_kill),
         texts_equal=sum(r.text == ref.text for r, ref in zip(records, reference, strict=True)),
         streams_ok=sum(r.ok for r in records),
     )
@@ -687,7 +717,7 @@ def run_stall(args: argparse.Namespace, prompt_ids: Callable[[str], list[int]]) 
     requests = stall_requests(prompt_ids, args.streams, args.stall_tokens)
     runs: list[StallRun] = []
     for repeat in range(args.repeats):
-        for config in rotated(list(STALL_CONFIGS), repeat):
+        for config in rotated(args.stall_configs, repeat):
             server = start_server(f"stall-{config}", STALL_CONFIGS[config], args.start_timeout)
             try:
                 run = stall_once(server.url, config, repeat, requests, args)
@@ -808,9 +838,9 @@ def run_overhead(
     levels = [int(x) for x in args.overhead_levels.split(",")]
     requests = stall_requests(prompt_ids, max(levels), args.overhead_tokens)
     groups = (
-        [[c] for c in OVERHEAD_CONFIGS]
+        [[c] for c in args.overhead_configs]
         if args.overhead_one_server_at_a_time
-        else [list(OVERHEAD_CONFIGS)]
+        else [args.overhead_configs]
     )
     runs: list[OverheadRun] = []
     for group in groups:
@@ -887,10 +917,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fig10-configs", default=",".join(FIG10_CONFIGS), help="comma-separated")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--stall-tokens", type=int, default=96)
+    p.add_argument("--stall-configs", default=",".join(STALL_CONFIGS), help="comma-separated")
     p.add_argument("--victim-factor", type=float, default=3.0)
     p.add_argument("--overhead-levels", default="1,16,64")
     p.add_argument("--overhead-tokens", type=int, default=96)
     p.add_argument("--overhead-one-server-at-a-time", action="store_true")
+    p.add_argument("--overhead-configs", default="off,on", help="comma-separated")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds per server")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per wait")
     args = p.parse_args(argv)
@@ -901,9 +933,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not 0 < args.fig10_kill_at < args.fig10_tokens:
         p.error("--fig10-kill-at must be within (0, --fig10-tokens)")
     args.parts = parts
-    args.fig10_configs = args.fig10_configs.split(",")
-    if set(args.fig10_configs) - set(FIG10_CONFIGS):
-        p.error(f"--fig10-configs: choose among {', '.join(FIG10_CONFIGS)}")
+    for name, known in (
+        ("fig10_configs", FIG10_CONFIGS),
+        ("stall_configs", STALL_CONFIGS),
+        ("overhead_configs", OVERHEAD_CONFIGS),
+    ):
+        chosen = getattr(args, name).split(",")
+        if not chosen or set(chosen) - set(known):
+            flag = "--" + name.replace("_", "-")
+            p.error(f"{flag}: choose among {', '.join(known)}")
+        setattr(args, name, chosen)
     return args
 
 
