@@ -4,13 +4,12 @@ instances under load, in every transfer mode.
 
 Every completion that succeeds is compared with the greedy output of a plain colocated
 server (`reference`); every failure is checked against what the controller
-(`pdserve/cluster/controller.py`: `_on_dead`, `_retry_or_fail`) must do. Tests wait for
+(`pdserve/cluster/controller.py`: `_on_dead`, `_move`) must do. Tests wait for
 the states they need (bounded by generous timeouts), never for a fixed time."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import threading
@@ -112,11 +111,12 @@ def row_of(server: Server, name: str) -> dict:
     return next(r for r in cluster_rows(server) if r["name"] == name)
 
 
-def assert_pools_clean(server: Server) -> None:
-    """At least one live instance of every role the cluster runs; every live instance:
-    integrity OK, nothing held, running, queued or in flight (dead ones are skipped)."""
+def assert_pools_clean(server: Server, every_role: bool = True) -> None:
+    """`every_role`: at least one live instance of every role the cluster runs. Every
+    live instance: integrity OK, nothing held, running, queued or in flight (dead ones
+    are skipped)."""
     rows = cluster_rows(server)
-    for role in {r["role"] for r in rows}:
+    for role in {r["role"] for r in rows} if every_role else ():
         assert any(r["alive"] for r in rows if r["role"] == role), (f"no live {role}", rows)
     for row in rows:
         if not row["alive"]:
@@ -148,11 +148,11 @@ def wait_dead(server: Server, name: str, timeout: float = 60.0) -> str | None:
     return None
 
 
-def wait_clean(server: Server, timeout: float = 20.0) -> None:
+def wait_clean(server: Server, timeout: float = 20.0, every_role: bool = True) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            assert_pools_clean(server)
+            assert_pools_clean(server, every_role)
             return
         except AssertionError:
             if time.monotonic() > deadline:
@@ -349,11 +349,12 @@ def freeze_holding(server: Server, victim: str, timeout: float = 120.0) -> dict:
         os.kill(pid, signal.SIGCONT)  # it finished them meanwhile: again
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(scope="module", params=["layer-push", "request-push"])
 def kill_cluster(request: pytest.FixtureRequest) -> Iterator[Server]:
-    """Two instances of each role, shared by the kill tests of one transfer mode: each
-    test kills one instance and leaves a live one of every role. Silence never marks an
-    instance dead here (the tests stop victims for a while): process exit does."""
+    """Two instances of each role, shared by the kill tests of one push mode (pull mode,
+    the default, is tests/test_fault_tolerance.py's, under 64 streams): each test kills
+    one instance and leaves a live one of every role. Silence never marks an instance
+    dead here (the tests stop victims for a while): process exit does."""
     before = pdkv_segments()
     server = Server(
         "--prefill",
@@ -394,29 +395,18 @@ def test_killing_an_instance_under_load_keeps_serving(
         results = load.stop()
     assert reason == "process exited (exit code -9)"
     controller = cluster(server)["controller"]
-    retries = controller["retries"] - start["retries"]
-    failed = controller["failed"] - start["failed"]
-
-    n_failed = 0
+    migrations = controller["migrations"] - start["migrations"]
+    assert controller["failed"] == start["failed"]
+    # Nothing is lost: what the victim held moved to live instances and completed with
+    # the text of an undisturbed run (docs/fault-tolerance.md).
     for prompt, status, body in results:
-        if status == 200:
-            assert body["choices"][0]["text"] == reference(prompt), prompt
-            continue
-        # Only a request that already produced tokens on the dead decode instance may
-        # fail (it is not migrated); everything else is retried from its prompt.
-        assert (status, victim) == (503, "decode-0"), body
-        assert body["error"]["message"] == f"instance {victim} failed: {reason}", body
-        n_failed += 1
-    assert failed == n_failed
+        assert status == 200, body
+        assert body["choices"][0]["text"] == reference(prompt), prompt
     if victim.startswith("prefill"):
-        # Each prompt the victim held (tokens not yet prefilled) was retried on the
-        # spare prefill instance, and completed.
-        longest = max(body["usage"]["prompt_tokens"] for _, _, body in results)
-        assert failed == 0
-        assert retries >= math.ceil(holds(held) / longest) >= 1, (held, retries)
+        assert migrations >= 1, (held, controller)
     else:
-        # What the victim held: failed if it had produced tokens there, else retried.
-        assert failed <= holds(held) <= retries + failed, (held, retries, failed)
+        # Stopped, the victim finished nothing it held: each of those requests moved.
+        assert migrations == holds(held), (held, controller)
 
     # New requests avoid the dead instance and complete.
     after = run_concurrently(server, PROMPTS[:4])
@@ -425,32 +415,3 @@ def test_killing_an_instance_under_load_keeps_serving(
     ]
     assert not row_of(server, victim)["alive"]
     wait_clean(server)
-
-
-def test_an_instance_that_stops_reporting_is_marked_dead_and_avoided(
-    reference: Callable[[str], str],
-) -> None:
-    # Silence detection does not depend on the transfer mode; the kill tests cover
-    # avoiding a dead instance in every mode.
-    server = Server(
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
-        "--instance-timeout",
-        "2",
-        "--enable-debug-endpoints",
-    )
-    try:
-        pid = row_of(server, "decode-0")["pid"]
-        os.kill(pid, signal.SIGSTOP)  # alive but silent: no outputs, no load reports
-        reason = wait_dead(server, "decode-0")
-        assert reason is not None and reason.startswith("sent nothing for ")
-        prompts = PROMPTS[:6]
-        results = run_concurrently(server, prompts)
-        assert [(s, b["choices"][0]["text"]) for s, b in results] == [
-            (200, reference(p)) for p in prompts
-        ]
-        wait_clean(server)
-    finally:
-        stop(server)

@@ -27,6 +27,7 @@ class Outcome:
     finish_reason: str | None = None
     usage: dict | None = None
     error: dict | None = None  # an error body, or an error event in the stream
+    cancelled: bool = False  # the client went away (`Streams.disconnect`)
     arrivals: list[float] = field(default_factory=list)  # monotonic, per chunk
 
 
@@ -75,6 +76,8 @@ class Streams:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                if out.cancelled:
+                    return  # leaving the block closes the connection: the client is gone
                 event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     out.error = event
@@ -88,6 +91,12 @@ class Streams:
                         out.arrivals.append(time.monotonic())
                     if choice.get("finish_reason"):
                         out.finish_reason = choice["finish_reason"]
+
+    def disconnect(self) -> None:
+        """Every streamed request still running drops its connection at its next event."""
+        for out, streamed in zip(self.outcomes, self._streamed, strict=True):
+            if streamed:
+                out.cancelled = True
 
     def alive(self) -> list[bool]:
         return [t.is_alive() for t in self._threads]
