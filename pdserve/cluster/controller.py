@@ -509,6 +509,8 @@ class Cluster:
                 del self._push_stops[key]
                 decode.send(ReleaseKV([key]))
         why = f"instance {inst.name} failed: {reason}"
+        held = sum(1 for r in self.records.values() if inst in (r.prefill, r.decode))
+        log.warning("%s; moving its %d requests", why, held)
         for rec in list(self.records.values()):
             if rec.replica_holder is inst:  # its replica died with the holder
                 rec.replica_source = rec.replica_holder = None

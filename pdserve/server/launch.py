@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import logging
 import socket
 import sys
 from pathlib import Path
@@ -95,6 +96,18 @@ async def start_backend(args: argparse.Namespace, config: EngineConfig) -> Servi
     return await Cluster.start(config, cluster)
 
 
+def _log_to_stderr() -> None:
+    """The front end's own events (an instance failed, how each of its requests
+    recovered: `pdserve.recovery`) on stderr, beside the server's other lines."""
+    logger = logging.getLogger("pdserve")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("pdserve: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 async def serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
@@ -106,6 +119,7 @@ async def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"{name} must be greater than 0, got {getattr(args, flag)}")
     config = engine_config(args)
     name = args.served_model_name or served_name(args.model)
+    _log_to_stderr()
     client = await start_backend(args, config)
     watch: asyncio.Task[None] | None = None
     try:
