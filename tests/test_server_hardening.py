@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 from test_server import KEY, MODEL, Server
 
+from pdserve.cluster.recovery import FaultCounters
 from pdserve.model.default import default_model_path
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.server.app import ServerConfig, build_app
@@ -335,6 +336,7 @@ class _FailingBackend:
         self.tokenizer = Tokenizer.from_model_path(default_model_path())
         self.max_model_len = 8192
         self.is_alive = True
+        self.faults = FaultCounters()
 
     async def generate(self, prompt: Any, params: Any, request_id: str | None = None):
         raise RuntimeError("a bug")
@@ -435,7 +437,7 @@ def test_the_largest_seed_with_n_choices_wraps_and_reproduces(server: Server) ->
 def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     """A single engine is a cluster of one instance: its row is a cluster row."""
     status, reply = server.get("/debug/cluster", key=KEY)
-    assert status == 200 and reply["controller"] == {"retries": 0, "failed": 0}
+    assert status == 200 and reply["controller"] == FaultCounters().as_dict()
     (row,) = reply["instances"]
     stats = row.pop("stats")
     (engine,) = [
@@ -451,6 +453,8 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
         "dead_reason": None,
         "assigned_prefill_tokens": 0,
         "assigned_requests": 0,
+        "replicating_to": None,
+        "replicated_tokens": 0,
     }
     free, cached = stats.pop("num_free_blocks"), stats.pop("num_cached_blocks")
     # 1 GiB of fp32 KV for SmolLM2-135M: 2 x 30 layers x 3 heads x 64 x 4 B x 16 tokens.
@@ -458,7 +462,8 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     hits, queries = stats.pop("prefix_cache_hits"), stats.pop("prefix_cache_queries")
     assert 0 <= hits <= queries
     idle = ("num_running", "num_waiting", "num_swapped", "num_used_blocks", "num_held")
-    idle += ("num_transferring", "num_reserved")
+    idle += ("num_transferring", "num_reserved", "num_replicas", "num_replica_blocks")
+    idle += ("num_replicating", "num_replicated_tokens")
     assert stats == {**dict.fromkeys(idle, 0), "integrity_error": None}
 
 
