@@ -143,6 +143,10 @@ class _Record:
     def __post_init__(self) -> None:
         self.times = RequestTimes(self.arrival)
 
+    def forget_replica(self) -> None:
+        self.replica_source = self.replica_holder = None
+        self.replicated = 0
+
     @property
     def key(self) -> str:
         """The id instances know this attempt by: messages about an earlier attempt
@@ -513,8 +517,7 @@ class Cluster:
         log.warning("%s; moving its %d requests", why, held)
         for rec in list(self.records.values()):
             if rec.replica_holder is inst:  # its replica died with the holder
-                rec.replica_source = rec.replica_holder = None
-                rec.replicated = 0
+                rec.forget_replica()
             if inst is not rec.prefill and inst is not rec.decode:
                 continue
             replica = self._take_replica(rec) if inst is rec.decode else None
@@ -575,8 +578,7 @@ class Cluster:
         """The live replica of `rec`'s KV, detached from the record (its source died: the
         holder consumes it on resume or drops it with the rest of the source's)."""
         holder, source, through = rec.replica_holder, rec.replica_source, rec.replicated
-        rec.replica_source = rec.replica_holder = None
-        rec.replicated = 0
+        rec.forget_replica()
         if holder is None or source is None or not holder.alive or through <= 0:
             return None
         return _Replica(holder, source.name, rec.key, through)
@@ -593,12 +595,7 @@ class Cluster:
         log.info("request %s: %s", rec.request_id, choice.describe())
         if not choice.resume:
             return False
-        rec.decode = rec.credit_decode = holder
-        holder.assigned_requests += 1
-        rec.prefill, rec.phase = None, Phase.DECODE
-        request = AddRequest(
-            rec.key, rec.prompt, rec.params, rec.arrival, output_token_ids=rec.streamed
-        )
+        request = self._continue_on(rec, holder)
         holder.send(ResumeFromReplica(request, replica.source, replica.key, through))
         self.faults.resumed_from_replica += 1
         self.faults.recomputed_tokens += total - through
@@ -612,12 +609,17 @@ class Cluster:
         if inst is None:
             self._fail(rec, InstanceFailedError("no live instance to continue the request on"))
             return
+        rec.recompute = len(rec.prompt) + len(rec.streamed) - 1
+        inst.send(self._continue_on(rec, inst))
+
+    def _continue_on(self, rec: _Record, inst: Instance) -> AddRequest:
+        """Make `inst` the instance `rec` decodes on (its load credited) and return the
+        request that continues it there after its streamed tokens."""
         rec.decode = rec.credit_decode = inst
         inst.assigned_requests += 1
         rec.prefill, rec.phase = None, Phase.DECODE
-        rec.recompute = len(rec.prompt) + len(rec.streamed) - 1
-        inst.send(
-            AddRequest(rec.key, rec.prompt, rec.params, rec.arrival, output_token_ids=rec.streamed)
+        return AddRequest(
+            rec.key, rec.prompt, rec.params, rec.arrival, output_token_ids=rec.streamed
         )
 
     def _continuation_instance(self, rec: _Record) -> Instance | None:
@@ -717,8 +719,7 @@ class Cluster:
     def _forget_replicas(self, source: Instance) -> None:
         for rec in self.records.values():
             if rec.replica_source is source:
-                rec.replica_source = rec.replica_holder = None
-                rec.replicated = 0
+                rec.forget_replica()
 
     def _on_store_opened(self, inst: Instance, msg: ReplicaStoreOpened) -> None:
         source = self._instance(msg.source)
@@ -750,10 +751,13 @@ class Cluster:
     def _drop_replica(self, rec: _Record) -> None:
         """The attempt ended or moves: its holder forgets the replica."""
         holder, source = rec.replica_holder, rec.replica_source
-        rec.replica_source = rec.replica_holder = None
-        rec.replicated = 0
+        rec.forget_replica()
         if holder is not None and source is not None and holder.alive:
             holder.send(DropReplicas(source.name, [rec.key]))
+
+    def _holder_name(self, source: Instance) -> str | None:
+        holder = self.holders.get(source.name)
+        return holder.name if holder is not None else None
 
     def _instance(self, name: str) -> Instance | None:
         return next((i for i in self.instances if i.name == name), None)
@@ -794,7 +798,7 @@ class Cluster:
                 "dead_reason": inst.dead,
                 "assigned_prefill_tokens": inst.assigned_prefill_tokens,
                 "assigned_requests": inst.assigned_requests,
-                "replicating_to": getattr(self.holders.get(inst.name), "name", None),
+                "replicating_to": self._holder_name(inst),
                 "replicated_tokens": replicated[inst.name],  # held here, as the front end knows
             }
             if inst.alive:
