@@ -1,10 +1,12 @@
-"""RadixPrefixIndex: full-block matching, duplicate detection, LRU eviction, delete."""
+"""RadixPrefixIndex: full-block matching, duplicate detection, LRU eviction, delete, and the
+events it records for the front end's global prompt tree."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.kv.radix import RadixPrefixIndex
+from pdserve.kv.block_hash import block_hashes
+from pdserve.kv.radix import CacheEvents, RadixPrefixIndex
 
 BS = 2
 
@@ -146,4 +148,66 @@ def test_lru_heap_stays_bounded_under_repeated_matches() -> None:
         assert index.match([1, 2, 3, 4]) == [0, 1]
     assert len(index._heap) <= 2 * len(index) + 64 + 1
     assert index.evict(2, always) == [1, 0]
+    index.check_integrity(always)
+
+
+# -- events ------------------------------------------------------------------------------------
+
+NO_EVENTS = CacheEvents(stored=[], removed=[])
+
+
+def test_events_off_by_default_record_nothing() -> None:
+    index = make()
+    assert index.insert([1, 2, 3, 4], [0, 1]) == [0, 1]
+    assert index.evict(1, always) == [1]
+    assert index.take_events() == NO_EVENTS
+    assert index._events is None
+
+
+def test_events_are_the_net_change_per_hash() -> None:
+    index = make()
+    index.record_events()
+    h = block_hashes([1, 2, 3, 4, 5, 6], BS)
+    assert index.insert([1, 2, 3, 4, 5, 6], [0, 1, 2]) == [0, 1, 2]
+    assert index.evict(1, always) == [2]  # stored, then removed: only removed
+    assert index.take_events() == CacheEvents(stored=h[:2], removed=[h[2]])
+    assert index.take_events() == NO_EVENTS
+    assert index.evict(2, always) == [1, 0]
+    assert index.insert([1, 2, 3, 4], [5, 6]) == [5, 6]  # removed, then stored: only stored
+    assert index.take_events() == CacheEvents(stored=h[:2], removed=[])
+    index.check_integrity(always)
+
+
+def test_event_order_is_parent_first_when_stored_child_first_when_removed() -> None:
+    index = make()
+    index.record_events()
+    a, b = [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]
+    ha, hb = block_hashes(a, BS), block_hashes(b, BS)
+    assert index.insert(b, [0, 3]) == [0, 3]
+    assert index.insert(a, [0, 1, 2]) == [0, 1, 2]
+    assert index.take_events() == CacheEvents(stored=[*hb, ha[1], ha[2]], removed=[])
+    assert index.delete(a) == [2, 1]
+    assert index.delete(b) == [3, 0]
+    assert index.take_events() == CacheEvents(stored=[], removed=[ha[2], ha[1], hb[1], hb[0]])
+    index.check_integrity(always)
+
+
+def test_turning_events_on_reports_the_index_as_stored() -> None:
+    index = make()
+    a, b = [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]
+    assert index.insert(a, [0, 1, 2]) == [0, 1, 2]
+    assert index.insert(b, [0, 3]) == [0, 3]
+    index.record_events()
+    index.check_integrity(always)  # every node now carries its hash
+    stored = index.take_events().stored
+    ha, hb = block_hashes(a, BS), block_hashes(b, BS)
+    assert sorted(stored) == sorted([*ha, hb[1]])
+    assert stored[0] == ha[0]  # every parent before its children
+    assert stored.index(ha[1]) < stored.index(ha[2])
+    index.record_events()  # already on: nothing new
+    assert index.take_events() == NO_EVENTS
+    assert index.evict(1, always) == [2]
+    index.record_events(False)  # drops the pending "removed"
+    assert index.insert([9, 9], [7]) == [7]
+    assert index.take_events() == NO_EVENTS
     index.check_integrity(always)

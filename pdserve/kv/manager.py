@@ -36,7 +36,7 @@ from typing import TypeAlias
 from pdserve.kv.block_pool import BlockPool, KVCacheError, integrity_check
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.host_tier import HostTier
-from pdserve.kv.radix import RadixPrefixIndex
+from pdserve.kv.radix import CacheEvents, RadixPrefixIndex
 
 ReqId: TypeAlias = Hashable
 
@@ -152,6 +152,21 @@ class KVManager:
 
     def is_swapped(self, req_id: ReqId) -> bool:
         return self._state(req_id).host_blocks is not None
+
+    # -- prefix index events (for the front end's global prompt tree) ------------------------
+
+    def record_cache_events(self) -> None:
+        """Record what the prefix index stores and removes, for `take_cache_events` (see
+        `RadixPrefixIndex.record_events`); the caller must then drain them. No-op without an
+        index."""
+        if self._index is not None:
+            self._index.record_events()
+
+    def take_cache_events(self) -> CacheEvents:
+        """The prefix index's net events since the previous take (empty without an index)."""
+        if self._index is None:
+            return CacheEvents(stored=[], removed=[])
+        return self._index.take_events()
 
     # -- prefix cache and allocation ---------------------------------------------------------
 

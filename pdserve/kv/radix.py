@@ -19,9 +19,17 @@ Contract, per method (all O(blocks walked); nothing scans the whole tree except
   refcount drops to 0: `evict` forgets leaves that `evictable` rejects (so it never rescans
   blocks that running requests hold), and `touch` is what offers such a leaf again.
 - `delete(tokens)`  removes the part of `tokens`' path that no other prefix shares.
+- `record_events(on)` / `take_events()`  while on, every node knows its prefix's chained hash
+  h (`kv/block_hash.py`, computed when the node is added), every node added is recorded as
+  "stored h" and every node removed (evict, delete) as "removed h"; `take_events` returns the
+  *net* change since the previous take (per hash only its last event counts) and clears it.
+  Turning it on hashes and records every node already indexed as stored (O(tree), once), so the
+  first take is a complete picture. Off by default, and then nothing is hashed or recorded: a
+  lone engine pays nothing (hashing costs ~0.35 us per added node) and, never draining, grows
+  nothing. The front end's global prompt tree replays these events (`cluster/prompt_tree.py`).
 
 Additions to kv/SPEC.md: `match(..., max_blocks)`, `insert(..., start, end)` (O(new blocks)
-commits), `touch`, and `parent_block` (for integrity checks).
+commits), `touch`, `parent_block` (for integrity checks), and the event recording.
 
 LRU bookkeeping is a heap of (last_access, seq, node) with lazy invalidation: an entry is live
 only if its node is still in the tree, is a leaf, and was not touched since the push.
@@ -34,6 +42,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.kv.block_hash import ROOT_HASH, chain_hash
 from pdserve.kv.block_pool import integrity_check
 
 _ROOT_BLOCK = -1
@@ -50,9 +59,21 @@ class _Node:
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     last_access: int = 0
     alive: bool = True
+    hash: int | None = None  # chained hash of the prefix ending here; set while recording
 
 
 _HeapEntry = tuple[int, int, _Node]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvents:
+    """Net change of a prefix index since the previous take: chained block hashes now indexed
+    (`stored`) and no longer indexed (`removed`), each in the order of its hash's last event
+    (so a stored parent precedes its stored children, a removed child its removed parent).
+    A hash is in at most one of the two lists."""
+
+    stored: list[int]
+    removed: list[int]
 
 
 class RadixPrefixIndex:
@@ -62,11 +83,14 @@ class RadixPrefixIndex:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         self._block_size = block_size
-        self._root = _Node(key=(), block_id=_ROOT_BLOCK, parent=None)
+        self._root = _Node(key=(), block_id=_ROOT_BLOCK, parent=None, hash=ROOT_HASH)
         self._nodes: dict[int, _Node] = {}
         self._heap: list[_HeapEntry] = []
         self._clock = 0
         self._seq = itertools.count()
+        # hash -> stored (True) / removed (False), in the order of each hash's last event;
+        # None while recording is off.
+        self._events: dict[int, bool] | None = None
 
     @property
     def block_size(self) -> int:
@@ -129,7 +153,7 @@ class RadixPrefixIndex:
         self._check_new_blocks(block_ids[first_new:end])
         node = path[-1] if path else node
         for i in range(first_new, end):
-            node = self._add_child(node, self._key(tokens, i), block_ids[i])
+            node = self._add_child(node, i, self._key(tokens, i), block_ids[i])
             path.append(node)
         self._stamp(path)
         return [node.block_id for node in path]
@@ -172,6 +196,25 @@ class RadixPrefixIndex:
             assert parent is not None  # only the root has no parent
             node = parent
         return removed
+
+    def record_events(self, on: bool = True) -> None:
+        """Start (hashing and recording every node already indexed as stored) or stop
+        recording; stopping drops what was not taken. Starting while on changes nothing."""
+        if not on:
+            self._events = None
+        elif self._events is None:
+            self._events = dict.fromkeys(self._hash_all(), True)
+
+    def take_events(self) -> CacheEvents:
+        """The net events since the previous take (empty while off), and clear them."""
+        events = self._events
+        if not events:
+            return CacheEvents(stored=[], removed=[])
+        self._events = {}
+        return CacheEvents(
+            stored=[h for h, stored in events.items() if stored],
+            removed=[h for h, stored in events.items() if not stored],
+        )
 
     def check_integrity(self, evictable: Callable[[int], bool] | None = None) -> None:
         """Raise AssertionError unless the tree, the block map and the LRU heap agree.
@@ -235,10 +278,16 @@ class RadixPrefixIndex:
             raise ValueError(f"block {block_id} is not in the prefix index")
         return node
 
-    def _add_child(self, parent: _Node, key: tuple[int, ...], block_id: int) -> _Node:
+    def _add_child(
+        self, parent: _Node, position: int, key: tuple[int, ...], block_id: int
+    ) -> _Node:
+        """Add block number `position` (0-based) below `parent`."""
         child = _Node(key=key, block_id=block_id, parent=parent)
         parent.children[key] = child
         self._nodes[block_id] = child
+        if self._events is not None:
+            child.hash = self._chain(parent, position, key)
+            self._record(child.hash, True)
         return child
 
     def _remove_leaf(self, node: _Node) -> None:
@@ -247,7 +296,32 @@ class RadixPrefixIndex:
         del parent.children[node.key]
         del self._nodes[node.block_id]
         node.alive = False
+        if self._events is not None:
+            assert node.hash is not None  # every node is hashed while recording
+            self._record(node.hash, False)
         self._offer(parent)
+
+    def _record(self, block_hash: int, stored: bool) -> None:
+        """Note a node added (stored) or removed; only called while recording."""
+        assert self._events is not None
+        # Re-insert so that the dict's order is the order of each hash's last event.
+        self._events.pop(block_hash, None)
+        self._events[block_hash] = stored
+
+    def _hash_all(self) -> Iterator[int]:
+        """Set every node's hash; yields them, every parent's before its children's."""
+        stack = [(child, 0) for child in self._root.children.values()]
+        while stack:
+            node, position = stack.pop()
+            assert node.parent is not None
+            node.hash = self._chain(node.parent, position, node.key)
+            yield node.hash
+            stack.extend((child, position + 1) for child in node.children.values())
+
+    @staticmethod
+    def _chain(parent: _Node, position: int, key: tuple[int, ...]) -> int:
+        assert parent.hash is not None  # the root's is ROOT_HASH, the others' set in preorder
+        return chain_hash(parent.hash, position, key)
 
     def _is_live(self, node: _Node, last_access: int) -> bool:
         return node.alive and not node.children and node.last_access == last_access
@@ -269,21 +343,33 @@ class RadixPrefixIndex:
         ]
         heapq.heapify(self._heap)
 
+    def _check_hash(self, parent: _Node, child: _Node, position: int) -> None:
+        """A node's hash, where known, chains from its parent's; while recording it is known."""
+        if child.hash is None:
+            integrity_check(self._events is None, f"block {child.block_id}: recording, no hash")
+        else:
+            integrity_check(
+                parent.hash is not None
+                and child.hash == chain_hash(parent.hash, position, child.key),
+                f"block {child.block_id}: hash does not chain from its parent's",
+            )
+
     def _check_tree(self) -> int:
         """Walk the tree checking links; returns the number of non-root nodes."""
         count = 0
-        stack = [self._root]
+        stack = [(self._root, 0)]  # (node, position of its children's blocks)
         while stack:
-            node = stack.pop()
+            node, position = stack.pop()
             for key, child in node.children.items():
                 integrity_check(child.parent is node, f"block {child.block_id}: bad parent link")
                 integrity_check(child.key == key, f"block {child.block_id}: key mismatch")
                 integrity_check(len(key) == self._block_size, "edge is not one full block")
                 integrity_check(child.alive, f"block {child.block_id}: dead node in tree")
+                self._check_hash(node, child, position)
                 integrity_check(
                     self._nodes.get(child.block_id) is child,
                     f"block {child.block_id}: block map disagrees with tree",
                 )
                 count += 1
-                stack.append(child)
+                stack.append((child, position + 1))
         return count
