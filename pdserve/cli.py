@@ -224,6 +224,47 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="stream each decoding instance's KV to a peer; a lost request resumes from it",
     )
+    g.add_argument(
+        "--routing",
+        choices=["prefix", "session", "least-load"],
+        default="prefix",
+        help="where a request is prefilled: the instance whose cache holds most of its prompt "
+        "unless its queue is longer by more than that (prefix), a session's instances "
+        "(session: the user field or X-Session-Id header), or the shortest queue (least-load)",
+    )
+    g.add_argument(
+        "--pd-caching",
+        type=int,
+        choices=[1, 2, 3],
+        default=3,
+        help="caching over disaggregation (MemServe): 1 at prefill only, 2 also at decode, "
+        "3 also returns each finished request's KV to its prefill instance (default 3)",
+    )
+    g.add_argument(
+        "--no-prefix-fetch",
+        action="store_true",
+        help="prefix routing: never copy a cached prefix from another instance before a "
+        "prefill (by default it is copied when that is cheaper than computing it)",
+    )
+    g.add_argument(
+        "--prefix-ttl",
+        type=float,
+        default=300.0,
+        help="seconds a prompt-tree entry lives without a refresh (default 300)",
+    )
+    g.add_argument(
+        "--prefix-tree-max-entries",
+        type=int,
+        default=1_000_000,
+        help="cap on (block, instance) entries of each prompt tree (default 1000000)",
+    )
+    g.add_argument(
+        "--decode-balance",
+        type=int,
+        default=2,
+        help="prefix/session routing: a decode instance holding the prefix is preferred while "
+        "it runs at most this many more requests than the least loaded (default 2)",
+    )
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     g.add_argument(
         "--kv-lease", type=float, default=60.0, help="pull: seconds unclaimed prefill KV is kept"

@@ -4,7 +4,10 @@ cluster controller's job, tested with real processes in test_disagg_server.py).
 
 Checked exactly: greedy tokens equal the colocated core's, the decode pool holds the
 prefill pool's KV bit for bit, and block accounting is back to zero on both sides. Also
-one live core switched between roles (`EngineCore.switch_role`), working in each.
+one live core switched between roles (`EngineCore.switch_role`), working in each, and
+MemServe's PD-Caching-3 return (protocol/cache.py): a finished request's prompt + answer
+KV lands in the prefill core's prefix cache bit for bit, and every way it can fail frees
+what it held on both sides.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pdserve.engine.roles import ColocatedRole, DecodeRole, PrefillRole
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.transfer import gather
 from pdserve.model.base import CausalLM
+from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferPrefix, PrefixFetched
 from pdserve.protocol.handoff import (
     AddPrefilled,
     Handoff,
@@ -112,6 +116,7 @@ class Router:
         self.failures: dict[str, str] = {}
         self.kv_equal: dict[str, bool] = {}
         self.snapshots: dict[str, torch.Tensor] = {}
+        self.return_to: str | None = None  # PD-Caching-3 (see ReturningRouter)
         role = prefill.role
         assert isinstance(role, PrefillRole)
         original = role.hand_off
@@ -166,7 +171,14 @@ class Router:
             first = list(self.tokens[msg.request_id])
             self.decode.add_prefilled(
                 AddPrefilled(
-                    msg.request_id, p, first, self.params, 0.0, msg.source, msg.generator_state
+                    msg.request_id,
+                    p,
+                    first,
+                    self.params,
+                    0.0,
+                    msg.source,
+                    msg.generator_state,
+                    return_to=self.return_to,
                 )
             )
         elif isinstance(msg, KVReceived):
@@ -509,3 +521,191 @@ def test_a_busy_core_refuses_to_switch_role(model_dir: Path, model: CausalLM) ->
     finally:
         core.close()
         prefill.close()
+
+
+# ---- PD-Caching-3: the decode core returns finished KV to the prefill core ----------------
+
+
+class ReturningRouter(Router):
+    """`Router`, plus the controller's part of the return: KVOffered -> FetchPrefix to
+    the prefill core; PrefixFetched -> (KV compared while still pinned) ReleaseKV."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.return_to = "prefill"
+        self.offers: dict[str, KVOffered] = {}
+        self.fetched: dict[str, PrefixFetched] = {}
+        self.returned_equal: dict[str, bool] = {}
+
+    def idle(self) -> bool:
+        return super().idle() and len(self.fetched) == len(self.offers)
+
+    def route(self, msg: EngineMessage) -> None:
+        if isinstance(msg, KVOffered):
+            self.offers[msg.offer_id] = msg
+            fetch = FetchPrefix(msg.offer_id, "decode", msg.token_ids, msg.source)
+            self.prefill.fetch_prefix(fetch)
+        elif isinstance(msg, PrefixFetched):
+            self.fetched[msg.offer_id] = msg
+            self.returned_equal[msg.offer_id] = self.same_returned_kv(self.offers[msg.offer_id])
+            self.decode.release([msg.offer_id])
+        else:
+            super().route(msg)
+
+    def same_returned_kv(self, offer: KVOffered) -> bool:
+        """The prefill pool's indexed KV of the offered tokens equals the decode pool's."""
+        n = offer.source.num_tokens
+        want = gather(
+            self.decode.runner.cache.device_tensor, self.decode.kv_layout, offer.source.blocks, 0, n
+        )
+        p = self.prefill
+        if p.kv.hold("probe", offer.token_ids, 0) != n:
+            p.kv.free("probe")
+            return False
+        got = gather(p.runner.cache.device_tensor, p.kv_layout, p.kv.block_table("probe"), 0, n)
+        p.kv.free("probe")
+        return bool(torch.equal(want, got))
+
+
+def test_finished_kv_returns_to_the_prefill_cache_bit_exact(
+    model_dir: Path, model: CausalLM
+) -> None:
+    """Acceptance 2 of the caching issue: after a request finishes, the prefill core's
+    index holds the answer's full blocks, bit-exact to the decode core's KV; only the
+    blocks it lacked moved (the prompt's full blocks it computed itself stayed)."""
+    batch = prompts(6, model.config.vocab_size, seed=7)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    p = make_core(model_dir, model, Role.PREFILL, "pull", "shm")
+    d = make_core(model_dir, model, Role.DECODE, "pull", "shm")
+    try:
+        router = ReturningRouter(p, d, "pull", batch, params)
+        router.run()
+        assert router.failures == {}
+        bs = 16
+        for i, prompt in enumerate(batch):
+            rid = f"r{i}@return"
+            full = (len(prompt) + params.max_tokens - 1) // bs * bs  # the last token has no KV
+            tokens = prompt + router.tokens[f"r{i}"]
+            assert router.offers[rid].token_ids == tokens[:full]
+            fetched = router.fetched[rid]
+            assert fetched.error is None
+            assert (fetched.num_tokens, fetched.num_fetched) == (
+                full,
+                full - len(prompt) // bs * bs,
+            )
+            assert router.returned_equal[rid]
+            # the next turn's prompt (this one's prompt + answer + more) hits it all
+            assert p.kv.match_prefix([*tokens, 5, 6]).num_cached_tokens == full
+        assert_clean(p, d)
+        assert (d.exchange.num_offers, p.exchange.num_fetches) == (0, 0)
+    finally:
+        p.close()
+        d.close()
+
+
+def offer_one(model_dir: Path, model: CausalLM, **transfer: object) -> tuple[EngineCore, KVOffered]:
+    """A decode core that ran one request (pushed KV) to the end and offered its KV."""
+    d = make_core(model_dir, model, Role.DECODE, "request-push", "shm", **transfer)
+    prompt = list(range(5, 69))
+    d.reserve(ReserveKV("a", prompt))
+    d.poll_transfers()
+    d.take_messages()
+    d.add_prefilled(AddPrefilled("a", prompt, [7], GREEDY, 0.0, None, None, return_to="prefill-x"))
+    while d.has_unfinished():
+        d.step()
+    offers = [m for m in d.take_messages() if isinstance(m, KVOffered)]
+    assert [o.offer_id for o in offers] == ["a@return"] and offers[0].to == "prefill-x"
+    assert offers[0].source.num_tokens == (64 + 12 - 1) // 16 * 16
+    assert d.exchange.num_offers == 1 and d.kv.num_used_blocks == 4
+    return d, offers[0]
+
+
+def fetch_answer(core: EngineCore, offer: KVOffered, timeout_s: float = 10.0) -> PrefixFetched:
+    core.fetch_prefix(FetchPrefix(offer.offer_id, "decode", offer.token_ids, offer.source))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        core.poll_transfers()
+        answers = [m for m in core.take_messages() if isinstance(m, PrefixFetched)]
+        if answers:
+            return answers[0]
+        time.sleep(0.001)
+    raise AssertionError("no PrefixFetched")
+
+
+def assert_pool_clean(*cores: EngineCore) -> None:
+    for core in cores:
+        core.kv.check_integrity()
+        assert core.kv.num_used_blocks == 0
+        assert (core.exchange.num_offers, core.exchange.num_fetches) == (0, 0)
+
+
+def test_failed_returns_free_every_block_on_both_sides(model_dir: Path, model: CausalLM) -> None:
+    d, offer = offer_one(model_dir, model)
+    tiny = make_core(model_dir, model, Role.PREFILL, "pull", "shm", num_blocks=3)
+    failing = make_core(model_dir, model, Role.PREFILL, "pull", "shm", fault_failure_rate=1.0)
+    holding = make_core(model_dir, model, Role.PREFILL, "pull", "shm")
+    try:
+        no_room = fetch_answer(tiny, offer)
+        assert no_room.error == "no room: 64 tokens, 48 obtainable"
+        assert (no_room.num_tokens, no_room.num_fetched) == (0, 0)
+        broken = fetch_answer(failing, offer)
+        assert broken.error is not None and broken.error.startswith("fetching the KV failed: ")
+        assert "injected" in broken.error
+        late = msgspec.structs.replace(
+            offer, source=msgspec.structs.replace(offer.source, lease_deadline=time.monotonic())
+        )
+        expired = fetch_answer(holding, late)
+        assert expired.error == "the source's lease on the KV ends before a fetch could finish"
+        first = fetch_answer(holding, offer)
+        assert (first.error, first.num_tokens, first.num_fetched) == (None, 64, 64)
+        again = fetch_answer(holding, msgspec.structs.replace(offer, offer_id="a2@return"))
+        assert (again.error, again.num_tokens, again.num_fetched) == (None, 64, 0)
+        assert_pool_clean(tiny, failing, holding)
+        assert holding.kv.num_cached_blocks == 4
+        d.release([offer.offer_id])
+        assert_pool_clean(d)
+        assert d.kv.num_cached_blocks == 4  # unpinned, still cached where it was
+    finally:
+        for core in (d, tiny, failing, holding):
+            core.close()
+
+
+def test_an_unclaimed_offer_is_unpinned_when_its_lease_ends(
+    model_dir: Path, model: CausalLM
+) -> None:
+    d, offer = offer_one(model_dir, model, timeout_s=0.1, lease_s=0.3)
+    try:
+        assert offer.source.lease_deadline <= time.monotonic() + 0.3
+        d.poll_transfers()
+        assert d.exchange.num_offers == 1  # not yet
+        time.sleep(0.35)
+        d.poll_transfers()
+        assert_pool_clean(d)
+    finally:
+        d.close()
+
+
+def test_an_instance_offers_what_its_cache_holds_of_a_prefix(
+    model_dir: Path, model: CausalLM
+) -> None:
+    """OfferPrefix (a prefix fetch's first step): the indexed full blocks are pinned and
+    offered; a prefix held no longer is answered with PrefixFetched(error)."""
+    d, offer = offer_one(model_dir, model)
+    try:
+        d.release([offer.offer_id])
+        tokens = [*offer.token_ids, 9, 9, 9]
+        d.offer_prefix(OfferPrefix("b@prefetch", tokens, "prefill-y"))
+        (got,) = d.take_messages()
+        assert isinstance(got, KVOffered) and got.offer_id == "b@prefetch"
+        assert (got.to, got.token_ids, got.source.num_tokens) == ("prefill-y", tokens[:64], 64)
+        assert got.source.blocks == offer.source.blocks  # the same cached blocks, pinned
+        assert d.kv.num_used_blocks == 4
+        d.offer_prefix(OfferPrefix("c@prefetch", [1, 2, 3] * 20, "prefill-y"))
+        (miss,) = d.take_messages()
+        assert miss == PrefixFetched(
+            "c@prefetch", d.config.instance_name, 0, 0, 0, "not cached here any more"
+        )
+        d.release(["b@prefetch"])
+        assert_pool_clean(d)
+    finally:
+        d.close()

@@ -132,6 +132,8 @@ def assert_pools_clean(server: Server, every_role: bool = True) -> None:
             "num_held",
             "num_transferring",
             "num_reserved",
+            "num_offers",
+            "num_prefix_fetches",
         ):
             assert stats[field] == 0, (row["name"], field, stats)
 

@@ -580,3 +580,28 @@ def test_random_operations_keep_integrity(prefix: bool) -> None:
     assert sim.stats["fail"] > 0 and sim.stats["swap_out"] > 0 and sim.stats["swap_in"] > 0
     if prefix:
         assert sim.stats["switch"] > 0 and sim.stats["evict"] > 0 and m.prefix_cache_hits > 0
+
+
+def test_hold_pins_the_whole_indexed_prefix_and_takes_fresh_blocks_all_or_nothing() -> None:
+    m = manager(num_blocks=8)
+    tokens = list(range(4 * BS))  # 4 full blocks
+    assert m.allocate("a", tokens, len(tokens)) is not None
+    m.commit("a", tokens, len(tokens))
+    m.free("a")  # 4 blocks cached
+    hits, queries = m.prefix_cache_hits, m.prefix_cache_queries
+    # a pin: every full indexed block matches (no token is left to compute)
+    assert m.hold("pin", tokens, 0) == 4 * BS
+    assert counts(m) == (4, 4, 0)
+    # a copy's destination: what is indexed, plus fresh blocks up to 6 blocks of tokens
+    assert m.hold("copy", [*tokens, *range(100, 100 + 2 * BS)], 6 * BS) == 4 * BS
+    assert counts(m) == (2, 6, 0)
+    # no room: nothing taken, nothing evicted
+    assert m.hold("big", list(range(500, 500 + 3 * BS)), 3 * BS) is None
+    assert "big" not in m and counts(m) == (2, 6, 0)
+    with pytest.raises(RequestStateError, match="already has KV state"):
+        m.hold("pin", tokens, 0)
+    assert (m.prefix_cache_hits, m.prefix_cache_queries) == (hits, queries)  # not counted
+    m.free("pin")
+    m.free("copy")
+    m.check_integrity()
+    assert counts(m) == (4, 0, 4)

@@ -6,6 +6,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 
+class Routing(StrEnum):
+    """How the controller picks the instance that prefills a request (cluster/routing.py)."""
+
+    LEAST_LOAD = "least-load"  # shortest prefill queue, blind to caches
+    SESSION = "session"  # a session (the `user` field / X-Session-Id) sticks to instances
+    PREFIX = "prefix"  # global prompt trees: the most cached prefix, unless its queue is long
+
+
 class DecodePolicy(StrEnum):
     LEAST_LOADED = "least-loaded"  # fewest requests assigned (DistServe)
     POWER_OF_TWO = "power-of-two"  # two random instances with room, the less loaded (TetriInfer)
@@ -35,6 +43,27 @@ class ClusterConfig:
     # Prefill instances: tokens per prefill-only chunk (TetriInfer ChunkSize); None: the
     # engine's max_num_batched_tokens.
     prefill_chunk_size: int | None = None
+    # Cluster-wide caching (docs/caching.md). `routing`: see Routing. `pd_caching`
+    # (MemServe §5.1, with a prefix cache): 1 caches at prefill instances only, 2 also at
+    # decode instances (the prompt KV received and the answers' KV), 3 also returns each
+    # finished request's prompt + answer KV to the prefill instance that prefilled it.
+    routing: Routing = Routing.PREFIX
+    pd_caching: int = 3
+    # Global prompt trees: entries not refreshed by an instance's events or a routed
+    # request for this long are forgotten (MemServe's TTL: the fallback for lost events);
+    # at most this many (block, instance) entries per tree, least recently refreshed first.
+    prefix_ttl_s: float = 300.0
+    prefix_tree_max_entries: int = 1_000_000
+    # Decode instances under prefix/session routing: the instance holding the longest
+    # prefix is chosen while it runs at most this many more requests than the least loaded.
+    decode_balance: int = 2
+    # PD-Caching-3: returns copying into one prefill instance at once; more are dropped.
+    max_returns_in_flight: int = 2
+    # Prefix routing, disaggregated: copy a longer cached prefix from another instance
+    # before a prefill when that is cheaper than computing it (cluster/routing.py).
+    prefix_fetch: bool = True
+    # Session routing: sessions remembered (least recently used forgotten first).
+    max_sessions: int = 100_000
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated", "max_retries", "max_migrations"):
@@ -55,6 +84,19 @@ class ClusterConfig:
             )
         if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
             raise ValueError(f"chunk size must be >= 1, got {self.prefill_chunk_size}")
+        if self.pd_caching not in (1, 2, 3):
+            raise ValueError(f"pd_caching must be 1, 2 or 3, got {self.pd_caching!r}")
+        if self.prefix_ttl_s <= 0:
+            raise ValueError(f"prefix_ttl_s must be > 0, got {self.prefix_ttl_s}")
+        for name in (
+            "prefix_tree_max_entries",
+            "max_sessions",
+            "max_returns_in_flight",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_balance < 0:
+            raise ValueError(f"decode_balance must be >= 0, got {self.decode_balance}")
         if self.instance_timeout_s <= 0:
             raise ValueError(f"instance_timeout_s must be > 0, got {self.instance_timeout_s}")
 

@@ -54,9 +54,10 @@ import zmq.asyncio
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.instance import Instance
-from pdserve.cluster.policies import DecodeChooser, choose_prefill
+from pdserve.cluster.policies import DecodeChooser
 from pdserve.cluster.recovery import FaultCounters
 from pdserve.cluster.replication import RecoveryCost, ring
+from pdserve.cluster.routing import FETCH_WAIT_S, Donor, RouteKey, Router, session_key
 from pdserve.config import EngineConfig, Role, TransferMode
 from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.engine.outputs import RequestOutput
@@ -70,11 +71,13 @@ from pdserve.errors import (
 )
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferPrefix, PrefixFetched
 from pdserve.protocol.core import (
     AbortRequests,
     AddRequest,
     EngineOutput,
     EngineStats,
+    LoadReport,
     OutputBatch,
     RequestRejected,
 )
@@ -109,6 +112,7 @@ Item = RequestOutput | BaseException
 
 class Phase(StrEnum):
     RESERVING = "reserving"  # push: waiting for the decode instance's blocks
+    PREFETCH = "prefetch"  # its prefill instance copies a cached prefix from another one
     PREFILL = "prefill"  # at the prefill (or colocated) instance
     HANDOFF = "handoff"  # first token out; KV on its way to the decode instance
     DECODE = "decode"  # KV in place; generating at the decode instance
@@ -123,12 +127,18 @@ class _Record:
     params: SamplingParams
     arrival: float
     queue: asyncio.Queue[Item]
+    route: RouteKey  # what the router knows of it (cluster/routing.py)
     phase: Phase = Phase.PREFILL
     prefill: Instance | None = None  # holds (or will hold) something for this attempt
     decode: Instance | None = None
     # Instances whose assigned load counts this request (released exactly once).
     credit_prefill: Instance | None = None
     credit_decode: Instance | None = None
+    credit_tokens: int = 0  # the prompt tokens `credit_prefill` has to compute
+    predicted_cached: int = 0  # what the prompt tree said the prefill instance holds
+    # Prompt tokens the instance that ran the prefill served from its cache (the
+    # `cached_tokens` of the API), as its first output said; None before it.
+    cached_tokens: int | None = None
     attempts: int = 0  # dispatches after the first (retries and migrations)
     migrations: int = 0
     streamed: list[int] = field(default_factory=list)  # token ids forwarded to the client
@@ -152,6 +162,23 @@ class _Record:
         """The id instances know this attempt by: messages about an earlier attempt
         (stragglers) cannot be mistaken for the current one."""
         return self.request_id if self.attempts == 0 else f"{self.request_id}~move{self.attempts}"
+
+
+_PREFETCH = "@prefetch"  # the suffix of a prefix fetch's offer id
+
+
+@dataclass
+class _Prefetch:
+    """A request waiting while its prefill instance copies a cached prefix from a donor
+    (protocol/cache.py); `request` goes to `dest` when the copy ended or `deadline`
+    passed, whichever is first (`sent`)."""
+
+    key: str  # the record's
+    donor: Instance
+    dest: Instance
+    request: AddRequest
+    deadline: float  # monotonic
+    sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,6 +206,10 @@ class Cluster:
         # stopped writing into them (key -> (prefill, decode)).
         self._push_stops: dict[str, tuple[Instance, Instance]] = {}
         self.decode_chooser = DecodeChooser(config.decode_policy, config.seed)
+        self.router = Router(config, engine.cache.block_size, self.decode_chooser)
+        # PD-Caching-3 returns copying now: offer id -> (decode source, prefill destination).
+        self._returns: dict[str, tuple[Instance, Instance]] = {}
+        self._prefetches: dict[str, _Prefetch] = {}  # by offer id
         self._ctx = zmq.asyncio.Context()
         self._processor: OutputProcessor | None = None
         self._budget = LoopBudget()
@@ -197,6 +228,8 @@ class Cluster:
                 ReplicaStoreOpened: self._on_store_opened,
                 KVReplicated: self._on_replicated,
                 ReplicasStored: self._on_replicas_stored,
+                KVOffered: self._on_offered,
+                PrefixFetched: self._on_prefix_fetched,
             }
         )
         self.faults = FaultCounters()
@@ -228,7 +261,7 @@ class Cluster:
     async def _start(self, timeout: float) -> None:
         silence = None if self.single_engine else self.config.instance_timeout_s
         self.instances = [
-            Instance(cfg, self._ctx, self._on_message, silence)
+            Instance(cfg, self._ctx, self._on_message, silence, self._on_report)
             for cfg in instance_configs(self.config, self.engine)
         ]
         path = resolve_model(self.engine.model)
@@ -274,7 +307,11 @@ class Cluster:
     # ---- requests ------------------------------------------------------------------
 
     async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        session: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's outputs; the last has `finished=True`.
 
@@ -283,7 +320,9 @@ class Cluster:
         nothing was allocated for it. A consumer that stops iterating (client gone, task
         cancelled) aborts the request: the instance frees its KV before its next step.
         An instance failure ends the stream with `InstanceFailedError` (or, for a lone
-        engine, `EngineDeadError`) unless the request can be retried elsewhere."""
+        engine, `EngineDeadError`) unless the request can be retried elsewhere.
+        `session`: the client's session id (any string; `session` routing keeps a
+        session's requests on the same instances)."""
         if not self.is_alive:
             raise self._dead or EngineDeadError("no live instance can serve requests")
         assert self._processor is not None
@@ -292,7 +331,9 @@ class Cluster:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.records:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
-        rec = _Record(rid, token_ids, params, time.monotonic(), asyncio.Queue())
+        sid = session_key(session) if session is not None else None
+        route = self.router.key(token_ids, sid)
+        rec = _Record(rid, token_ids, params, time.monotonic(), asyncio.Queue(), route)
         self.records[rid] = rec
         self._processor.add(rid, token_ids, params)
         finished = False
@@ -342,13 +383,41 @@ class Cluster:
     def _send_prefill(
         self, rec: _Record, candidates: list[Instance], handoff: Handoff | None
     ) -> None:
-        inst = choose_prefill(candidates)
-        if inst is None:
+        choice = self.router.prefill(candidates, rec.route)
+        if choice is None:
             self._fail(rec, InstanceFailedError("no live prefill instance"))
             return
+        inst = choice.instance
+        donor = self._prefix_donor(rec, inst, choice.cached_tokens) if handoff else None
+        cached = choice.cached_tokens if donor is None else donor.cached_tokens
         rec.prefill = rec.credit_prefill = inst
-        inst.assigned_prefill_tokens += len(rec.prompt)
-        inst.send(AddRequest(rec.key, rec.prompt, rec.params, rec.arrival, handoff))
+        rec.predicted_cached = cached
+        rec.credit_tokens = len(rec.prompt) - cached
+        inst.assigned_prefill_tokens += rec.credit_tokens
+        request = AddRequest(rec.key, rec.prompt, rec.params, rec.arrival, handoff)
+        if donor is None:
+            rec.phase = Phase.PREFILL
+            inst.send(request)
+            return
+        rec.phase = Phase.PREFETCH
+        offer_id = rec.key + _PREFETCH
+        deadline = time.monotonic() + FETCH_WAIT_S
+        self._prefetches[offer_id] = _Prefetch(rec.key, donor.instance, inst, request, deadline)
+        donor.instance.send(OfferPrefix(offer_id, rec.prompt[: donor.cached_tokens], inst.name))
+
+    def _prefix_donor(self, rec: _Record, inst: Instance, cached: int) -> Donor | None:
+        """Another instance to copy a longer cached prefix from, when copying pays."""
+        if not (self.config.prefix_fetch and self.config.disaggregated):
+            return None
+        if not self.engine.cache.enable_prefix_cache or inst.kv_layout is None:
+            return None
+        donor = self.router.donor(self.instances, rec.route, inst, cached)
+        if donor is None:
+            return None
+        layout = inst.kv_layout
+        token_bytes = 2 * layout.num_layers * layout.token_bytes
+        pays = self.router.fetch_pays(donor.cached_tokens - cached, token_bytes, self.recovery)
+        return donor if pays else None
 
     def _run_whole_on_decode(self, rec: _Record) -> None:
         """No prefill instance is alive: a decode instance prefills the prompt itself."""
@@ -359,7 +428,7 @@ class Cluster:
 
     def _choose_decode(self, rec: _Record) -> Instance | None:
         need = -(-(len(rec.prompt) + len(rec.streamed) + 1) // self.engine.cache.block_size)
-        inst = self.decode_chooser.choose(self.of_role(Role.DECODE), need)
+        inst = self.router.decode(self.of_role(Role.DECODE), rec.route, need)
         if inst is None:
             self._fail(rec, InstanceFailedError("no live decode instance"))
             return None
@@ -390,6 +459,9 @@ class Cluster:
             return
         if rec.times.first_token_seen is None:
             rec.times.first_token_seen = time.monotonic()
+        if rec.cached_tokens is None:  # the instance that ran the prefill: its own count
+            rec.cached_tokens = out.num_cached_tokens
+            self.router.observe(rec.predicted_cached, out.num_cached_tokens)
         if rec.recompute:  # the first output after a move: what it really recomputed
             self.faults.recomputed_tokens += max(0, rec.recompute - out.num_cached_tokens)
             rec.recompute = 0
@@ -397,8 +469,11 @@ class Cluster:
 
     def _forward(self, rec: _Record, inst: Instance, out: EngineOutput) -> None:
         assert self._processor is not None
-        if out.request_id != rec.request_id:  # a retry's key: the client knows the id
-            out = msgspec.structs.replace(out, request_id=rec.request_id)
+        if out.request_id != rec.request_id or out.num_cached_tokens != rec.cached_tokens:
+            # a retry's key (the client knows the id); the prefill instance's cache count
+            out = msgspec.structs.replace(
+                out, request_id=rec.request_id, num_cached_tokens=rec.cached_tokens or 0
+            )
         rec.streamed.extend(t.token_id for t in out.new_tokens)
         result, stop_string = self._processor.process(out)
         if result is None:
@@ -439,6 +514,7 @@ class Cluster:
                 rec.arrival,
                 msg.source,
                 msg.generator_state,
+                return_to=inst.name if self.returns_kv else None,
             )
         )
 
@@ -448,8 +524,6 @@ class Cluster:
             inst.send(ReleaseKV([msg.request_id]))
             return
         self._send_prefill(rec, self.of_role(Role.PREFILL), Handoff(self.mode.value, msg.target))
-        if rec.prefill is not None:
-            rec.phase = Phase.PREFILL
 
     def _on_received(self, inst: Instance, msg: KVReceived) -> None:
         rec = self.records.get(msg.request_id)
@@ -495,6 +569,8 @@ class Cluster:
         while True:
             await asyncio.sleep(_WATCH_S)
             now = time.monotonic()
+            self.router.expire(now)
+            self._overdue_prefetches(now)
             for inst in self.instances:
                 reason = inst.check(now)
                 if reason is not None:
@@ -508,6 +584,9 @@ class Cluster:
             self._on_engine_dead(inst, reason)
             return
         self.faults.instance_failed(inst.role.value)
+        self.router.forget(inst)
+        self._drop_returns(inst)
+        self._drop_prefetches(inst)
         for key, (prefill, decode) in list(self._push_stops.items()):
             if inst is prefill:  # a dead process writes nothing more
                 del self._push_stops[key]
@@ -674,7 +753,7 @@ class Cluster:
 
     def _unload_prefill(self, rec: _Record) -> None:
         if rec.credit_prefill is not None:
-            rec.credit_prefill.assigned_prefill_tokens -= len(rec.prompt)
+            rec.credit_prefill.assigned_prefill_tokens -= rec.credit_tokens
             rec.credit_prefill = None
 
     def _unload_decode(self, rec: _Record) -> None:
@@ -771,6 +850,115 @@ class Cluster:
                 out[rec.replica_holder.name] += rec.replicated
         return out
 
+    # ---- cluster-wide caching (cluster/routing.py, protocol/cache.py) ---------------------
+
+    @property
+    def returns_kv(self) -> bool:
+        """PD-Caching-3: decode instances offer finished requests' KV to the prefill
+        instance that prefilled them."""
+        return (
+            self.config.disaggregated
+            and self.config.pd_caching == 3
+            and self.engine.cache.enable_prefix_cache
+        )
+
+    def _on_report(self, inst: Instance, report: LoadReport) -> None:
+        self.router.on_report(inst, report)
+
+    def _on_offered(self, inst: Instance, msg: KVOffered) -> None:
+        """A decode instance pinned a finished request's KV for `msg.to`: relay it, or
+        drop it when the destination is gone or already copying its share. (A prefix
+        fetch's offer: relay it to the waiting request's prefill instance.)"""
+        if msg.offer_id.endswith(_PREFETCH):
+            self._on_prefetch_offered(inst, msg)
+            return
+        dest = self._instance(msg.to)
+        copying = sum(1 for _, d in self._returns.values() if d is dest)
+        if dest is None or not dest.alive or copying >= self.config.max_returns_in_flight:
+            self.router.counters.returns_dropped += 1
+            inst.send(ReleaseKV([msg.offer_id]))
+            return
+        self._returns[msg.offer_id] = (inst, dest)
+        dest.send(FetchPrefix(msg.offer_id, inst.name, msg.token_ids, msg.source))
+
+    def _on_prefix_fetched(self, inst: Instance, msg: PrefixFetched) -> None:
+        """The destination is done with the offer (copied, held it, or failed): unpin."""
+        prefetch = self._prefetches.pop(msg.offer_id, None)
+        if prefetch is not None:
+            self._end_prefetch(msg.offer_id, prefetch, msg.num_fetched, msg.error)
+            return
+        pair = self._returns.pop(msg.offer_id, None)
+        if pair is None:
+            return
+        self.router.counters.returned(msg.num_fetched, msg.error)
+        if msg.error is not None:
+            log.info("KV return %s to %s dropped: %s", msg.offer_id, inst.name, msg.error)
+        source = pair[0]
+        if source.alive:
+            source.send(ReleaseKV([msg.offer_id]))
+
+    def _on_prefetch_offered(self, inst: Instance, msg: KVOffered) -> None:
+        prefetch = self._prefetches.get(msg.offer_id)
+        if prefetch is None or prefetch.donor is not inst or not prefetch.dest.alive:
+            inst.send(ReleaseKV([msg.offer_id]))
+            return
+        prefetch.dest.send(FetchPrefix(msg.offer_id, inst.name, msg.token_ids, msg.source))
+
+    def _end_prefetch(
+        self, offer_id: str, prefetch: _Prefetch, fetched: int, error: str | None
+    ) -> None:
+        """The copy ended (or never started: `error`): unpin, and let the request go."""
+        counters = self.router.counters
+        if error is None:
+            counters.prefetches += 1
+            counters.prefetched_tokens += fetched
+        else:
+            counters.prefetches_failed += 1
+            log.info("prefix fetch %s dropped: %s", offer_id, error)
+        if prefetch.donor.alive:
+            prefetch.donor.send(ReleaseKV([offer_id]))
+        self._send_prefetched(prefetch)
+
+    def _send_prefetched(self, prefetch: _Prefetch) -> None:
+        """The waiting request goes to its prefill instance (once)."""
+        if prefetch.sent:
+            return
+        prefetch.sent = True
+        rec = self.records.get(prefetch.key)
+        if rec is None or rec.phase is not Phase.PREFETCH or rec.prefill is not prefetch.dest:
+            return  # aborted, or moved off a dead instance meanwhile
+        rec.phase = Phase.PREFILL
+        prefetch.dest.send(prefetch.request)
+
+    def _overdue_prefetches(self, now: float) -> None:
+        """A copy past its wait: the request goes ahead (the copy may still land)."""
+        for prefetch in self._prefetches.values():
+            if not prefetch.sent and now >= prefetch.deadline:
+                self._send_prefetched(prefetch)
+
+    def _drop_prefetches(self, dead: Instance) -> None:
+        """Into a dead instance: unpin the donor (the request moves with the others of
+        the dead instance). From a dead donor: the request goes ahead without it."""
+        for offer_id, prefetch in list(self._prefetches.items()):
+            if prefetch.dest is dead:
+                del self._prefetches[offer_id]
+                if prefetch.donor.alive:
+                    prefetch.donor.send(ReleaseKV([offer_id]))
+            elif prefetch.donor is dead:
+                del self._prefetches[offer_id]
+                self.router.counters.prefetches_failed += 1
+                self._send_prefetched(prefetch)
+
+    def _drop_returns(self, dead: Instance) -> None:
+        """Returns into a dead instance end here (the source unpins); returns out of one
+        end when the destination answers (it may still be reading: never unpinned early)."""
+        for offer_id, (source, dest) in list(self._returns.items()):
+            if dest is dead:
+                del self._returns[offer_id]
+                self.router.counters.returns_failed += 1
+                if source.alive:
+                    source.send(ReleaseKV([offer_id]))
+
     # ---- reporting -----------------------------------------------------------------------
 
     async def stats(self, check_integrity: bool = False, timeout: float = 10.0) -> EngineStats:
@@ -841,14 +1029,21 @@ def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[Engin
     for role in roles:
         index = counts[role] = counts.get(role, -1) + 1
         name = "engine" if len(roles) == 1 else f"{role.value}-{index}"
-        scheduler = engine.scheduler
+        scheduler, cache = engine.scheduler, engine.cache
         if role is Role.PREFILL and cluster.prefill_chunk_size is not None:
             scheduler = dataclasses.replace(
                 scheduler, max_num_batched_tokens=cluster.prefill_chunk_size
             )
+        if role is Role.DECODE and cluster.pd_caching == 1:  # PD-Caching-1: caching at P only
+            cache = dataclasses.replace(cache, enable_prefix_cache=False)
         configs.append(
             dataclasses.replace(
-                engine, role=role, instance_name=name, num_threads=threads, scheduler=scheduler
+                engine,
+                role=role,
+                instance_name=name,
+                num_threads=threads,
+                scheduler=scheduler,
+                cache=cache,
             )
         )
     return configs

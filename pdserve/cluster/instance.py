@@ -56,6 +56,7 @@ class Instance:
         ctx: zmq.asyncio.Context,
         on_message: Callable[[Instance, EngineMessage], Awaitable[None]],
         timeout_s: float | None,
+        on_report: Callable[[Instance, LoadReport], None] | None = None,
     ) -> None:
         self.config = config
         # None: silence is never a death (a lone engine), and nothing needs its load
@@ -64,6 +65,7 @@ class Instance:
         self.name = config.instance_name
         self.role: Role = config.role
         self.on_message = on_message
+        self.on_report = on_report  # also told of every load report (prompt-tree events)
         self.max_model_len = 0
         self.vocab_size = 0
         self.kv_layout: KVLayout | None = None  # its pool's geometry, once ready
@@ -210,6 +212,8 @@ class Instance:
 
     def _on_report(self, msg: LoadReport) -> None:
         self.report = msg
+        if self.on_report is not None:
+            self.on_report(self, msg)
 
     def _on_stats(self, msg: EngineStats) -> None:
         reply = self._stats.get(msg.request_id)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.config import EngineConfig, Role
+from pdserve.engine.cache_exchange import CacheExchange
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.replica_store import ReplicaStore
 from pdserve.engine.replicator import Replicator
@@ -53,6 +54,7 @@ from pdserve.kv.layout import KVLayout
 from pdserve.kv.manager import KVManager
 from pdserve.kv.transfer import LayoutMismatchError, Region, apply_plan, stream_in
 from pdserve.model.base import CausalLM
+from pdserve.protocol.cache import FetchPrefix, OfferPrefix, PrefixFetched
 from pdserve.protocol.core import EngineOutput, NewToken, RequestRejected
 from pdserve.protocol.handoff import AddPrefilled, Handoff, ReserveKV
 from pdserve.protocol.replica import (
@@ -118,6 +120,8 @@ class EngineCore:
         self.replicator = Replicator(
             self.kv, self.runner.cache, self._post, config.transfer.timeout_s
         )
+        # Cluster-wide caching (protocol/cache.py): KV offered to and fetched from peers.
+        self.exchange = CacheExchange(self.kv, self._transfer_link, self._post, config.transfer)
         self._take_role(config.role)
 
     # ---- the role --------------------------------------------------------------
@@ -195,6 +199,7 @@ class EngineCore:
         and the replica regions held for other instances. A replication write in flight
         is waited for first (the only place the core waits for one)."""
         self.replicator.close(self.config.transfer.timeout_s)
+        self.exchange.close()
         self.replicas.close()
         if self.link is not None:
             self.link.close()
@@ -373,6 +378,7 @@ class EngineCore:
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, gen)
         req.output_token_ids = list(msg.output_token_ids)
         req.times.arrival = msg.arrival
+        req.return_to = msg.return_to
         return req
 
     def reserve(self, msg: ReserveKV) -> None:
@@ -380,9 +386,22 @@ class EngineCore:
         self.role.reserve(msg)
 
     def release(self, request_ids: Sequence[str]) -> None:
-        """ReleaseKV: free hand-off KV (held prompt KV, or a reservation)."""
+        """ReleaseKV: free hand-off KV (held prompt KV, or a reservation) or unpin KV
+        offered to another instance."""
         for rid in request_ids:
-            self.role.release(rid)
+            if not self.exchange.release(rid):
+                self.role.release(rid)
+
+    def fetch_prefix(self, msg: FetchPrefix) -> None:
+        """Copy the offered KV this instance lacks into its prefix cache."""
+        self.exchange.fetch(msg)
+
+    def offer_prefix(self, msg: OfferPrefix) -> None:
+        """Pin what the prefix cache holds of `msg.token_ids` for instance `msg.to`
+        (KVOffered); PrefixFetched with the reason when it holds none of it."""
+        if not self.exchange.offer(msg.offer_id, msg.token_ids, msg.to):
+            name = self.config.instance_name
+            self._post(PrefixFetched(msg.offer_id, name, 0, 0, 0, "not cached here any more"))
 
     def _join_batch(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -421,7 +440,7 @@ class EngineCore:
 
     def transfers_in_flight(self) -> bool:
         """KV moves run in the background: the loop should poll again soon."""
-        return self.role.busy() or self.replicator.busy()
+        return self.role.busy() or self.replicator.busy() or self.exchange.busy()
 
     def poll_transfers(self) -> None:
         """Advance hand-offs without blocking: finished fetches join the batch, finished
@@ -430,6 +449,7 @@ class EngineCore:
         for req in self.role.poll(free_slots):
             self._join_batch(req)
         self.replicator.poll()
+        self.exchange.poll()
 
     # ---- one step --------------------------------------------------------------
 
@@ -474,6 +494,8 @@ class EngineCore:
         if status is RequestStatus.RUNNING:
             return EngineOutput(req.request_id, new, num_cached_tokens=req.num_cached_prompt_tokens)
         self.requests.pop(req.request_id, None)
+        if req.return_to is not None:  # pinned before the request lets go of its blocks
+            self._offer_kv(req, req.return_to)
         self.scheduler.finish(req, status)
         self.replicator.request_ended(req.request_id)
         return EngineOutput(
@@ -485,6 +507,14 @@ class EngineCore:
             num_cached_tokens=req.num_cached_prompt_tokens,
             metrics=req.times.metrics(req.num_preemptions),
         )
+
+    def _offer_kv(self, req: Request, to: str) -> None:
+        """PD-Caching-3: offer the KV of a finished request's prompt and answer (the
+        full blocks whose KV was computed: the scheduler committed them to the prefix
+        index step by step) to instance `to`."""
+        bs = self.kv.cfg.block_size
+        full = req.num_computed_tokens // bs * bs
+        self.exchange.offer(f"{req.request_id}@return", req.all_token_ids[:full], to)
 
     def _leave_batch(self, req: Request) -> None:
         """The role took `req` over: out of the batch, its KV kept (the role frees it)."""

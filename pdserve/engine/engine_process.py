@@ -30,6 +30,7 @@ from pdserve.engine.step_trace import StepTrace
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.cache import FetchPrefix, OfferPrefix
 from pdserve.protocol.core import (
     AbortRequests,
     AddRequest,
@@ -69,6 +70,8 @@ class _Loop:
         self.encoder = msgspec.msgpack.Encoder()
         self.parent = os.getppid()
         self.report_every = core.config.report_interval_s if report else None
+        if report:  # the controller's global prompt tree follows the prefix index
+            core.kv.record_cache_events()
         self.last_report = 0.0
         self.trace = StepTrace.from_env(core.scheduler, core.config.instance_name)
         self.stopping = False
@@ -86,6 +89,8 @@ class _Loop:
                 DropReplicas: core.drop_replicas,
                 ResumeFromReplica: self.resume_from_replica,
                 ReplicateTo: self.replicate_to,
+                FetchPrefix: core.fetch_prefix,
+                OfferPrefix: core.offer_prefix,
             }
         )
 
@@ -134,6 +139,7 @@ class _Loop:
             if r.num_computed_tokens < len(r.prompt_token_ids)
         )
         role = core.role
+        events = kv.take_cache_events()
         return LoadReport(
             sent_at=now,
             num_waiting=len(s.waiting),
@@ -144,6 +150,8 @@ class _Loop:
             num_held=role.num_held,
             num_transferring=role.num_transferring,
             num_reserved=role.num_reserved,
+            cache_stored=events.stored,
+            cache_removed=events.removed,
         )
 
     def apply_inputs(self, timeout_ms: int) -> bool:
@@ -238,6 +246,8 @@ class _Loop:
             num_replica_blocks=self.core.replicas.num_replica_blocks,
             num_replicated_tokens=self.core.replicas.num_replicated_tokens,
             num_replicating=self.core.replicator.num_replicating,
+            num_offers=self.core.exchange.num_offers,
+            num_prefix_fetches=self.core.exchange.num_fetches,
         )
 
 

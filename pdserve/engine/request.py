@@ -47,6 +47,8 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # PD-Caching-3: the instance offered this request's KV once it finishes (None: none).
+    return_to: str | None = None
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
 
     @property

@@ -202,6 +202,23 @@ class KVManager:
         state.blocks.extend(new_blocks)
         return Allocation(num_cached_tokens=0, num_new_blocks=num_new)
 
+    def hold(self, req_id: ReqId, token_ids: Sequence[int], num_tokens: int = 0) -> int | None:
+        """A KV state that is no request: references on the indexed full-block prefix of
+        `token_ids` (every full block may match: nothing is left to compute) and fresh blocks
+        up to `num_tokens` tokens. Returns the tokens matched (its num_computed_tokens), or
+        None - nothing taken, nothing evicted - without room. Counts no prefix-cache
+        statistics. What MemServe's pin and transfer calls use (engine/cache_exchange.py):
+        with `num_tokens` 0 it pins what the index holds; the caller `commit`s what it wrote
+        into the fresh blocks and `free`s the state.
+        """
+        if req_id in self._reqs:
+            raise RequestStateError(f"hold of {req_id!r}: the id already has KV state")
+        cached = [] if self._index is None else self._index.match(token_ids)
+        num_new = max(0, self._blocks_for(num_tokens) - len(cached))
+        if not self._open_state(req_id, cached, num_new):
+            return None
+        return len(cached) * self._bs
+
     def num_computed_tokens(self, req_id: ReqId) -> int:
         """Tokens whose KV is in the cache for req (kept while it is swapped out)."""
         return self._state(req_id).num_computed
@@ -328,20 +345,29 @@ class KVManager:
         cached = self._match(token_ids)
         num_cached_tokens = len(cached) * self._bs
         num_new = max(0, self._blocks_for(num_cached_tokens + num_new_tokens) - len(cached))
+        if not self._open_state(req_id, cached, num_new):
+            return None
+        self._queries += len(token_ids)
+        self._hits += num_cached_tokens
+        return Allocation(num_cached_tokens=num_cached_tokens, num_new_blocks=num_new)
+
+    def _open_state(self, req_id: ReqId, cached: list[int], num_new: int) -> bool:
+        """A new KV state: references on the matched `cached` blocks (committed, computed)
+        and `num_new` fresh blocks. False, with nothing taken or evicted, without room."""
         # Matched blocks that are cached now stop being evictable once we reference them.
         num_revived = sum(1 for b in cached if self._pool.refcount(b) == 0)
         if num_new > self._num_obtainable() - num_revived:
-            return None
+            return False
         for block_id in cached:
             self._pool.incref(block_id)
         new_blocks = self._take_blocks(num_new)
         assert new_blocks is not None  # guaranteed by the check above
         self._reqs[req_id] = _ReqState(
-            blocks=cached + new_blocks, num_computed=num_cached_tokens, num_committed=len(cached)
+            blocks=cached + new_blocks,
+            num_computed=len(cached) * self._bs,
+            num_committed=len(cached),
         )
-        self._queries += len(token_ids)
-        self._hits += num_cached_tokens
-        return Allocation(num_cached_tokens=num_cached_tokens, num_new_blocks=num_new)
+        return True
 
     def _take_blocks(self, n: int) -> list[int] | None:
         """`n` fresh device blocks (refcount 1), evicting LRU cached blocks if the free list is

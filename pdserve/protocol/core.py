@@ -117,6 +117,8 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_replica_blocks: int = 0  # holder: distinct region blocks those replicas reference
     num_replicating: int = 0  # source: requests holding blocks in a holder's region
     num_replicated_tokens: int = 0  # holder: tokens its replicas hold, summed
+    num_offers: int = 0  # KV pinned for another instance's cache (protocol/cache.py)
+    num_prefix_fetches: int = 0  # FetchPrefix copies in flight into this pool
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -139,3 +141,7 @@ class LoadReport(msgspec.Struct, frozen=True, tag=True):
     num_held: int
     num_transferring: int
     num_reserved: int
+    # The prefix index's net changes since the last report (chained block hashes,
+    # kv/block_hash.py): the controller's global prompt tree follows them.
+    cache_stored: list[int] = []
+    cache_removed: list[int] = []

@@ -58,6 +58,9 @@ class AddPrefilled(msgspec.Struct, frozen=True, tag=True):
     arrival: float
     source: KVSource | None = None
     generator_state: bytes | None = None  # seeded sampling continues the same stream
+    # PD-Caching-3 (protocol/cache.py): once the request finishes, offer the KV of its
+    # prompt and answer to this (prefill) instance's prefix cache.
+    return_to: str | None = None
 
 
 class ReserveKV(msgspec.Struct, frozen=True, tag=True):

@@ -1,9 +1,10 @@
 """What each side of an instance's sockets decodes, and dispatch by message type.
 
 `EngineInput` is everything a front end sends an instance, `EngineMessage` everything an
-instance sends back (core, hand-off and replication protocols together: one socket each way). A
-receiver keeps a `Handlers` table from message type to handler rather than a chain of
-isinstance tests; a message without a handler there is a bug and raises.
+instance sends back (core, hand-off, replication and caching protocols together: one
+socket each way). A receiver keeps a `Handlers` table from message type to handler
+rather than a chain of isinstance tests; a message without a handler there is a bug and
+raises.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from pdserve.errors import InvalidRequestError
-from pdserve.protocol import core, handoff, replica
+from pdserve.protocol import cache, core, handoff, replica
 
 EngineInput = (
     core.AddRequest
@@ -29,6 +30,8 @@ EngineInput = (
     | replica.DropReplicas
     | replica.ResumeFromReplica
     | replica.ReplicateTo
+    | cache.FetchPrefix
+    | cache.OfferPrefix
 )
 
 EngineMessage = (
@@ -46,6 +49,8 @@ EngineMessage = (
     | replica.ReplicaStoreOpened
     | replica.KVReplicated
     | replica.ReplicasStored
+    | cache.KVOffered
+    | cache.PrefixFetched
 )
 
 

@@ -89,6 +89,7 @@ class _Api:
         self.render = Renderer(client.tokenizer)
         self.metrics = ServerMetrics()
         self.metrics.watch_faults(client.faults)
+        self.metrics.watch_cache(client.router)
 
     async def health(self) -> JSONResponse:
         if not self.client.is_alive:
@@ -107,7 +108,8 @@ class _Api:
     async def debug_cluster(self) -> dict[str, Any]:
         """Per instance (role, pid, liveness, load, counters, integrity); one row for a
         single-engine server."""
-        counters = self.client.faults.as_dict()
+        counters: dict[str, Any] = dict(self.client.faults.as_dict())
+        counters["caching"] = self.client.router.summary()
         return {"instances": await self.client.instance_stats(), "controller": counters}
 
     async def prometheus(self) -> Response:
@@ -190,8 +192,9 @@ class _Api:
             raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", "n")
         rid = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         jobs = [(ids, i) for ids in prompts for i in range(body.n)]
+        session = request.headers.get("x-session-id") or body.user
         streams = [
-            self.client.generate(ids, _choice_params(params, i), f"{rid}-{k}")
+            self.client.generate(ids, _choice_params(params, i), f"{rid}-{k}", session)
             for k, (ids, i) in enumerate(jobs)
         ]
         firsts = await _first_outputs(streams)  # refusals surface before any byte is sent
@@ -303,9 +306,19 @@ def _timings(out: RequestOutput) -> dict[str, float | None] | None:
     }
 
 
-def _usage(prompts: list[list[int]], outs: list[RequestOutput]) -> dict[str, int]:
+def _usage(prompts: list[list[int]], outs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI usage. A prompt is counted once however many choices it has, and so are
+    its cached tokens: those of its first choice (what the instance that prefilled it
+    served from its prefix cache, fetched blocks included)."""
     p, c = sum(len(ids) for ids in prompts), sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    n = len(outs) // len(prompts)
+    cached = sum(outs[k * n].num_cached_tokens for k in range(len(prompts)))
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The front end, `cluster.Cluster` (one engine, or prefill / decode / colocated
 instances), provides it; the routes see only this protocol: generation, counters,
-per-instance rows for /debug/cluster, and the failure counters.
+per-instance rows for /debug/cluster, the failure counters and the router's.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
 from pdserve.cluster.recovery import FaultCounters
+from pdserve.cluster.routing import Router
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
@@ -21,12 +22,17 @@ class ServingBackend(Protocol):
     tokenizer: Tokenizer | None
     max_model_len: int
     faults: FaultCounters  # retries, migrations, failures (cluster/recovery.py)
+    router: Router  # routing, prompt trees, KV returns (cluster/routing.py)
 
     @property
     def is_alive(self) -> bool: ...
 
     def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        session: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def stats(self, check_integrity: bool = False, timeout: float = 10.0) -> EngineStats: ...

@@ -20,7 +20,7 @@ from types import FrameType
 
 import uvicorn
 
-from pdserve.cluster.config import ClusterConfig, DecodePolicy
+from pdserve.cluster.config import ClusterConfig, DecodePolicy, Routing
 from pdserve.cluster.controller import Cluster, instance_configs
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferConfig, TransferMode
 from pdserve.errors import RequestCancelledError
@@ -82,6 +82,12 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         max_migrations=args.max_migrations,
         replicate=args.kv_replication,
         prefill_chunk_size=args.chunk_size,
+        routing=Routing(args.routing),
+        pd_caching=args.pd_caching,
+        prefix_ttl_s=args.prefix_ttl,
+        prefix_tree_max_entries=args.prefix_tree_max_entries,
+        decode_balance=args.decode_balance,
+        prefix_fetch=not args.no_prefix_fetch,
     )
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.cluster.recovery import FaultCounters
+from pdserve.cluster.routing import Router
 from pdserve.engine.outputs import RequestOutput
 from pdserve.protocol.core import EngineStats
 
@@ -67,6 +68,10 @@ class ServerMetrics:
         """Export the front end's failure counters (read at every scrape)."""
         self.registry.register(_FaultCollector(faults))
 
+    def watch_cache(self, router: Router) -> None:
+        """Export routing, prompt-tree and KV-return counters (read at every scrape)."""
+        self.registry.register(_CacheCollector(router))
+
     def render(self, stats: EngineStats | None) -> bytes:
         if stats is not None:
             self.running.set(stats.num_running)
@@ -113,3 +118,86 @@ class _FaultCollector(Collector):
         for role, count in sorted(f.instance_failures.items()):
             by_role.add_metric([role], count)
         yield by_role
+
+
+class _CacheCollector(Collector):
+    """The router's counters and its prompt trees' sizes (cluster/routing.py)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.router.counters
+        for name, doc, value in (
+            (
+                "pdserve_prefix_routed",
+                "Requests routed to an instance holding a prefix",
+                c.cache_routed,
+            ),
+            (
+                "pdserve_prefix_tree_misses",
+                "Routed requests whose instance held less than its prompt tree said",
+                c.misses,
+            ),
+            (
+                "pdserve_prefix_tree_missed_tokens",
+                "Tokens the prompt tree overstated",
+                c.missed_tokens,
+            ),
+            (
+                "pdserve_kv_returned_tokens",
+                "Tokens whose KV decode instances returned",
+                c.returned_tokens,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        returns = CounterMetricFamily(
+            "pdserve_kv_returns",
+            "PD-Caching-3 returns of finished KV, by outcome",
+            labels=["outcome"],
+        )
+        for outcome, value in (
+            ("fetched", c.returns_fetched),
+            ("held", c.returns_held),
+            ("dropped", c.returns_dropped),
+            ("failed", c.returns_failed),
+        ):
+            returns.add_metric([outcome], value)
+        yield returns
+        fetches = CounterMetricFamily(
+            "pdserve_prefix_fetches",
+            "Prefixes copied from another instance before a prefill, by outcome",
+            labels=["outcome"],
+        )
+        fetches.add_metric(["fetched"], c.prefetches)
+        fetches.add_metric(["failed"], c.prefetches_failed)
+        yield fetches
+        yield CounterMetricFamily(
+            "pdserve_prefix_fetched_tokens",
+            "Tokens whose KV prefix fetches copied",
+            value=c.prefetched_tokens,
+        )
+        entries = GaugeMetricFamily(
+            "pdserve_prefix_tree_entries",
+            "(block, instance) entries of a prompt tree",
+            labels=["role"],
+        )
+        removed = CounterMetricFamily(
+            "pdserve_prefix_tree_removed",
+            "Prompt-tree entries dropped by TTL or the size cap",
+            labels=["role", "reason"],
+        )
+        memory = GaugeMetricFamily(
+            "pdserve_prefix_tree_bytes", "Estimated memory of a prompt tree", labels=["role"]
+        )
+        for role, tree in self.router.trees.items():
+            entries.add_metric([role.value], tree.num_entries)
+            memory.add_metric([role.value], tree.approx_bytes)
+            removed.add_metric([role.value, "ttl"], tree.expired_total)
+            removed.add_metric([role.value, "cap"], tree.evicted_total)
+        yield entries
+        yield memory
+        yield removed
+        yield GaugeMetricFamily(
+            "pdserve_sessions", "Sessions session routing remembers", value=self.router.num_sessions
+        )
