@@ -227,3 +227,12 @@ def test_fetching_pays_when_the_copy_and_overhead_beat_the_prefill() -> None:
     assert FETCH_OVERHEAD_S == 0.1
     assert not Router.fetch_pays(111, token_bytes, rates)
     assert Router.fetch_pays(112, token_bytes, rates)
+
+
+def test_an_instance_holding_less_than_the_tree_said_counts_a_miss() -> None:
+    router = make_router(Routing.PREFIX)
+    router.observe(predicted=64, actual=64)
+    router.observe(predicted=0, actual=32)  # more than believed: no miss
+    assert (router.counters.misses, router.counters.missed_tokens) == (0, 0)
+    router.observe(predicted=96, actual=32)  # evicted between the report and the prefill
+    assert (router.counters.misses, router.counters.missed_tokens) == (1, 64)
