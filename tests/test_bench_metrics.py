@@ -14,6 +14,7 @@ from pdserve.bench.metrics import (
     attainment_at_scales,
     meets,
     min_slo_scale,
+    prefix_cache_hit_rate,
     request_scale,
     summarize,
 )
@@ -70,6 +71,21 @@ def test_summary_counts_throughput_and_percentiles() -> None:
     assert s["mean_itl_ms"] == pytest.approx((50 + 50 + 100 + 1000) / 13)
     assert s["median_e2el_ms"] == pytest.approx(400)
     assert s["errors"] == {"http 500": 1}
+    assert s["prefix_cache_hit_rate"] is None  # no server reported cached tokens
+
+
+def test_prefix_cache_hit_rate_pools_tokens_of_successful_reporting_requests() -> None:
+    a, b, c, d = timeline()
+    a.server_prompt_tokens, a.cached_tokens = 100, 64
+    b.server_prompt_tokens, b.cached_tokens = 300, 96
+    c.server_prompt_tokens, c.cached_tokens = 500, 500  # failed: not counted
+    d.server_prompt_tokens, d.cached_tokens = 700, None  # no details reported: not counted
+    assert prefix_cache_hit_rate([a, b, c, d]) == (64 + 96) / (100 + 300)
+    assert summarize([a, b, c, d], 1.0, None)["prefix_cache_hit_rate"] == 0.4
+    assert prefix_cache_hit_rate([c, d]) is None
+    back = RequestRecord.from_json(a.to_json())
+    assert (back.cached_tokens, back.server_prompt_tokens) == (64, 100)
+    assert RequestRecord.from_json({**d.to_json(), "cached_tokens": None}).cached_tokens is None
 
 
 def test_attainment_counts_failures_as_misses_and_one_token_as_tpot_met() -> None:

@@ -55,8 +55,10 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_instant_stub_request_is_parsed_completely(stubs: Any, tmp_path: Path) -> None:
-    stub = stubs(num_instances=2)
+def test_instant_stub_request_is_parsed_completely(
+    stubs: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stub = stubs(num_instances=2, prompt_tokens=8, cached_tokens=6)
     code, doc = run(
         tmp_path,
         "run",
@@ -67,6 +69,8 @@ def test_instant_stub_request_is_parsed_completely(stubs: Any, tmp_path: Path) -
         "5",
         "--request-rate",
         "100",
+        "--seed",
+        "3",
     )
     assert code == 0 and doc["complete"]
     assert doc["targets"][0]["model"] == "stub" and doc["targets"][0]["num_instances"] == 2
@@ -75,7 +79,13 @@ def test_instant_stub_request_is_parsed_completely(stubs: Any, tmp_path: Path) -
         assert r["output_tokens"] == 4 and len(r["itl_s"]) == 3
         assert r["prompt_len"] == 8 and r["ttft_s"] <= r["e2e_s"]
         assert set(r["server_timings"]) >= {"queue", "prefill", "decode", "stub_sent_at"}
+        assert (r["server_prompt_tokens"], r["cached_tokens"]) == (8, 6)
     assert records(doc)[0]["scheduled_at_s"] == 0.0
+    assert doc["aggregates"][0]["summary"]["prefix_cache_hit_rate"] == 0.75
+    printed = capsys.readouterr().out
+    assert "cache hit" in printed and "75.0%" in printed  # the table's hit-rate column
+    # one request per session: each carried its own X-Session-Id, seed included
+    assert sorted(stub.session_ids) == [f"bench-3-{i}" for i in range(5)]
 
 
 @pytest.mark.parametrize(
@@ -165,6 +175,8 @@ def test_partial_failures_never_count_as_slo_success(stubs: Any, tmp_path: Path)
     assert (summary["completed"], summary["failed"]) == (5, 5)
     assert summary["attainment"] == 0.5
     assert summary["errors"] == {"stream": 5}
+    assert summary["prefix_cache_hit_rate"] is None  # the stub reports no cached tokens
+    assert all(r["cached_tokens"] is None for r in records(doc))
 
 
 def test_compare_interleaves_identical_requests_and_reports_ratios(
@@ -272,6 +284,8 @@ def test_sessions_send_each_turn_after_the_previous_answer(
             # the history (earlier turns and their answers) is in the next prompt
             assert nxt["prompt_len"] > prev["prompt_len"] + prev["output_tokens"]
     assert all(r["success"] for r in records(doc))
+    # every turn of a session carried the session's id
+    assert sorted(stub.session_ids) == sorted(f"bench-0-{r['session']}" for r in records(doc))
 
 
 def test_plot_summarizes_an_interrupted_results_file(

@@ -143,6 +143,35 @@ def test_sessions_structure(factory: PromptFactory, style: str) -> None:
         assert all(len(s.turns) == 5 for s in w.sessions[:-1])  # LooGLE: five questions
 
 
+@pytest.mark.parametrize("style", ["docqa", "chat"])
+def test_share_ratio_sends_each_drawn_session_k_times(factory: PromptFactory, style: str) -> None:
+    """MemServe Fig. 14: K sessions per document, copies of one drawn session (same
+    context, same questions), each its own session; --num-prompts still counts requests."""
+    w = build(factory, "sessions", 32, session_style=style, share_ratio=2)
+    one = build(factory, "sessions", 32, session_style=style)
+    assert w.num_requests == 32 and w.params["share_ratio"] == 2
+    assert [s.id for s in w.sessions] == list(range(len(w.sessions)))
+    pairs = [w.sessions[i : i + 2] for i in range(0, len(w.sessions), 2)]
+    for a, *rest in pairs:
+        for b in rest:
+            assert (b.context, b.turns) == (a.context, a.turns)
+    if style == "docqa":  # 3 x (5 + 5) + (1 + 1): the last document cut so both copies fit
+        assert [len(s.turns) for s in w.sessions] == [5] * 6 + [1, 1]
+        assert len({s.context for s in w.sessions}) == 4
+    # the copies arrive interleaved with the other sessions, each in turn order
+    assert all(ts == list(range(len(ts))) for ts in session_turns(w).values())
+    # ratio 1 is the workload as before
+    assert build(factory, "sessions", 32, session_style=style, share_ratio=1).sessions == (
+        one.sessions
+    )
+
+
+def test_session_turns_fixes_the_number_of_turns(factory: PromptFactory) -> None:
+    w = build(factory, "sessions", 60, session_style="chat", session_turns=5)
+    assert [len(s.turns) for s in w.sessions] == [5] * 12  # none hit the context budget here
+    assert w.params["turns"] == "5"
+
+
 def write(tmp_path: Path, name: str, text: str) -> str:
     p = tmp_path / name
     p.write_text(text)
@@ -250,6 +279,8 @@ def test_malformed_traces_are_named(
         (["--workload", "file"], "needs --dataset-path"),
         (["--workload", "file", "--dataset-path", "/nonexistent.jsonl"], "cannot read"),
         (["--workload", "sessions", "--session-style", "poem"], "unknown --session-style"),
+        (["--workload", "sessions", "--share-ratio", "0"], "--share-ratio must be >= 1"),
+        (["--workload", "sessions", "--session-turns", "0"], "--session-turns must be >= 1"),
         (["--request-rate", "-2"], "rate must be positive"),
         (["--slo", "ttft"], "expected ttft:MS"),
         (["--search-goodput", "--request-rate", "inf", "--slo", "ttft:100"], "finite"),

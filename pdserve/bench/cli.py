@@ -114,6 +114,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-range-ratio", type=float, default=0.0)
     g.add_argument("--random-prefix-len", type=int, default=0)
     g.add_argument("--session-style", default="chat", help="sessions: chat, docqa or react")
+    g.add_argument(
+        "--share-ratio",
+        type=int,
+        default=1,
+        help="sessions: K sessions per context, each drawn session sent K times (MemServe Fig. 14)",
+    )
+    g.add_argument(
+        "--session-turns", type=int, default=None, help="sessions: exactly N turns per session"
+    )
     g.add_argument("--dataset-path", default=None, help="file: JSONL trace or ShareGPT JSON")
     g.add_argument("--multi-turn", action="store_true", help="file/ShareGPT: whole conversations")
     g.add_argument("--sharegpt-output-len", type=int, default=None)
@@ -239,6 +248,8 @@ def _workload_options(args: argparse.Namespace) -> Any:
         random_range_ratio=args.random_range_ratio,
         random_prefix_len=args.random_prefix_len,
         session_style=args.session_style,
+        share_ratio=args.share_ratio,
+        session_turns=args.session_turns,
         dataset_path=args.dataset_path,
         multi_turn=args.multi_turn,
         sharegpt_output_len=args.sharegpt_output_len,

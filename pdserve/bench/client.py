@@ -47,10 +47,14 @@ def request_body(
     return json.dumps(body).encode()
 
 
-def headers(target: Target) -> dict[str, str]:
+def headers(target: Target, session_id: str | None = None) -> dict[str, str]:
+    """JSON, the bearer key, and the request's session as `X-Session-Id` (what pdserve's
+    session routing reads; other servers ignore an unknown header)."""
     h = {"Content-Type": "application/json"}
     if target.api_key:
         h["Authorization"] = f"Bearer {target.api_key}"
+    if session_id is not None:
+        h["X-Session-Id"] = session_id
     return h
 
 
@@ -67,6 +71,7 @@ async def send(
     rec: RequestRecord,
     t0: float,
     timeout_s: float,
+    session_id: str | None = None,
 ) -> str:
     """Send one streamed request and fill `rec`; returns the generated text. Never
     raises for the server's faults: they end up in `rec.error`."""
@@ -75,7 +80,7 @@ async def send(
     rec.sent_at = start - t0
     try:
         async with asyncio.timeout(timeout_s):
-            await _stream(session, target, body, rec, start, parts)
+            await _stream(session, target, headers(target, session_id), body, rec, start, parts)
     except TimeoutError:
         rec.fail(
             f"timeout: no complete response within {timeout_s:g} s", time.perf_counter() - start
@@ -98,12 +103,13 @@ class _Refused(Exception):
 async def _stream(
     session: aiohttp.ClientSession,
     target: Target,
+    head: dict[str, str],
     body: bytes,
     rec: RequestRecord,
     start: float,
     parts: list[str],
 ) -> None:
-    async with session.post(target.url, data=body, headers=headers(target)) as resp:
+    async with session.post(target.url, data=body, headers=head) as resp:
         if resp.status != 200:
             raise _Refused(f"http {resp.status}: {_error_message(await resp.read())}")
         last = start
@@ -141,6 +147,9 @@ def _consume(chunk: dict[str, Any], rec: RequestRecord) -> str:
     if usage:
         rec.output_tokens = int(usage.get("completion_tokens") or 0)
         rec.server_prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        rec.cached_tokens = int(cached) if isinstance(cached, int | float) else None
     timings = chunk.get("pdserve_timings")
     if timings:
         rec.server_timings = {k: float(v) for k, v in timings.items() if isinstance(v, int | float)}

@@ -119,7 +119,7 @@ async def _warmup(exp: Experiment, info: _Target, factory: PromptFactory) -> Non
         for i, s in enumerate(exp.workload.sessions[:n])
     )
     w = Workload("warmup", firsts, single_turn_order(n))
-    settings = RunSettings(info.target, info.model, exp.options, 1)
+    settings = RunSettings(info.target, info.model, exp.options, 1, exp.seed)
     await run_workload(w, np.zeros(n), settings, factory)
 
 
@@ -140,7 +140,9 @@ class _PointRunner:
     async def run(self, info: _Target, rate: float | None, repeat: int, phase: str) -> float:
         """One run; returns the attainment over every run so far at this (server, rate)."""
         exp = self.exp
-        settings = RunSettings(info.target, info.model, exp.options, exp.arrival.max_concurrency)
+        settings = RunSettings(
+            info.target, info.model, exp.options, exp.arrival.max_concurrency, exp.seed
+        )
         offsets = arrivals.offsets_at(self.unit, rate)
         desc = f"{info.target.label} @ {results.rate_text(rate)} req/s"
         total = exp.workload.num_requests

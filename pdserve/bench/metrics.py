@@ -117,6 +117,7 @@ def summarize(
         "total_token_throughput": (in_tok + out_tok) / dur,
     }
     out.update(_latencies(ok))
+    out["prefix_cache_hit_rate"] = prefix_cache_hit_rate(ok)
     out.update(_server_breakdown(ok))
     sent = [1000 * r.lag for r in records if not math.isnan(r.sent_at)]
     out.update(_prefixed("lag_ms", distribution(sent)))
@@ -138,6 +139,18 @@ def _latencies(ok: Sequence[RequestRecord]) -> dict[str, float | None]:
     for name, values in series.items():
         out.update(_prefixed(f"{name}_ms", distribution(values)))
     return out
+
+
+def prefix_cache_hit_rate(records: Sequence[RequestRecord]) -> float | None:
+    """sum(cached_tokens) / sum(server prompt tokens) over the successful requests whose
+    server reported both; None when none did."""
+    pairs = [
+        (r.cached_tokens, r.server_prompt_tokens)
+        for r in records
+        if r.success and r.cached_tokens is not None and r.server_prompt_tokens
+    ]
+    total = sum(p for _, p in pairs)
+    return sum(c for c, _ in pairs) / total if total else None
 
 
 def _prefixed(suffix: str, dist: dict[str, float | None]) -> dict[str, float | None]:

@@ -38,6 +38,9 @@ class RequestRecord:
     output_tokens: int = 0
     """The server's usage.completion_tokens; else the number of text chunks."""
     server_prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """The server's usage.prompt_tokens_details.cached_tokens (prompt tokens served from
+    its prefix cache); None when it does not report them."""
     server_timings: dict[str, float] | None = None
     """The server's own per-phase seconds (`pdserve_timings`) where it reports them."""
 
@@ -71,6 +74,7 @@ class RequestRecord:
             "itl_s": self.itl,
             "output_tokens": self.output_tokens,
             "server_prompt_tokens": self.server_prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "server_timings": self.server_timings,
         }
 
@@ -93,5 +97,6 @@ class RequestRecord:
             itl=list(d.get("itl_s") or []),
             output_tokens=d.get("output_tokens", 0),
             server_prompt_tokens=d.get("server_prompt_tokens"),
+            cached_tokens=d.get("cached_tokens"),
             server_timings=d.get("server_timings"),
         )

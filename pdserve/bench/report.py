@@ -19,6 +19,7 @@ COLUMNS = (
     ("ITL p50", "median_itl_ms", ".2f"),
     ("E2E p50", "median_e2el_ms", ".1f"),
     ("attain", "attainment", "%"),
+    ("cache hit", "prefix_cache_hit_rate", "%"),
     ("lag p99", "p99_lag_ms", ".2f"),
 )
 
@@ -103,7 +104,7 @@ def _comparison(cmp: dict[str, Any]) -> str:
     head = ("rate", "metric", *labels, *(f"{o}/{base}" for o in others))
     table = []
     for r in rows:
-        fmt = "%" if r["metric"] == "attainment" else ".3g"
+        fmt = "%" if r["metric"] in ("attainment", "prefix_cache_hit_rate") else ".3g"
         vals = [_num(r["values"][lab], fmt) for lab in labels]
         ratios = [_num(r["ratios"][o], ".3f") for o in others]
         table.append([rate_text(r["rate"]), r["title"], *vals, *ratios])

@@ -35,6 +35,7 @@ COMPARED = (
     ("median_itl_ms", "median ITL ms"),
     ("median_e2el_ms", "median E2E ms"),
     ("attainment", "SLO attainment"),
+    ("prefix_cache_hit_rate", "prefix cache hit rate"),
 )
 """Metrics a comparison reports as ratios (server / baseline)."""
 

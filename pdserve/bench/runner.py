@@ -32,6 +32,8 @@ class RunSettings:
     model: str | None
     options: RequestOptions
     max_concurrency: int | None
+    seed: int = 0
+    """Names the sessions: every request carries `X-Session-Id: bench-SEED-SESSION`."""
 
 
 @dataclass
@@ -155,8 +157,9 @@ class _SessionRunner:
         try:
             body = self._body(sid, k, i, rec, answers)
             rec.lag = max(0.0, time.perf_counter() - eligible)
+            timeout, session_id = self.st.options.timeout_s, f"bench-{self.st.seed}-{sid}"
             return await client.send(
-                self.http, self.st.target, body, rec, self.t0, self.st.options.timeout_s
+                self.http, self.st.target, body, rec, self.t0, timeout, session_id
             )
         finally:
             if self.slots is not None:

@@ -44,6 +44,10 @@ class StubConfig:
     model: str = "stub"
     num_instances: int | None = None
     """Reported in the /v1/models card when set (per-instance goodput)."""
+    prompt_tokens: int = 0
+    """usage.prompt_tokens of every response."""
+    cached_tokens: int | None = None
+    """usage.prompt_tokens_details.cached_tokens of every response; None: no details."""
 
 
 class StubServer:
@@ -53,6 +57,8 @@ class StubServer:
         self.config = config
         self.host, self.port = host, port
         self.requests = 0
+        self.session_ids: list[str | None] = []
+        """The X-Session-Id header of every generation request, in arrival order."""
         self._server: asyncio.Server | None = None
 
     @property
@@ -83,7 +89,9 @@ class StubServer:
         finally:
             writer.close()
 
-    async def _answer(self, method: str, path: str, body: bytes, w: asyncio.StreamWriter) -> bool:
+    async def _answer(
+        self, method: str, path: str, head: dict[str, str], body: bytes, w: asyncio.StreamWriter
+    ) -> bool:
         if method == "GET" and path == "/v1/models":
             card: dict[str, Any] = {"id": self.config.model, "object": "model"}
             if self.config.num_instances is not None:
@@ -97,6 +105,7 @@ class StubServer:
             await _send_json(w, 404, _error(f"no route {method} {path}", 404))
             return True
         self.requests += 1
+        self.session_ids.append(head.get("x-session-id"))
         fault = self.config.fault if self.requests % self.config.fault_every == 0 else "none"
         return await self._generate(json.loads(body), path.endswith("chat/completions"), fault, w)
 
@@ -110,11 +119,11 @@ class StubServer:
             await _send_json(w, 500, _error("stub: injected failure", 500))
             return True
         if not req.get("stream"):
-            await _send_json(w, 200, _full_response(n, chat))
+            await _send_json(w, 200, _full_response(n, chat, self._usage(n)))
             return True
         w.write(_SSE_HEAD)
         cut = self.config.fault_after if fault in ("midstream", "drop") else None
-        events = _events(n, chat, cut, fault == "midstream")
+        events = _events(n, chat, cut, fault == "midstream", self._usage(n))
         if self.config.token_delay_s <= 0:
             w.write(b"".join(_chunk(e) for e in events))
         else:
@@ -128,6 +137,17 @@ class StubServer:
         w.write(b"0\r\n\r\n")
         await w.drain()
         return True
+
+    def _usage(self, n: int) -> dict[str, Any]:
+        c = self.config
+        usage: dict[str, Any] = {
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": c.prompt_tokens + n,
+        }
+        if c.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": c.cached_tokens}
+        return usage
 
     def in_thread(self) -> contextlib.AbstractContextManager[StubServer]:
         """Run on a daemon thread with its own loop (for tests); a context manager."""
@@ -162,7 +182,9 @@ _SSE_HEAD = (
 )
 
 
-def _events(n: int, chat: bool, cut: int | None, error_event: bool) -> list[bytes]:
+def _events(
+    n: int, chat: bool, cut: int | None, error_event: bool, usage: dict[str, Any]
+) -> list[bytes]:
     """The SSE events of one response; cut after `cut` tokens for a fault."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": "stub", "object": kind, "created": 0, "model": "stub"}
@@ -183,7 +205,6 @@ def _events(n: int, chat: bool, cut: int | None, error_event: bool) -> list[byte
             out.append(_data(_error("stub: injected mid-stream error", 500)))
             out.append(b"data: [DONE]\n\n")
         return out
-    usage = {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}
     out.append(_data({**head, "choices": [], "usage": usage}))
     out.append(b"data: [DONE]\n\n")
     return out
@@ -195,14 +216,13 @@ def _choice(text: str, chat: bool, finish: str | None) -> dict[str, Any]:
     return {"index": 0, "text": text, "finish_reason": finish}
 
 
-def _full_response(n: int, chat: bool) -> dict[str, Any]:
+def _full_response(n: int, chat: bool, usage: dict[str, Any]) -> dict[str, Any]:
     text = " tok" * n
     choice = (
         {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
         if chat
         else {"index": 0, "text": text, "finish_reason": "length"}
     )
-    usage = {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}
     return {"id": "stub", "object": "stub", "choices": [choice], "usage": usage}
 
 
@@ -229,21 +249,24 @@ async def _send_json(w: asyncio.StreamWriter, status: int, payload: dict[str, An
     await w.drain()
 
 
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] | None:
-    """(method, path, body) of the next request on the connection, None at its end."""
+async def _read_request(
+    reader: asyncio.StreamReader,
+) -> tuple[str, str, dict[str, str], bytes] | None:
+    """(method, path, headers by lowercase name, body) of the next request on the
+    connection, None at its end."""
     try:
-        head = await reader.readuntil(b"\r\n\r\n")
+        raw = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError:
         return None
-    lines = head.decode("latin-1").split("\r\n")
+    lines = raw.decode("latin-1").split("\r\n")
     method, path = lines[0].split(" ")[:2]
-    length = 0
+    head: dict[str, str] = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value)
+        head[name.strip().lower()] = value.strip()
+    length = int(head.get("content-length") or 0)
     body = await reader.readexactly(length) if length else b""
-    return method, path, body
+    return method, path, head, body
 
 
 def add_stub_parser(p: argparse.ArgumentParser) -> None:
@@ -255,6 +278,10 @@ def add_stub_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault-after", type=int, default=1, help="tokens before a mid-stream fault")
     p.add_argument("--fault-every", type=int, default=1, help="every n-th request faults")
     p.add_argument("--num-instances", type=int, default=None)
+    p.add_argument("--prompt-tokens", type=int, default=0, help="usage.prompt_tokens reported")
+    p.add_argument(
+        "--cached-tokens", type=int, default=None, help="prompt_tokens_details.cached_tokens"
+    )
     p.set_defaults(func=_serve_cli)
 
 
@@ -266,6 +293,8 @@ def _serve_cli(args: argparse.Namespace) -> int:
         fault_after=args.fault_after,
         fault_every=max(1, args.fault_every),
         num_instances=args.num_instances,
+        prompt_tokens=args.prompt_tokens,
+        cached_tokens=args.cached_tokens,
     )
     asyncio.run(_serve_forever(StubServer(config, args.host, args.port)))
     return 0

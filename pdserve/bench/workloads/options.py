@@ -20,6 +20,12 @@ class WorkloadOptions:
     """random: tokens of one prefix shared by every prompt."""
     session_style: str = "chat"
     """sessions: chat (ShareGPT), docqa (LooGLE) or react (ReAct)."""
+    share_ratio: int = 1
+    """sessions: each drawn session is sent this many times, as distinct sessions with the
+    same context and turns (MemServe Fig. 14's share ratio: K sessions per document)."""
+    session_turns: int | None = None
+    """sessions: exactly this many turns per session instead of the style's count (a
+    session still ends early at the context budget)."""
     dataset_path: str | None = None
     """file: a JSONL trace or a ShareGPT JSON file."""
     multi_turn: bool = False

@@ -9,12 +9,14 @@
   by an observation.
 
 A session ends early rather than outgrow a 2,048-token context (with a margin for
-the chat template and for re-tokenized answers).
+the chat template and for re-tokenized answers). `share_ratio` K sends every drawn
+session K times as distinct sessions (same context and questions; MemServe Fig. 14
+"duplicating this set of sessions"); `session_turns` fixes the number of turns.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -82,17 +84,29 @@ def sessions_workload(opts: WorkloadOptions, factory: PromptFactory) -> Workload
         raise BenchInputError(
             f"unknown --session-style {opts.session_style!r}; choose from {', '.join(STYLES)}"
         )
+    if opts.share_ratio < 1:
+        raise BenchInputError(f"--share-ratio must be >= 1, got {opts.share_ratio}")
+    if opts.session_turns is not None:
+        if opts.session_turns < 1:
+            raise BenchInputError(f"--session-turns must be >= 1, got {opts.session_turns}")
+        style = replace(style, turns=LengthDist.fixed(opts.session_turns))
     rng = np.random.default_rng(opts.seed)
     shared = factory.words(rng, style.context_tokens) if style.shared_context else ""
     sessions: list[Session] = []
     remaining = opts.num_prompts
     while remaining > 0:
         context = shared if style.shared_context else factory.words(rng, style.context_tokens)
-        session = _session(len(sessions), style, context, factory, rng, remaining)
-        sessions.append(session)
-        remaining -= len(session.turns)
+        k = opts.share_ratio  # copies: same context and turns, each its own session
+        drawn = _session(len(sessions), style, context, factory, rng, -(-remaining // k))
+        for _ in range(k):
+            turns = drawn.turns[:remaining]
+            if not turns:
+                break
+            sessions.append(Session(len(sessions), turns, drawn.context, drawn.context_tokens))
+            remaining -= len(turns)
     params = {
         "style": opts.session_style,
+        "share_ratio": opts.share_ratio,
         "turns": style.turns.describe(),
         "context_tokens": style.context_tokens,
         "shared_context": style.shared_context,
