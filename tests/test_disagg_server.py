@@ -174,7 +174,17 @@ def stop(server: Server) -> None:
 
 
 def pdkv_segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("pdkv-")}
+    """KV segments in /dev/shm that this test run answers for: those of its own processes
+    (descendants) and of dead ones (a leak). A live process of another program (a server
+    someone else runs on the machine) owns its segments; they are not counted. Segment
+    names carry the creating process's pid (`pdkv-<pid>-<random>-<name>`, kv/transfer/shm.py)."""
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    return {f for f in os.listdir("/dev/shm") if f.startswith("pdkv-") and _ours(f, mine)}
+
+
+def _ours(segment: str, mine: set[int]) -> bool:
+    pid = segment.split("-")[1]
+    return not pid.isdigit() or int(pid) in mine or not psutil.pid_exists(int(pid))
 
 
 @pytest.fixture(autouse=True)
