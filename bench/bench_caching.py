@@ -551,7 +551,10 @@ def run_case(
     try:
         warm_up(server.url, case.setting.instances)
         exp = Experiment(
-            targets=(Target(case.setting.name, server.url),),
+            # Chat messages: each turn's history is the server's own answers as assistant
+            # messages, so the template re-encodes them token for token (plain-text
+            # concatenation can merge tokens where an answer joins its prompt).
+            targets=(Target(case.setting.name, server.url, "/v1/chat/completions"),),
             workload=workload,
             arrival=ArrivalConfig("poisson", 1.0, None),
             options=RequestOptions(timeout_s=args.request_timeout),

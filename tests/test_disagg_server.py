@@ -207,13 +207,13 @@ def reference() -> Callable[[str], str]:
     return texts.__getitem__
 
 
-# Every mode over shared memory, pull over TCP too: every mode x transport pair is
-# tests/test_disagg_engine.py's (two cores in one process), which costs less CI time.
+# Every mode over shared memory (pull over TCP: the injected-failure test below); every
+# mode x transport pair is tests/test_disagg_engine.py's (two cores in one process), which
+# costs less CI time.
 @pytest.mark.parametrize(
     "mode,transport",
     [
         ("pull", "shm"),
-        ("pull", "tcp"),
         ("layer-push", "shm"),
         ("request-push", "shm"),
     ],
@@ -251,6 +251,8 @@ def test_disaggregated_outputs_equal_colocated(
 # Per transfer call: pull fetches a request's KV in one call, request-push flushes it in
 # one, layer-push in one per layer (30): about a quarter of the attempts fail each way.
 FAULT_RATES = {"pull": "0.25", "layer-push": "0.01", "request-push": "0.25"}
+# Pull runs over TCP here (with checksums): the server-level check of that transport.
+FAULT_TRANSPORTS = {"pull": "tcp", "layer-push": "shm", "request-push": "shm"}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -268,6 +270,9 @@ def test_injected_transfer_failures_fail_cleanly_or_complete_correctly(
         FAULT_RATES[mode],
         "--kv-fault-seed",
         "3",
+        "--kv-transport",
+        FAULT_TRANSPORTS[mode],
+        "--kv-verify-checksum",
         "--enable-debug-endpoints",
     )
     try:
