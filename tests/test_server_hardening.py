@@ -21,6 +21,7 @@ import uvicorn
 from test_server import KEY, MODEL, Server
 
 from pdserve.cluster.recovery import FaultCounters
+from pdserve.cluster.routing import CacheCounters
 from pdserve.model.default import default_model_path
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.server.app import ServerConfig, build_app
@@ -437,7 +438,14 @@ def test_the_largest_seed_with_n_choices_wraps_and_reproduces(server: Server) ->
 def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     """A single engine is a cluster of one instance: its row is a cluster row."""
     status, reply = server.get("/debug/cluster", key=KEY)
-    assert status == 200 and reply["controller"] == FaultCounters().as_dict()
+    assert status == 200
+    caching = reply["controller"].pop("caching")
+    assert reply["controller"] == FaultCounters().as_dict()
+    # A lone engine sends no load reports, so its prompt trees stay empty.
+    empty = {"entries": 0, "by_instance": {}, "approx_bytes": 0, "expired": 0, "evicted": 0}
+    trees = {role: empty for role in ("prefill", "decode", "colocated")}
+    routing = {"routing": "prefix", **CacheCounters().as_dict(), "sessions": 0}
+    assert caching == {**routing, "trees": trees}
     (row,) = reply["instances"]
     stats = row.pop("stats")
     (engine,) = [
@@ -463,7 +471,7 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     assert 0 <= hits <= queries
     idle = ("num_running", "num_waiting", "num_swapped", "num_used_blocks", "num_held")
     idle += ("num_transferring", "num_reserved", "num_replicas", "num_replica_blocks")
-    idle += ("num_replicating", "num_replicated_tokens")
+    idle += ("num_replicating", "num_replicated_tokens", "num_offers", "num_prefix_fetches")
     assert stats == {**dict.fromkeys(idle, 0), "integrity_error": None}
 
 
