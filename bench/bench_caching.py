@@ -637,6 +637,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="~10 s of arrivals per setting (smoke)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="every rate times this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--workloads",
+        type=lambda v: set(v.split(",")),
+        default=None,
+        help="only these session styles (comma-separated: chat,docqa,react); default all",
+    )
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=Path("bench-results/caching"))
     args = p.parse_args(argv)
@@ -665,7 +671,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, br._interrupted)  # `timeout` too stops the servers
     try:
         for name in names:
-            plan = cases(name)
+            plan = [
+                c for c in cases(name) if args.workloads is None or c.load.style in args.workloads
+            ]
             workloads: dict[Load, Workload] = {}
             for load in dict.fromkeys(c.load for c in plan):
                 n = load.quick_prompts if args.quick else load.prompts
