@@ -147,6 +147,10 @@ class EngineConfig:
     instance_name: str = "engine"
     # Seconds between the load reports a cluster instance sends its controller.
     report_interval_s: float = 0.1
+    # Token ids that end a generation (EOS and the generation config's). None: the engine
+    # process reads them from the model's tokenizer; a front end that loaded the tokenizer
+    # already passes them (building a GGUF tokenizer costs seconds per process).
+    stop_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:

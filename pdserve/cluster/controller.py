@@ -260,13 +260,21 @@ class Cluster:
 
     async def _start(self, timeout: float) -> None:
         silence = None if self.single_engine else self.config.instance_timeout_s
-        self.instances = [
-            Instance(cfg, self._ctx, self._on_message, silence, self._on_report)
-            for cfg in instance_configs(self.config, self.engine)
-        ]
         path = resolve_model(self.engine.model)
         self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, path)
         self._processor = OutputProcessor(self.tokenizer)
+        # The instances get the stop ids from here: each would build the tokenizer again.
+        stops = tuple(self.tokenizer.stop_token_ids)
+        self.instances = [
+            Instance(
+                dataclasses.replace(cfg, stop_token_ids=stops),
+                self._ctx,
+                self._on_message,
+                silence,
+                self._on_report,
+            )
+            for cfg in instance_configs(self.config, self.engine)
+        ]
         await asyncio.gather(*(self._start_instance(i, timeout) for i in self.instances))
         self.max_model_len = min(i.max_model_len for i in self.instances)
         self.vocab_size = self.instances[0].vocab_size

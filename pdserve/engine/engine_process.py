@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 
 import msgspec
 import zmq
@@ -29,7 +30,6 @@ from pdserve.engine.engine import build_core, load_model
 from pdserve.engine.step_trace import StepTrace
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.loader import resolve_model
-from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.cache import FetchPrefix, OfferPrefix
 from pdserve.protocol.core import (
     AbortRequests,
@@ -251,6 +251,15 @@ class _Loop:
         )
 
 
+def _stop_token_ids(config: EngineConfig) -> Sequence[int]:
+    """The ids that end a generation: the front end's, else the tokenizer's."""
+    if config.stop_token_ids is not None:
+        return config.stop_token_ids
+    from pdserve.model.tokenizer import Tokenizer  # transformers: only when needed
+
+    return Tokenizer.from_model_path(resolve_model(config.model)).stop_token_ids
+
+
 def _start_heartbeat(ctx: zmq.Context, output_addr: str, interval_s: float) -> threading.Event:
     """A daemon thread sending `Heartbeat` every `interval_s` on its own socket (ZeroMQ
     sockets are not shared between threads) until the returned event is set. It runs
@@ -291,8 +300,7 @@ def run_engine_process(
         if config.cpus is not None:
             pin_process(config.cpus)
         model = load_model(config)
-        stop_ids = Tokenizer.from_model_path(resolve_model(config.model)).stop_token_ids
-        core = build_core(config, model, stop_ids)
+        core = build_core(config, model, _stop_token_ids(config))
     except Exception as e:  # report, then exit: the frontend shows the message
         out.send(encoder.encode(EngineFailed(f"engine failed to start: {e}")))
         sys.exit(1)

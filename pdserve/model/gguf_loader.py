@@ -17,6 +17,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from pdserve.errors import ModelLoadError
@@ -69,7 +70,7 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
-    """Parse the GGUF header (about 1.7 s for the shipped model: every token string is a field).
+    """Parse the GGUF header (about 0.5 s for the shipped model: every token string is a field).
 
     Cached per (path, size, mtime) so that load_config + iter_weights parse it once.
     """
@@ -77,10 +78,26 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     return _open_cached(str(path), st.st_size, st.st_mtime_ns)
 
 
+class _PlainReader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its file map. The header parse slices the
+    map once per field part (~1M slices for the shipped model: every token string is one),
+    and a `numpy.memmap` slice runs a Python-level `__array_finalize__`; a plain view does
+    not (3.5 s -> 1.0 s here). Tensor data are then read-only ndarray views of the map."""
+
+    @property  # type: ignore[override]
+    def data(self) -> npt.NDArray[np.uint8]:
+        return self._plain
+
+    @data.setter
+    def data(self, value: npt.NDArray[np.uint8]) -> None:
+        self._file_map = value  # keeps the mapping alive
+        self._plain = value.view(np.ndarray)
+
+
 @functools.lru_cache(maxsize=1)
 def _open_cached(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
     try:
-        return gguf.GGUFReader(path)
+        return _PlainReader(path)
     except Exception as e:  # the reader fails with whatever numpy raises on a short buffer
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file") from e
 
