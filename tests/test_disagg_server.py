@@ -371,7 +371,11 @@ def kill_cluster(request: pytest.FixtureRequest) -> Iterator[Server]:
     """Two instances of each role, shared by the kill tests of one push mode (pull mode,
     the default, is tests/test_fault_tolerance.py's, under 64 streams): each test kills
     one instance and leaves a live one of every role. Silence never marks an instance
-    dead here (the tests stop victims for a while): process exit does."""
+    dead here (the tests stop victims for a while): process exit does. Routing is by load:
+    routing by cache would keep sending the repeated prompts to a stopped decode victim
+    that holds them (its load does not move while it is stopped, and a cached prefix earns
+    it up to --decode-balance more), so what it held at the freeze would not be what it
+    held at the kill, which the test counts exactly."""
     before = pdkv_segments()
     server = Server(
         "--prefill",
@@ -382,6 +386,8 @@ def kill_cluster(request: pytest.FixtureRequest) -> Iterator[Server]:
         request.param,
         "--instance-timeout",
         "600",
+        "--routing",
+        "least-load",
         "--enable-debug-endpoints",
     )
     yield server

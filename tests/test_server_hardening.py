@@ -20,8 +20,10 @@ import pytest
 import uvicorn
 from test_server import KEY, MODEL, Server
 
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.policies import DecodeChooser
 from pdserve.cluster.recovery import FaultCounters
-from pdserve.cluster.routing import CacheCounters
+from pdserve.cluster.routing import CacheCounters, Router
 from pdserve.model.default import default_model_path
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.server.app import ServerConfig, build_app
@@ -338,8 +340,12 @@ class _FailingBackend:
         self.max_model_len = 8192
         self.is_alive = True
         self.faults = FaultCounters()
+        config = ClusterConfig(num_colocated=1)
+        self.router = Router(config, 16, DecodeChooser(config.decode_policy))
 
-    async def generate(self, prompt: Any, params: Any, request_id: str | None = None):
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str | None = None, session: str | None = None
+    ):
         raise RuntimeError("a bug")
         yield  # an async generator, like the real backends
 
