@@ -265,16 +265,25 @@ def test_a_session_sticks_to_its_instance_and_the_ttl_empties_the_tree(
     client = client_of(session_server)
 
     def ask(who: str, text: str, max_tokens: int = 4) -> int:
+        extra = {"ignore_eos": True}
         if who == "alice":
             r = client.completions.create(
-                model=MODEL, prompt=text, max_tokens=max_tokens, extra_headers={"X-Session-Id": who}
+                model=MODEL,
+                prompt=text,
+                max_tokens=max_tokens,
+                extra_headers={"X-Session-Id": who},
+                extra_body=extra,
             )
         else:
-            r = client.completions.create(model=MODEL, prompt=text, max_tokens=max_tokens, user=who)
+            r = client.completions.create(
+                model=MODEL, prompt=text, max_tokens=max_tokens, user=who, extra_body=extra
+            )
         assert r.usage is not None
         return r.usage.prompt_tokens
 
-    first = threading.Thread(target=ask, args=("alice", "Tell me a long story.", 64))
+    # 200 tokens: alice's first request still runs (and holds colocated-0's load) while
+    # the controller is asked for stats and bob's first request is routed.
+    first = threading.Thread(target=ask, args=("alice", "Tell me a long story.", 200))
     first.start()
     wait_for(lambda: row_of(session_server, "colocated-0")["assigned_prefill_tokens"] > 0, 30)
     queries0 = hits(session_server, "colocated-0")[1]
