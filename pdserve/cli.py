@@ -10,6 +10,7 @@ from pdserve.bench.cli import add_bench_parser
 from pdserve.errors import InvalidRequestError, ModelLoadError
 from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.profiler import add_profile_parser
+from pdserve.predictor.cli import add_predictor_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
     add_plan_parser(sub)
     add_profile_parser(sub)
+    add_predictor_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
@@ -170,7 +172,49 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="serve GET /debug/engine (engine counters and a KV-pool integrity check)",
     )
     _add_cluster(p.add_argument_group("instances and disaggregation"))
+    _add_scheduling(p.add_argument_group("length-aware scheduling (docs/scheduling.md)"))
     p.set_defaults(func=_serve)
+
+
+def _add_scheduling(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--predictor",
+        default="auto",
+        metavar="auto|none|PATH",
+        help="output-length head file (pdserve predictor train); auto: the one shipped for "
+        "the model, if any; none: policies use prompt length and max_tokens only",
+    )
+    g.add_argument(
+        "--prefill-policy",
+        choices=["fcfs", "sjf", "ljf"],
+        default="fcfs",
+        help="order of waiting prompts within each scheduling batch (default fcfs)",
+    )
+    g.add_argument(
+        "--prefill-sched-batch",
+        type=int,
+        default=16,
+        help="prompts sorted together; a prompt is passed only by later arrivals of its own "
+        "batch (default 16)",
+    )
+    g.add_argument(
+        "--decode-policy",
+        choices=["least-loaded", "power-of-two", "length-aware", "random", "imbalance"],
+        default="least-loaded",
+        help="which decode instance takes a prefilled request (default least-loaded)",
+    )
+    g.add_argument(
+        "--decode-admission",
+        choices=["greedy", "reserve-static", "reserve-dynamic", "past-future"],
+        default="greedy",
+        help="when a prefilled request may join a decode batch (default greedy)",
+    )
+    g.add_argument(
+        "--heavy-decode-tokens",
+        type=int,
+        default=128,
+        help="a request predicted to generate at least this many tokens is a heavy decode",
+    )
 
 
 def _add_cluster(g: argparse._ArgumentGroup) -> None:
@@ -204,9 +248,6 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         help="how KV moves from prefill to decode (default: pull)",
     )
     g.add_argument("--kv-transport", choices=["shm", "tcp"], default="shm")
-    g.add_argument(
-        "--decode-policy", choices=["least-loaded", "power-of-two"], default="least-loaded"
-    )
     g.add_argument(
         "--instance-timeout",
         type=float,

@@ -33,6 +33,23 @@ class TransferMode(StrEnum):
     REQUEST_PUSH = "request-push"  # MemServe by-req-agg: one aggregated push per request
 
 
+class PrefillPolicy(StrEnum):
+    """Order of waiting prompts within a scheduling batch (TetriInfer §3.3.1)."""
+
+    FCFS = "fcfs"  # arrival order (the default; no batch is sorted)
+    SJF = "sjf"  # fewest tokens to compute first
+    LJF = "ljf"  # most tokens to compute first
+
+
+class DecodeAdmission(StrEnum):
+    """When a request may join the running batch (TetriInfer §3.4; engine/admission.py)."""
+
+    GREEDY = "greedy"  # whenever its prompt's blocks are free now (preemption is the net)
+    RESERVE_STATIC = "reserve-static"  # its predicted total KV fits in free memory now
+    RESERVE_DYNAMIC = "reserve-dynamic"  # memory is still free when the shortest job ends
+    PAST_FUTURE = "past-future"  # the batch's peak future KV fits (LightLLM)
+
+
 class PreemptionMode(StrEnum):
     SWAP = "swap"  # copy the victim's blocks to the host tier; resume exactly where it was
     RECOMPUTE = "recompute"  # drop its KV; re-prefill prompt + generated tokens later
@@ -48,10 +65,20 @@ class SchedulerConfig:
     # New requests are refused (EngineOverloadedError, HTTP 503) while this many
     # wait for admission; None: no limit.
     max_waiting_requests: int | None = None
+    # Prefill order (engine/prefill_queue.py): arrivals wait in a raw queue; when the
+    # scheduled queue is empty the oldest `prefill_sched_batch` of them are sorted by
+    # `prefill_policy` and scheduled. A request is passed only by later arrivals of its
+    # own batch (at most prefill_sched_batch - 1 of them): that is the starvation bound.
+    prefill_policy: PrefillPolicy = PrefillPolicy.FCFS
+    prefill_sched_batch: int = 16
+    # Which waiting request may join the running batch (engine/admission.py): decode
+    # instances apply it to prefilled requests, colocated ones to prompts.
+    decode_admission: DecodeAdmission = DecodeAdmission.GREEDY
 
     def __post_init__(self) -> None:
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("max_num_seqs", self.max_num_seqs, 1)
+        _at_least("prefill_sched_batch", self.prefill_sched_batch, 1)
         if self.max_waiting_requests is not None:
             _at_least("max_waiting_requests", self.max_waiting_requests, 0)
 
@@ -151,6 +178,9 @@ class EngineConfig:
     # process reads them from the model's tokenizer; a front end that loaded the tokenizer
     # already passes them (building a GGUF tokenizer costs seconds per process).
     stop_token_ids: tuple[int, ...] | None = None
+    # Output-length head file (pdserve/predictor/head.py) read at load, checked against the
+    # model; None: no predictions (length-aware policies fall back, docs/scheduling.md).
+    length_predictor: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:

@@ -18,11 +18,20 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from helpers.pairs import (
+    Router,
+    assert_clean,
+    colocated_outputs,
+    drain,
+    make_core,
+    prompts,
+    run_pair,
+)
 from helpers.tiny_models import make_tiny_model
 
-from pdserve.config import CacheConfig, EngineConfig, Role, SchedulerConfig, TransferConfig
+from pdserve.config import EngineConfig, Role
 from pdserve.engine.core import EngineCore
-from pdserve.engine.engine import build_core, load_model
+from pdserve.engine.engine import load_model
 from pdserve.engine.roles import ColocatedRole, DecodeRole, PrefillRole
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.transfer import gather
@@ -31,10 +40,8 @@ from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferPrefix, PrefixFe
 from pdserve.protocol.handoff import (
     AddPrefilled,
     Handoff,
-    HandoffFailed,
     KVHandedOff,
     KVReceived,
-    KVReserved,
     ReserveKV,
 )
 from pdserve.protocol.wire import EngineMessage
@@ -50,182 +57,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def model(model_dir: Path) -> CausalLM:
     return load_model(EngineConfig(model=str(model_dir), num_threads=1))
-
-
-def make_core(
-    model_dir: Path,
-    model: CausalLM,
-    role: Role,
-    mode: str = "pull",
-    transport: str = "inproc",
-    block_size: int = 16,
-    num_blocks: int = 256,
-    chunk: int = 64,
-    **transfer: object,
-) -> EngineCore:
-    config = EngineConfig(
-        model=str(model_dir),
-        role=role,
-        instance_name=f"{role.value}-{transport}-{block_size}-{id(object())}",
-        num_threads=1,
-        scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=64),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, num_host_blocks=64),
-        transfer=TransferConfig(mode=mode, transport=transport, **transfer),  # type: ignore[arg-type]
-    )
-    return build_core(config, model, [])
-
-
-def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = [int(x) for x in torch.randint(3, 90, (n,), generator=g)]
-    return [torch.randint(5, vocab, (n_,), generator=g).tolist() for n_ in lengths]
-
-
-def colocated_outputs(core: EngineCore, batch: list[list[int]], params: SamplingParams) -> dict:
-    for i, p in enumerate(batch):
-        core.add_request(f"r{i}", p, params)
-    return drain(core)
-
-
-def drain(core: EngineCore) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while core.has_unfinished():
-        for o in core.step():
-            out.setdefault(o.request_id, []).extend(t.token_id for t in o.new_tokens)
-    return out
-
-
-class Router:
-    """Plays the controller between one prefill and one decode core, synchronously.
-
-    A spy on the prefill role's `hand_off` snapshots each prompt's KV at the moment it
-    leaves the batch; at `KVReceived` the decode pool must hold exactly that."""
-
-    def __init__(
-        self,
-        prefill: EngineCore,
-        decode: EngineCore,
-        mode: str,
-        batch: list[list[int]],
-        params: SamplingParams,
-    ) -> None:
-        self.prefill, self.decode, self.mode = prefill, decode, mode
-        self.batch, self.params = batch, params
-        self.tokens: dict[str, list[int]] = {}
-        self.finished: set[str] = set()
-        self.failures: dict[str, str] = {}
-        self.kv_equal: dict[str, bool] = {}
-        self.snapshots: dict[str, torch.Tensor] = {}
-        self.return_to: str | None = None  # PD-Caching-3 (see ReturningRouter)
-        role = prefill.role
-        assert isinstance(role, PrefillRole)
-        original = role.hand_off
-
-        def spy(req):  # type: ignore[no-untyped-def]
-            blocks = prefill.kv.block_table(req.request_id)
-            n = len(req.prompt_token_ids)
-            self.snapshots[req.request_id] = gather(
-                prefill.runner.cache.device_tensor, prefill.kv_layout, blocks, 0, n
-            ).clone()
-            original(req)
-
-        role.hand_off = spy  # type: ignore[method-assign]
-
-    def run(self, timeout_s: float = 60.0) -> None:
-        for i, p in enumerate(self.batch):
-            if self.mode == "pull":
-                self.prefill.add_request(f"r{i}", p, self.params, handoff=Handoff("pull"))
-            else:
-                self.decode.reserve(ReserveKV(f"r{i}", p))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.tick(self.prefill)
-            self.tick(self.decode)
-            if len(self.finished) + len(self.failures) == len(self.batch) and self.idle():
-                return
-            if not (self.prefill.has_unfinished() or self.decode.has_unfinished()):
-                time.sleep(0.0002)  # only transfers run: leave the GIL to their thread
-        raise AssertionError("the pair did not finish")
-
-    def idle(self) -> bool:
-        cores = (self.prefill, self.decode)
-        return not any(c.has_unfinished() or c.transfers_in_flight() for c in cores)
-
-    def tick(self, core: EngineCore) -> None:
-        core.poll_transfers()
-        if core.has_unfinished():
-            for o in core.step():
-                self.tokens.setdefault(o.request_id, []).extend(t.token_id for t in o.new_tokens)
-                if o.finish_reason is not None:
-                    self.finished.add(o.request_id)
-        for msg in core.take_messages():
-            self.route(msg)
-
-    def route(self, msg: EngineMessage) -> None:
-        if isinstance(msg, KVReserved):
-            p = self.batch[int(msg.request_id[1:])]
-            handoff = Handoff(self.mode, msg.target)
-            self.prefill.add_request(msg.request_id, p, self.params, handoff=handoff)
-        elif isinstance(msg, KVHandedOff):
-            p = self.batch[int(msg.request_id[1:])]
-            first = list(self.tokens[msg.request_id])
-            self.decode.add_prefilled(
-                AddPrefilled(
-                    msg.request_id,
-                    p,
-                    first,
-                    self.params,
-                    0.0,
-                    msg.source,
-                    msg.generator_state,
-                    return_to=self.return_to,
-                )
-            )
-        elif isinstance(msg, KVReceived):
-            self.kv_equal[msg.request_id] = self.same_kv(msg.request_id)
-            self.prefill.release([msg.request_id])
-        elif isinstance(msg, HandoffFailed):
-            self.failures[msg.request_id] = msg.message
-            self.prefill.release([msg.request_id])
-            self.decode.release([msg.request_id])
-
-    def same_kv(self, rid: str) -> bool:
-        want = self.snapshots[rid]
-        blocks = self.decode.kv.block_table(rid)
-        got = gather(
-            self.decode.runner.cache.device_tensor, self.decode.kv_layout, blocks, 0, want.shape[2]
-        )
-        return bool(torch.equal(want, got))
-
-
-def assert_clean(*cores: EngineCore) -> None:
-    for core in cores:
-        core.kv.check_integrity()
-        assert core.kv.num_used_blocks == 0
-        assert not core.requests and not core.has_unfinished()
-        role = core.role
-        if isinstance(role, PrefillRole):
-            assert not role.outgoing
-        if isinstance(role, DecodeRole):
-            assert not (role.queue or role.fetching or role.reservations)
-
-
-def run_pair(
-    model_dir: Path,
-    model: CausalLM,
-    mode: str,
-    params: SamplingParams,
-    batch: list[list[int]],
-    transport: str = "inproc",
-    p_block: int = 16,
-    d_block: int = 16,
-    **transfer: object,
-) -> tuple[Router, EngineCore, EngineCore]:
-    p = make_core(model_dir, model, Role.PREFILL, mode, transport, p_block, **transfer)
-    d = make_core(model_dir, model, Role.DECODE, mode, transport, d_block, **transfer)
-    router = Router(p, d, mode, batch, params)
-    router.run()
-    return router, p, d
 
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -15,8 +15,15 @@ class Routing(StrEnum):
 
 
 class DecodePolicy(StrEnum):
+    """Which decode instance takes a prefilled request (cluster/policies.py)."""
+
     LEAST_LOADED = "least-loaded"  # fewest requests assigned (DistServe)
-    POWER_OF_TWO = "power-of-two"  # two random instances with room, the less loaded (TetriInfer)
+    POWER_OF_TWO = "power-of-two"  # two random instances with room, the less loaded
+    # TetriInfer §3.3.4: two random instances with room for the predicted length, the one
+    # whose heavy:light ratio would be lower.
+    LENGTH_AWARE = "length-aware"
+    RANDOM = "random"  # any instance with room (Fig. 19's baseline)
+    IMBALANCE = "imbalance"  # heavy decodes all to one instance (Fig. 19's worst case)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,9 @@ class ClusterConfig:
     prefix_fetch: bool = True
     # Session routing: sessions remembered (least recently used forgotten first).
     max_sessions: int = 100_000
+    # Decode dispatch: a request predicted to generate at least this many tokens is a
+    # heavy decode (TetriInfer: 128, ShareGPT's median answer); docs/scheduling.md.
+    heavy_decode_tokens: int = 128
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated", "max_retries", "max_migrations"):
@@ -92,6 +102,7 @@ class ClusterConfig:
             "prefix_tree_max_entries",
             "max_sessions",
             "max_returns_in_flight",
+            "heavy_decode_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

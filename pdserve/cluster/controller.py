@@ -52,13 +52,14 @@ from enum import StrEnum
 import msgspec
 import zmq.asyncio
 
-from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.config import ClusterConfig, DecodePolicy
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.policies import DecodeChooser
 from pdserve.cluster.recovery import FaultCounters
 from pdserve.cluster.replication import RecoveryCost, ring
 from pdserve.cluster.routing import FETCH_WAIT_S, Donor, RouteKey, Router, session_key
 from pdserve.config import EngineConfig, Role, TransferMode
+from pdserve.engine.admission import remaining_tokens
 from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -71,6 +72,8 @@ from pdserve.errors import (
 )
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.predictor.confusion import PredictionCounters
+from pdserve.predictor.head import HeadSpec, read_head
 from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferPrefix, PrefixFetched
 from pdserve.protocol.core import (
     AbortRequests,
@@ -91,6 +94,7 @@ from pdserve.protocol.handoff import (
     ReleaseKV,
     ReserveKV,
 )
+from pdserve.protocol.prediction import LengthPrediction
 from pdserve.protocol.replica import (
     DropReplicas,
     KVReplicated,
@@ -148,6 +152,10 @@ class _Record:
     replica_source: Instance | None = None
     replica_holder: Instance | None = None
     replicated: int = 0
+    # Its output length as predicted at the prefill (first output), and whether
+    # `credit_decode` counts it as a heavy decode (cluster/policies.py).
+    prediction: LengthPrediction | None = None
+    heavy: bool = False
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -233,6 +241,7 @@ class Cluster:
             }
         )
         self.faults = FaultCounters()
+        self.predictions = PredictionCounters(_head_spec(engine.length_predictor))
         self.recovery = RecoveryCost()
         self.holders: dict[str, Instance] = {}  # replication: source name -> holder
 
@@ -435,14 +444,41 @@ class Cluster:
             inst.send(AddRequest(rec.key, rec.prompt, rec.params, rec.arrival))
 
     def _choose_decode(self, rec: _Record) -> Instance | None:
-        need = -(-(len(rec.prompt) + len(rec.streamed) + 1) // self.engine.cache.block_size)
-        inst = self.router.decode(self.of_role(Role.DECODE), rec.route, need)
+        heavy = self._is_heavy(rec)
+        inst = self.router.decode(
+            self.of_role(Role.DECODE), rec.route, self._decode_blocks(rec), heavy
+        )
         if inst is None:
             self._fail(rec, InstanceFailedError("no live decode instance"))
             return None
-        rec.decode = rec.credit_decode = inst
-        inst.assigned_requests += 1
+        self._credit_decode(rec, inst, heavy)
         return inst
+
+    def _decode_blocks(self, rec: _Record) -> int:
+        """Blocks a decode instance needs for `rec`: its tokens so far and the next one;
+        under the length-aware policy, its predicted remaining tokens too (TetriInfer:
+        room for the predicted length)."""
+        tokens = len(rec.prompt) + len(rec.streamed)
+        if self.config.decode_policy is DecodePolicy.LENGTH_AWARE:
+            left = rec.params.max_tokens - len(rec.streamed)
+            tokens += remaining_tokens(rec.prediction, len(rec.streamed), left)
+        else:
+            tokens += 1
+        return -(-tokens // self.engine.cache.block_size)
+
+    def _is_heavy(self, rec: _Record) -> bool:
+        """A heavy decode: predicted to generate >= `heavy_decode_tokens` (its bucket lies
+        there). Without a prediction, max_tokens, the client's bound, decides."""
+        threshold = self.config.heavy_decode_tokens
+        if rec.prediction is not None:
+            return rec.prediction.low >= threshold
+        return rec.params.max_tokens >= threshold
+
+    def _credit_decode(self, rec: _Record, inst: Instance, heavy: bool) -> None:
+        rec.decode = rec.credit_decode = inst
+        rec.heavy = heavy
+        inst.assigned_requests += 1
+        inst.assigned_heavy += heavy
 
     # ---- messages from instances -----------------------------------------------------
 
@@ -465,6 +501,8 @@ class Cluster:
         from_prefill = self.config.disaggregated and inst is rec.prefill
         if from_prefill and rec.phase is not Phase.PREFILL:
             return
+        if out.prediction is not None and rec.prediction is None:
+            rec.prediction = out.prediction
         if rec.times.first_token_seen is None:
             rec.times.first_token_seen = time.monotonic()
         if rec.cached_tokens is None:  # the instance that ran the prefill: its own count
@@ -488,6 +526,8 @@ class Cluster:
             return
         if result.finished:
             rec.times.finished = time.monotonic()
+            reason = result.finish_reason or "stop"
+            self.predictions.observe(rec.prediction, len(rec.streamed), reason)
             if self.config.disaggregated:
                 pulled = self.mode is TransferMode.PULL
                 result = dataclasses.replace(result, metrics=rec.times.handoff_metrics(pulled))
@@ -523,6 +563,7 @@ class Cluster:
                 msg.source,
                 msg.generator_state,
                 return_to=inst.name if self.returns_kv else None,
+                prediction=rec.prediction,
             )
         )
 
@@ -702,11 +743,15 @@ class Cluster:
     def _continue_on(self, rec: _Record, inst: Instance) -> AddRequest:
         """Make `inst` the instance `rec` decodes on (its load credited) and return the
         request that continues it there after its streamed tokens."""
-        rec.decode = rec.credit_decode = inst
-        inst.assigned_requests += 1
+        self._credit_decode(rec, inst, self._is_heavy(rec))
         rec.prefill, rec.phase = None, Phase.DECODE
         return AddRequest(
-            rec.key, rec.prompt, rec.params, rec.arrival, output_token_ids=rec.streamed
+            rec.key,
+            rec.prompt,
+            rec.params,
+            rec.arrival,
+            output_token_ids=rec.streamed,
+            prediction=rec.prediction,
         )
 
     def _continuation_instance(self, rec: _Record) -> Instance | None:
@@ -767,7 +812,9 @@ class Cluster:
     def _unload_decode(self, rec: _Record) -> None:
         if rec.credit_decode is not None:
             rec.credit_decode.assigned_requests -= 1
+            rec.credit_decode.assigned_heavy -= rec.heavy
             rec.credit_decode = None
+            rec.heavy = False
 
     # ---- replication (cluster/replication.py, protocol/replica.py) --------------------
 
@@ -1055,3 +1102,9 @@ def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[Engin
             )
         )
     return configs
+
+
+def _head_spec(path: str | None) -> HeadSpec | None:
+    """What the instances' length head predicts (its file is read here first, so a
+    missing or corrupt one stops the start before any instance spawns)."""
+    return None if path is None else read_head(path).spec

@@ -77,6 +77,7 @@ class Instance:
         # Front-end-side load (what it assigned and has not seen finish).
         self.assigned_prefill_tokens = 0
         self.assigned_requests = 0
+        self.assigned_heavy = 0  # of those, predicted heavy decodes (cluster/policies.py)
         self._dir = tempfile.mkdtemp(prefix=f"pdserve-{self.name}-")
         self._to = ctx.socket(zmq.PUSH)
         self._to.setsockopt(zmq.SNDHWM, 0)  # never block a send on a full queue

@@ -3,6 +3,18 @@
 Load is what the controller itself assigned and has not yet seen leave the instance
 (exact and current), plus what the instance last reported (its own view, up to one
 report period old). Ties go to the instance listed first.
+
+Decode dispatch (`DecodeChooser`), among live instances with room for the request
+(every live one when none has room: the request then waits there for blocks):
+
+- least-loaded: fewest requests assigned;
+- power-of-two: two at random, the one with fewer requests assigned;
+- length-aware (TetriInfer): room means room for the predicted length (the caller's
+  `num_blocks`); two at random, the one whose heavy:light ratio, counting this request,
+  would be lower. The ratio is heavy / (light + 1), so an instance with no light decode
+  still compares; ties go to fewer requests assigned, then the first drawn;
+- random: any one; imbalance (the worst case of TetriInfer's Fig. 19): every heavy decode
+  to the first instance, light ones to the least loaded of the others.
 """
 
 from __future__ import annotations
@@ -28,19 +40,46 @@ def has_room(instance: Instance, num_blocks: int) -> bool:
     return report is None or report.num_obtainable_blocks >= num_blocks
 
 
+def heavy_ratio(instance: Instance, heavy: bool) -> float:
+    """The instance's heavy:light decode ratio if a request (`heavy` or not) joined it."""
+    h = instance.assigned_heavy + heavy
+    light = instance.assigned_requests - instance.assigned_heavy + (not heavy)
+    return h / (light + 1)
+
+
 class DecodeChooser:
     def __init__(self, policy: DecodePolicy, seed: int | None = None) -> None:
         self.policy = policy
         self.rng = random.Random(seed)
 
-    def choose(self, instances: Sequence[Instance], num_blocks: int) -> Instance | None:
-        """A live decode instance for a request needing `num_blocks` blocks. Instances
-        without room are avoided while another has room (the request waits there
-        otherwise: the decode side queues it until blocks free up)."""
+    @property
+    def overrides_routing(self) -> bool:
+        """The length-based policies decide decode dispatch under any `--routing`."""
+        return self.policy in (
+            DecodePolicy.LENGTH_AWARE,
+            DecodePolicy.RANDOM,
+            DecodePolicy.IMBALANCE,
+        )
+
+    def choose(
+        self, instances: Sequence[Instance], num_blocks: int, heavy: bool = False
+    ) -> Instance | None:
+        """A live decode instance for a request needing `num_blocks` blocks; `heavy`: it
+        is predicted to be a heavy decode (module docstring)."""
         live = [i for i in instances if i.alive]
         if not live:
             return None
         roomy = [i for i in live if has_room(i, num_blocks)] or live
-        if self.policy is DecodePolicy.POWER_OF_TWO and len(roomy) > 2:
+        if self.policy is DecodePolicy.RANDOM:
+            return self.rng.choice(roomy)
+        if self.policy is DecodePolicy.IMBALANCE:
+            return roomy[0] if heavy or len(roomy) == 1 else _least_loaded(roomy[1:])
+        if self.policy in (DecodePolicy.POWER_OF_TWO, DecodePolicy.LENGTH_AWARE) and len(roomy) > 2:
             roomy = self.rng.sample(roomy, 2)
-        return min(roomy, key=lambda i: i.assigned_requests)
+        if self.policy is DecodePolicy.LENGTH_AWARE:
+            return min(roomy, key=lambda i: (heavy_ratio(i, heavy), i.assigned_requests))
+        return _least_loaded(roomy)
+
+
+def _least_loaded(instances: Sequence[Instance]) -> Instance:
+    return min(instances, key=lambda i: i.assigned_requests)

@@ -207,17 +207,20 @@ class Router:
     # ---- decode instances ----------------------------------------------------------------
 
     def decode(
-        self, candidates: Sequence[Instance], key: RouteKey, num_blocks: int
+        self, candidates: Sequence[Instance], key: RouteKey, num_blocks: int, heavy: bool = False
     ) -> Instance | None:
-        """A live decode instance for a request needing `num_blocks` blocks."""
+        """A live decode instance for a request needing `num_blocks` blocks (`heavy`: a
+        predicted heavy decode). The length-based decode policies (cluster/policies.py)
+        decide under any routing; otherwise the routing rule does."""
         live = [i for i in candidates if i.alive]
         if not live:
             return None
-        if self.policy is Routing.LEAST_LOAD:
-            return self.decode_chooser.choose(live, num_blocks)
+        chooser = self.decode_chooser
+        if self.policy is Routing.LEAST_LOAD or chooser.overrides_routing:
+            return chooser.choose(live, num_blocks, heavy)
         roomy = [i for i in live if has_room(i, num_blocks)] or live
         if self.policy is Routing.SESSION:
-            inst = self._sticky(roomy, key) or self.decode_chooser.choose(roomy, num_blocks)
+            inst = self._sticky(roomy, key) or chooser.choose(roomy, num_blocks, heavy)
             assert inst is not None
             self._remember(inst, key)
             return inst

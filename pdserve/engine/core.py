@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from pdserve.config import EngineConfig, Role
+from pdserve.config import DecodeAdmission, EngineConfig, Role
+from pdserve.engine.admission import KVJob, admits, remaining_tokens
 from pdserve.engine.cache_exchange import CacheExchange
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.replica_store import ReplicaStore
@@ -54,9 +55,11 @@ from pdserve.kv.layout import KVLayout
 from pdserve.kv.manager import KVManager
 from pdserve.kv.transfer import LayoutMismatchError, Region, apply_plan, stream_in
 from pdserve.model.base import CausalLM
+from pdserve.predictor.head import LengthHead
 from pdserve.protocol.cache import FetchPrefix, OfferPrefix, PrefixFetched
 from pdserve.protocol.core import EngineOutput, NewToken, RequestRejected
 from pdserve.protocol.handoff import AddPrefilled, Handoff, ReserveKV
+from pdserve.protocol.prediction import LengthPrediction
 from pdserve.protocol.replica import (
     DropReplicas,
     OpenReplicaStore,
@@ -83,7 +86,10 @@ class EngineCore:
         kv_config: KVCacheConfig,
         max_model_len: int,
         eos_token_ids: Sequence[int],
+        length_head: LengthHead | None = None,
     ) -> None:
+        """`length_head`: predicts each fresh prompt's output length from its final hidden
+        state (pdserve/predictor/head.py); None: no predictions."""
         self.config = config
         self.model = model
         self.max_model_len = max_model_len
@@ -114,6 +120,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, cache, self.kv)
         self.requests: dict[str, Request] = {}
+        # Output-length prediction at each prompt's first token. `prompt_state_sink`
+        # (the predictor's data tool) sees each fresh prompt's final hidden state.
+        self.length_head = length_head
+        self.num_admission_waits = 0  # times a request was held back by the admission rule
+        self.prompt_state_sink: Callable[[str, torch.Tensor], None] | None = None
         # DéjàVu replication: the holder side (other instances' replicas kept here) and
         # the source side (this instance's running requests streamed to a holder).
         self.replicas = ReplicaStore(config.instance_name, self._transfer_link)
@@ -219,6 +230,7 @@ class EngineCore:
         arrival: float | None = None,
         handoff: Handoff | None = None,
         output_token_ids: Sequence[int] = (),
+        prediction: LengthPrediction | None = None,
     ) -> Request:
         """Validate and queue. Raises InvalidRequestError or EngineOverloadedError;
         nothing is allocated then. `arrival` (time.monotonic(), system-wide) is when
@@ -230,8 +242,11 @@ class EngineCore:
         count as output (max_tokens, min_tokens, penalties); their KV is computed with the
         prompt's, like a request preempted by recompute, and the next token sampled is the
         one after them. A seeded generator skips the draws they took (`resumed_generator`),
-        so greedy and seeded requests continue exactly as if nothing had happened."""
+        so greedy and seeded requests continue exactly as if nothing had happened.
+        `prediction`: its output length as predicted where it was first prefilled (a
+        migrated request); a fresh prompt gets one from this core's length head."""
         req = self._new_request(request_id, prompt_token_ids, params, arrival, output_token_ids)
+        req.prediction = prediction
         self._check_queue()
         self._queue(req, handoff)
         return req
@@ -379,6 +394,7 @@ class EngineCore:
         req.output_token_ids = list(msg.output_token_ids)
         req.times.arrival = msg.arrival
         req.return_to = msg.return_to
+        req.prediction = msg.prediction
         return req
 
     def reserve(self, msg: ReserveKV) -> None:
@@ -446,24 +462,70 @@ class EngineCore:
         """Advance hand-offs without blocking: finished fetches join the batch, finished
         pushes free their blocks, leases expire, waiting KV is admitted."""
         free_slots = self.scheduler.config.max_num_seqs - len(self.scheduler.running)
-        for req in self.role.poll(free_slots):
+        for req in self.role.poll(free_slots, self._admissible):
             self._join_batch(req)
         self.replicator.poll()
         self.exchange.poll()
+
+    def _admissible(self, req: Request, incoming: Sequence[Request]) -> bool:
+        """Decode admission (engine/admission.py): may `req`, prefilled elsewhere, join
+        the batch (the running requests and `incoming`, those whose KV is on its way)?
+        An empty batch admits anything (allocation decides), so no prediction, however
+        wrong, can keep an idle instance from taking work."""
+        policy = self.scheduler.config.decode_admission
+        batch = [*self.scheduler.running, *incoming]
+        if policy is DecodeAdmission.GREEDY or not batch:
+            return True
+        jobs = [self._kv_job(r) for r in batch]
+        bs = self.kv.cfg.block_size
+        if admits(policy, jobs, self._kv_job(req), self.kv.num_obtainable_blocks, bs):
+            return True
+        self.num_admission_waits += 1
+        return False
+
+    def _kv_job(self, req: Request) -> KVJob:
+        generated = len(req.output_token_ids)
+        left = min(req.params.max_tokens - generated, self.max_model_len - req.num_tokens)
+        return KVJob(req.num_tokens, remaining_tokens(req.prediction, generated, left))
 
     # ---- one step --------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
         sched = self.scheduler.schedule()
         self.role.begin_step(sched.seqs)
-        sampled, logits = self.runner.execute(sched)
+        result = self.runner.execute(sched)
         self.role.end_step()
         for seq in sched.seqs:
             self.scheduler.advance(seq)
-        outputs = [] if logits is None else self._sample(sampled, logits)
+        outputs: list[EngineOutput] = []
+        if result.logits is not None and result.hidden is not None:
+            self._predict(result.sampled, result.hidden)
+            outputs = self._sample(result.sampled, result.logits)
         # The step's KV is committed and ended requests are gone: replicate the rest.
         self.replicator.after_step(self.scheduler.running)
         return outputs
+
+    def _predict(self, sampled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """Predict the output length of each fresh prompt sampling its first token (one
+        small matmul on rows the step computed anyway)."""
+        if self.length_head is None and self.prompt_state_sink is None:
+            return
+        rows = [
+            i
+            for i, s in enumerate(sampled)
+            if s.request.prediction is None and not s.request.output_token_ids
+        ]
+        if not rows:
+            return
+        reqs = [sampled[i].request for i in rows]
+        states = hidden[rows]
+        if self.prompt_state_sink is not None:
+            for req, state in zip(reqs, states, strict=True):
+                self.prompt_state_sink(req.request_id, state)
+        if self.length_head is not None:
+            lens = [len(r.prompt_token_ids) for r in reqs]
+            for req, pred in zip(reqs, self.length_head.predict(states, lens), strict=True):
+                req.prediction = pred
 
     def _sample(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[EngineOutput]:
         """Sample, append and stop-check the step's tokens; then the role's first-token
@@ -486,13 +548,20 @@ class EngineCore:
         """Add the sampled token, check the stop conditions; a request whose first token
         this is goes to `firsts`."""
         req.output_token_ids.append(tok.token_id)
-        if req.times.first_token is None:
+        first = req.times.first_token is None
+        if first:
             req.times.first_token = time.monotonic()
             firsts.append(req)
         status = self._check_stop(req, tok.token_id)
         new = (NewToken(tok.token_id, tok.logprob, tok.top_logprobs),)
+        prediction = req.prediction if first else None  # said once, with the first token
         if status is RequestStatus.RUNNING:
-            return EngineOutput(req.request_id, new, num_cached_tokens=req.num_cached_prompt_tokens)
+            return EngineOutput(
+                req.request_id,
+                new,
+                num_cached_tokens=req.num_cached_prompt_tokens,
+                prediction=prediction,
+            )
         self.requests.pop(req.request_id, None)
         if req.return_to is not None:  # pinned before the request lets go of its blocks
             self._offer_kv(req, req.return_to)
@@ -506,6 +575,7 @@ class EngineCore:
             stopped_by_token=status is RequestStatus.FINISHED_STOPPED,
             num_cached_tokens=req.num_cached_prompt_tokens,
             metrics=req.times.metrics(req.num_preemptions),
+            prediction=prediction,
         )
 
     def _offer_kv(self, req: Request, to: str) -> None:

@@ -22,6 +22,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.loader import iter_weights, load_config, resolve_model
 from pdserve.model.registry import build_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.predictor.head import load_length_head
 
 Prompt = str | Sequence[int]
 
@@ -89,7 +90,10 @@ def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[i
     kv_config = kv_config_for(config, model.config)
     max_len = max_model_len_for(config, model.config, kv_config)
     eos = set(stop_token_ids) | set(model.config.eos_token_ids)
-    return EngineCore(config, model, kv_config, max_len, sorted(eos))
+    head = None
+    if config.length_predictor is not None:
+        head = load_length_head(config.length_predictor, model)
+    return EngineCore(config, model, kv_config, max_len, sorted(eos), head)
 
 
 def kv_config_for(config: EngineConfig, model: ModelConfig) -> KVCacheConfig:

@@ -248,6 +248,8 @@ class _Loop:
             num_replicating=self.core.replicator.num_replicating,
             num_offers=self.core.exchange.num_offers,
             num_prefix_fetches=self.core.exchange.num_fetches,
+            num_preemptions=s.num_preemptions,
+            num_admission_waits=self.core.num_admission_waits,
         )
 
 

@@ -8,6 +8,7 @@ blocks a swap-out released may already be reassigned in the same step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,13 @@ def max_group_tokens(cache: KVCache) -> int:
     return max(cache.block_size, CPU_GROUP_BYTES // per_token)
 
 
+@dataclass(frozen=True)
+class StepResult:
+    sampled: list[ScheduledSeq]  # sequences that sample this step, in row order
+    logits: torch.Tensor | None  # [len(sampled), vocab]
+    hidden: torch.Tensor | None  # [len(sampled), hidden]: final-norm states (length head)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, kv: KVManager) -> None:
         self.model = model
@@ -35,14 +43,15 @@ class ModelRunner:
         self.max_group_tokens = max_group_tokens(cache)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
-        """Run one step. Returns the sequences that sample (in row order) and their logits."""
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run one step: the sequences that sample (in row order), their logits and their
+        final hidden states (None when nothing samples)."""
         for plan in sched.swap_out:
             self.cache.swap_out(plan.copies)
         for plan in sched.swap_in:
             self.cache.swap_in(plan.copies)
         if sched.empty:
-            return [], None
+            return StepResult([], None, None)
         # Single-token rows first: attention batches them in one call (see attention.py).
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, specs, logit_rows = self._flatten(seqs)
@@ -57,7 +66,7 @@ class ModelRunner:
         if not sampled:
             # Only partial prompt chunks: run the layers, skip the LM head.
             logit_rows = []
-        logits = self.model(
+        hidden = self.model.hidden_states(
             torch.tensor(input_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             self.cache.device_tensor,
@@ -65,7 +74,9 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.long),
             self.hooks,
         )
-        return sampled, (logits if sampled else None)
+        if not sampled:
+            return StepResult([], None, None)
+        return StepResult(sampled, self.model.compute_logits(hidden), hidden)
 
     def _flatten(
         self, seqs: Sequence[ScheduledSeq]

@@ -18,6 +18,7 @@ from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.core import EngineOutput
+from pdserve.protocol.prediction import LengthPrediction
 
 
 class LoopBudget:
@@ -51,6 +52,7 @@ class _State:
     detok: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None
     token_ids: list[int] = field(default_factory=list)
+    prediction: LengthPrediction | None = None  # as the first output said
 
 
 class OutputProcessor:
@@ -79,6 +81,8 @@ class OutputProcessor:
             return None, None
         new_ids = [t.token_id for t in out.new_tokens]
         st.token_ids.extend(new_ids)
+        if out.prediction is not None:
+            st.prediction = out.prediction
         if st.logprobs is not None:
             st.logprobs.extend(
                 TokenLogprob(t.token_id, t.logprob, t.top_logprobs)
@@ -105,6 +109,7 @@ class OutputProcessor:
             logprobs=list(st.logprobs) if st.logprobs is not None else None,
             num_cached_tokens=out.num_cached_tokens,
             metrics=out.metrics,
+            prediction=st.prediction,
         )
         if result.finished:
             del self._states[out.request_id]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.protocol.prediction import LengthPrediction
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -44,3 +46,5 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    # The output length predicted at its prefill (protocol/prediction.py); None: none.
+    prediction: LengthPrediction | None = None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.prediction import LengthPrediction
 from pdserve.protocol.timing import RequestTimes
 
 
@@ -49,6 +50,9 @@ class Request:
     stop_reason: int | str | None = None
     # PD-Caching-3: the instance offered this request's KV once it finishes (None: none).
     return_to: str | None = None
+    # Predicted output length (protocol/prediction.py): this core's length head's, or the
+    # one made where the request was prefilled. None: no predictor.
+    prediction: LengthPrediction | None = None
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
 
     @property

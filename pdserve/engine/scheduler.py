@@ -5,7 +5,8 @@ to compute ("num_new_tokens"). Decodes compute 1; prompts compute a chunk that f
 the remaining budget, so a long prompt is split across steps while the decodes of
 running requests ride along (Sarathi-style, for the colocated role).
 
-Order of a step (FCFS throughout):
+Order of a step (FCFS throughout, except the order of waiting prompts, which
+engine/prefill_queue.py decides: fcfs by default, sjf / ljf per scheduling batch):
 1. running requests, oldest first: each gets its tokens, or - when the KV pool is
    full - the newest running request is preempted (swapped to the host tier when it
    fits there, otherwise its KV is dropped and it is recomputed later) until it fits;
@@ -24,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.config import PreemptionMode, SchedulerConfig
+from pdserve.engine.prefill_queue import PrefillQueue
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kv.manager import KVManager, SwapPlan
 
@@ -58,9 +60,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = PrefillQueue(
+            config.prefill_policy, config.prefill_sched_batch, self._uncached_tokens
+        )
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        self.num_preemptions = 0  # since start (swap and recompute alike)
 
     # ---- queue management ------------------------------------------------------
 
@@ -165,7 +170,8 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.peek()
+            assert req is not None
             cached = self.kv.match_prefix(req.all_token_ids).num_cached_tokens
             num_new = min(req.num_tokens - cached, budget)
             alloc = self.kv.allocate(req.request_id, req.all_token_ids, num_new)
@@ -182,12 +188,17 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, num_new))
             budget -= num_new
 
+    def _uncached_tokens(self, req: Request) -> int:
+        """The tokens a waiting request's prefill computes (its size for sjf / ljf)."""
+        return req.num_tokens - self.kv.match_prefix(req.all_token_ids).num_cached_tokens
+
     def _allocate(self, req: Request, num_new: int) -> bool:
         return self.kv.allocate(req.request_id, req.all_token_ids, num_new) is not None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         req.num_preemptions += 1
+        self.num_preemptions += 1
         swap = self.config.preemption_mode == PreemptionMode.SWAP
         if swap and self.kv.can_swap_out(req.request_id):
             out.swap_out.append(self.kv.swap_out(req.request_id))

@@ -82,6 +82,20 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: [num_layers, 2, blocks, bs, Hkv, D];
         logits_indices: rows to produce logits for. Returns [len(logits_indices), vocab]."""
+        rows = self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices, hooks)
+        return self.compute_logits(rows)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        hooks: ForwardHooks | None = None,
+    ) -> torch.Tensor:
+        """`forward` without the LM head: the final-norm hidden states of the rows in
+        `logits_indices`, [len(logits_indices), hidden] (what the length head reads)."""
         h = self.embed_tokens[input_ids]
         cos, sin = self.rotary.lookup(positions)
         on_layer_done = hooks.on_layer_done if hooks else None
@@ -89,7 +103,11 @@ class CausalLM(nn.Module):
             h = layer.forward(h, cos, sin, kv_caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.lm_head_op(self.norm(h[logits_indices]))
+        return self.norm(h[logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] final-norm hidden states -> [rows, vocab] logits."""
+        return self.lm_head_op(hidden)
 
     def finalize(self, pack: bool = True) -> None:
         """Prepare the loaded weights for serving: oneDNN-packed projections on CPU.

@@ -15,6 +15,7 @@ from pdserve.engine.outputs import RequestMetrics
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.layout import KVLayout
 from pdserve.protocol.handoff import Handoff
+from pdserve.protocol.prediction import LengthPrediction
 
 # ---- per-request progress -------------------------------------------------------
 
@@ -35,6 +36,8 @@ class EngineOutput(msgspec.Struct, frozen=True):
     stopped_by_token: bool = False  # the last new token is EOS / a stop id (not rendered)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None  # set when finished
+    # The output length predicted at the prompt's first token (with that output only).
+    prediction: LengthPrediction | None = None
 
 
 # ---- front end -> core ------------------------------------------------------------
@@ -50,6 +53,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     # The instance computes their KV with the prompt's and continues after the last one;
     # a seeded generator is advanced past their draws, so the text continues unchanged.
     output_token_ids: list[int] = []
+    # Its output length as predicted where it was first prefilled (a migrated request).
+    prediction: LengthPrediction | None = None
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True):
@@ -119,6 +124,8 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_replicated_tokens: int = 0  # holder: tokens its replicas hold, summed
     num_offers: int = 0  # KV pinned for another instance's cache (protocol/cache.py)
     num_prefix_fetches: int = 0  # FetchPrefix copies in flight into this pool
+    num_preemptions: int = 0  # since start: running requests swapped out or recomputed
+    num_admission_waits: int = 0  # since start: times the decode admission rule said wait
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

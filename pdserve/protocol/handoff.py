@@ -15,6 +15,7 @@ import msgspec
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.layout import RegionHandle
+from pdserve.protocol.prediction import LengthPrediction
 
 # ---- descriptors ------------------------------------------------------------------
 
@@ -61,6 +62,8 @@ class AddPrefilled(msgspec.Struct, frozen=True, tag=True):
     # PD-Caching-3 (protocol/cache.py): once the request finishes, offer the KV of its
     # prompt and answer to this (prefill) instance's prefix cache.
     return_to: str | None = None
+    # The output length predicted at the prefill (decode admission: engine/admission.py).
+    prediction: LengthPrediction | None = None
 
 
 class ReserveKV(msgspec.Struct, frozen=True, tag=True):

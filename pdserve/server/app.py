@@ -291,12 +291,14 @@ async def _until_done_or_gone(
 
 
 def _timings(out: RequestOutput) -> dict[str, float | None] | None:
-    """Engine-side seconds per phase (clients that don't know the field ignore it)."""
+    """Engine-side seconds per phase (clients that don't know the field ignore it), and
+    the predicted output length (`predicted_output_low` inclusive, `_high` exclusive,
+    null for the open last bucket) where a length predictor runs."""
     m = out.metrics
     if m is None:
         return None
     disaggregated = {"transfer": m.transfer_time, "decode_queue": m.decode_queue_time}
-    return {
+    timings: dict[str, float | None] = {
         "queue": m.queue_time,
         "prefill": m.prefill_time,
         **{k: v for k, v in disaggregated.items() if v is not None},
@@ -304,6 +306,11 @@ def _timings(out: RequestOutput) -> dict[str, float | None] | None:
         "ttft": m.ttft,
         "e2e": m.e2e,
     }
+    p = out.prediction
+    if p is not None:
+        timings["predicted_output_low"] = p.low
+        timings["predicted_output_high"] = p.high
+    return timings
 
 
 def _usage(prompts: list[list[int]], outs: list[RequestOutput]) -> dict[str, Any]:

@@ -22,9 +22,18 @@ import uvicorn
 
 from pdserve.cluster.config import ClusterConfig, DecodePolicy, Routing
 from pdserve.cluster.controller import Cluster, instance_configs
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferConfig, TransferMode
+from pdserve.config import (
+    CacheConfig,
+    DecodeAdmission,
+    EngineConfig,
+    PrefillPolicy,
+    SchedulerConfig,
+    TransferConfig,
+    TransferMode,
+)
 from pdserve.errors import RequestCancelledError
 from pdserve.model.loader import resolve_model
+from pdserve.predictor.head import resolve_predictor
 from pdserve.runtime import freeze_startup_heap
 from pdserve.server.admission import Admission
 from pdserve.server.app import ServerConfig, build_app
@@ -43,6 +52,7 @@ def served_name(model: str | None) -> str:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
+        length_predictor=resolve_predictor(args.predictor, args.model),
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         cpus=args.engine_cpus,
@@ -50,6 +60,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_waiting_requests=args.max_queued_requests,
+            prefill_policy=PrefillPolicy(args.prefill_policy),
+            prefill_sched_batch=args.prefill_sched_batch,
+            decode_admission=DecodeAdmission(args.decode_admission),
         ),
         cache=CacheConfig(
             kv_cache_memory_gib=args.kv_cache_memory_gib,
@@ -88,11 +101,24 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         prefix_tree_max_entries=args.prefix_tree_max_entries,
         decode_balance=args.decode_balance,
         prefix_fetch=not args.no_prefix_fetch,
+        heavy_decode_tokens=args.heavy_decode_tokens,
+    )
+
+
+def predictor_line(config: EngineConfig, cluster: ClusterConfig) -> str:
+    """What the length-aware policies go by (docs/scheduling.md)."""
+    if config.length_predictor is not None:
+        return f"pdserve: output-length predictor {config.length_predictor}"
+    return (
+        "pdserve: no output-length predictor: sjf/ljf sort by prompt tokens, decode dispatch "
+        f"counts max_tokens >= {cluster.heavy_decode_tokens} as heavy, admission reserves "
+        "up to max_tokens"
     )
 
 
 async def start_backend(args: argparse.Namespace, config: EngineConfig) -> ServingBackend:
     cluster = cluster_config(args)
+    print(predictor_line(config, cluster), file=sys.stderr)
     if cluster.num_instances > 1:
         for cfg in instance_configs(cluster, config):
             print(

@@ -46,6 +46,8 @@ from pdserve.protocol.wire import EngineMessage
 # Turns an AddPrefilled into a request of this core; None when the core refused it (the
 # core has answered RequestRejected then).
 BuildRequest = Callable[[AddPrefilled], Request | None]
+# The core's decode admission rule: (request, requests whose KV is on its way) -> may join.
+Admissible = Callable[[Request, Sequence[Request]], bool]
 
 
 class EngineRole:
@@ -106,9 +108,12 @@ class EngineRole:
 
     # ---- the step loop --------------------------------------------------------------
 
-    def poll(self, free_seq_slots: int) -> list[Request]:
+    def poll(self, free_seq_slots: int, admissible: Admissible) -> list[Request]:
         """Advance background work. Returns requests whose KV is now in place, to join the
-        batch; `free_seq_slots` counts the batch's free slots before they join."""
+        batch; `free_seq_slots` counts the batch's free slots before they join.
+        `admissible(request, incoming)`: the core's decode admission rule, asked before
+        a request prefilled elsewhere takes blocks here (`incoming`: requests whose KV
+        is on its way, part of the batch for the rule)."""
         return []
 
     def begin_step(self, seqs: Sequence[ScheduledSeq]) -> None:

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.config import Role
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.roles.base import BuildRequest
+from pdserve.engine.roles.base import Admissible, BuildRequest
 from pdserve.engine.roles.transfer import TransferRole
 from pdserve.kv.transfer import (
     TransferState,
@@ -136,15 +137,20 @@ class DecodeRole(TransferRole):
 
     # ---- the step loop ------------------------------------------------------------
 
-    def poll(self, free_seq_slots: int) -> list[Request]:
+    def poll(self, free_seq_slots: int, admissible: Admissible) -> list[Request]:
         """Requests whose fetched KV is now in place (ready for the scheduler); then
         reservations and fetches are admitted into what is left."""
         ready = self._collect_fetches()
-        self.admit(free_seq_slots - len(ready))
+        self.admit(free_seq_slots - len(ready), admissible, ready)
         return ready
 
-    def admit(self, free_seq_slots: int) -> None:
-        """Grant reservations, then start fetches, FCFS, while blocks and slots allow."""
+    def admit(
+        self, free_seq_slots: int, admissible: Admissible, ready: Sequence[Request] = ()
+    ) -> None:
+        """Grant reservations, then start fetches, FCFS, while blocks and slots allow and
+        the admission rule agrees (pull only: a push reservation is made before the
+        prefill, so before any prediction; it is granted greedily). `ready`: requests
+        about to join the batch."""
         while self._pending_reservations:
             res = self._pending_reservations[0]
             if not self._allocate(res.request_id, res.prompt_token_ids):
@@ -156,6 +162,9 @@ class DecodeRole(TransferRole):
             self.send(KVReserved(res.request_id, PushTarget(self.region.handle, blocks, res.start)))
         while self.queue and free_seq_slots - len(self.fetching) > 0:
             incoming = self.queue[0]
+            on_the_way = [*ready, *(i.request for i in self.fetching.values())]
+            if not admissible(incoming.request, on_the_way):
+                break
             if not self._allocate(incoming.request.request_id, incoming.msg.prompt_token_ids):
                 break
             self.queue.popleft()

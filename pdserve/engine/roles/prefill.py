@@ -37,6 +37,7 @@ import msgspec
 
 from pdserve.config import Role, TransferMode
 from pdserve.engine.request import Request, generator_state
+from pdserve.engine.roles.base import Admissible
 from pdserve.engine.roles.transfer import TransferRole
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.kv.layout import KVLayout
@@ -217,7 +218,7 @@ class PrefillRole(TransferRole):
         self._step_chunks = []
         self._step_tasks = []
 
-    def poll(self, free_seq_slots: int) -> list[Request]:
+    def poll(self, free_seq_slots: int, admissible: Admissible) -> list[Request]:
         """Finish pushes whose last task is done; expire unclaimed pull leases. Nothing
         joins the batch here."""
         now = time.monotonic()
