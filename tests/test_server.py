@@ -471,7 +471,10 @@ def test_logprobs_and_timings(client: OpenAI) -> None:
     for tok, top, best in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs, strict=True):
         assert max(top, key=top.get) == tok and top[tok] == best  # greedy = top-1
     timings = r.model_extra["pdserve_timings"]
-    assert set(timings) == {"queue", "prefill", "decode", "ttft", "e2e"}
+    assert set(timings) == {"queue", "prefill", "decode", "ttft", "e2e"} | {
+        "predicted_output_low",  # the shipped length head (docs/scheduling.md)
+        "predicted_output_high",
+    }
     assert 0 <= timings["ttft"] <= timings["e2e"]
 
     c = client.chat.completions.create(

@@ -26,6 +26,7 @@ from pdserve.cluster.recovery import FaultCounters
 from pdserve.cluster.routing import CacheCounters, Router
 from pdserve.model.default import default_model_path
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.predictor.confusion import PredictionCounters
 from pdserve.server.app import ServerConfig, build_app
 from pdserve.server.http import header_deadline_protocol
 
@@ -342,6 +343,7 @@ class _FailingBackend:
         self.faults = FaultCounters()
         config = ClusterConfig(num_colocated=1)
         self.router = Router(config, 16, DecodeChooser(config.decode_policy))
+        self.predictions = PredictionCounters(None)
 
     async def generate(
         self, prompt: Any, params: Any, request_id: str | None = None, session: str | None = None
@@ -443,9 +445,16 @@ def test_the_largest_seed_with_n_choices_wraps_and_reproduces(server: Server) ->
 
 def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     """A single engine is a cluster of one instance: its row is a cluster row."""
+    assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
     status, reply = server.get("/debug/cluster", key=KEY)
     assert status == 200
     caching = reply["controller"].pop("caching")
+    # The shipped length head (docs/scheduling.md): a 2-token completion is cut by
+    # max_tokens, so it counts as truncated, not in the matrix.
+    lengths = reply["controller"].pop("length_prediction")
+    assert (lengths["granularity"], lengths["num_buckets"]) == (64, 9)
+    assert lengths["truncated"] >= 1 and lengths["unpredicted"] == 0
+    assert sum(map(sum, lengths["confusion"])) == lengths["counted"]
     assert reply["controller"] == FaultCounters().as_dict()
     # A lone engine sends no load reports, so its prompt trees stay empty.
     empty = {"entries": 0, "by_instance": {}, "approx_bytes": 0, "expired": 0, "evicted": 0}
@@ -474,6 +483,7 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     # 1 GiB of fp32 KV for SmolLM2-135M: 2 x 30 layers x 3 heads x 64 x 4 B x 16 tokens.
     assert free + cached == 2**30 // (2 * 30 * 3 * 64 * 4 * 16) == 1456
     hits, queries = stats.pop("prefix_cache_hits"), stats.pop("prefix_cache_queries")
+    assert stats.pop("busy_ms") > 0  # it ran steps
     assert 0 <= hits <= queries
     idle = ("num_running", "num_waiting", "num_swapped", "num_used_blocks", "num_held")
     idle += ("num_transferring", "num_reserved", "num_replicas", "num_replica_blocks")

@@ -319,6 +319,7 @@ class EngineCore:
         req = self._new_request(
             r.request_id, r.prompt_token_ids, r.params, r.arrival, r.output_token_ids
         )
+        req.prediction = r.prediction
         found = self.replicas.get(msg.source, msg.replica_id)
         if found is None or not self._place_replica(req, *found, msg.num_tokens):
             self._check_queue()

@@ -74,6 +74,7 @@ class _Loop:
             core.kv.record_cache_events()
         self.last_report = 0.0
         self.trace = StepTrace.from_env(core.scheduler, core.config.instance_name)
+        self.busy_s = 0.0  # wall time inside steps (TetriInfer's resource time)
         self.stopping = False
         self.handlers = Handlers[None](
             {
@@ -106,8 +107,10 @@ class _Loop:
             if self.core.has_unfinished():
                 t0 = time.perf_counter()
                 outputs = self.core.step()
+                dt = time.perf_counter() - t0
+                self.busy_s += dt
                 if self.trace is not None:
-                    self.trace.record(t0, time.perf_counter() - t0)
+                    self.trace.record(t0, dt)
                 if outputs:
                     self.send(OutputBatch(outputs))
             elif os.getppid() != self.parent:
@@ -185,6 +188,7 @@ class _Loop:
                 msg.arrival,
                 msg.handoff,
                 msg.output_token_ids,
+                msg.prediction,
             )
         except InvalidRequestError as e:
             self.send(RequestRejected(msg.request_id, e.message, e.param))
@@ -250,6 +254,7 @@ class _Loop:
             num_prefix_fetches=self.core.exchange.num_fetches,
             num_preemptions=s.num_preemptions,
             num_admission_waits=self.core.num_admission_waits,
+            busy_ms=round(self.busy_s * 1000),
         )
 
 

@@ -39,6 +39,7 @@ def add_predictor_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--granularity", type=int, default=64, help="the head written to --out")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--num-threads", type=int, default=None)
+    t.add_argument("--kv-cache-memory-gib", type=float, default=4.0, help="while generating")
     t.set_defaults(func=_train)
 
 
@@ -51,7 +52,7 @@ def _engine(args: argparse.Namespace) -> Engine:
             model=args.model,
             num_threads=args.num_threads,
             scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=1024),
-            cache=CacheConfig(kv_cache_memory_gib=4.0, enable_prefix_cache=True),
+            cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory_gib),
         )
     )
 

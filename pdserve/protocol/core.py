@@ -126,6 +126,7 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_prefix_fetches: int = 0  # FetchPrefix copies in flight into this pool
     num_preemptions: int = 0  # since start: running requests swapped out or recomputed
     num_admission_waits: int = 0  # since start: times the decode admission rule said wait
+    busy_ms: int = 0  # since start: wall time spent in steps (resource time, TetriInfer §5)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

@@ -90,6 +90,7 @@ class _Api:
         self.metrics = ServerMetrics()
         self.metrics.watch_faults(client.faults)
         self.metrics.watch_cache(client.router)
+        self.metrics.watch_predictions(client.predictions)
 
     async def health(self) -> JSONResponse:
         if not self.client.is_alive:
@@ -110,6 +111,7 @@ class _Api:
         single-engine server."""
         counters: dict[str, Any] = dict(self.client.faults.as_dict())
         counters["caching"] = self.client.router.summary()
+        counters["length_prediction"] = self.client.predictions.summary()
         return {"instances": await self.client.instance_stats(), "controller": counters}
 
     async def prometheus(self) -> Response:

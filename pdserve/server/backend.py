@@ -15,6 +15,7 @@ from pdserve.cluster.routing import Router
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import EngineStats
 
 
@@ -23,6 +24,7 @@ class ServingBackend(Protocol):
     max_model_len: int
     faults: FaultCounters  # retries, migrations, failures (cluster/recovery.py)
     router: Router  # routing, prompt trees, KV returns (cluster/routing.py)
+    predictions: PredictionCounters  # length predictions vs real lengths (predictor/)
 
     @property
     def is_alive(self) -> bool: ...

@@ -16,7 +16,9 @@ from prometheus_client.registry import Collector
 from pdserve.cluster.recovery import FaultCounters
 from pdserve.cluster.routing import Router
 from pdserve.engine.outputs import RequestOutput
+from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import EngineStats
+from pdserve.protocol.prediction import LengthPrediction
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -71,6 +73,10 @@ class ServerMetrics:
     def watch_cache(self, router: Router) -> None:
         """Export routing, prompt-tree and KV-return counters (read at every scrape)."""
         self.registry.register(_CacheCollector(router))
+
+    def watch_predictions(self, predictions: PredictionCounters) -> None:
+        """Export the length predictions' confusion counts (read at every scrape)."""
+        self.registry.register(_PredictionCollector(predictions))
 
     def render(self, stats: EngineStats | None) -> bytes:
         if stats is not None:
@@ -201,3 +207,44 @@ class _CacheCollector(Collector):
         yield GaugeMetricFamily(
             "pdserve_sessions", "Sessions session routing remembers", value=self.router.num_sessions
         )
+
+
+class _PredictionCollector(Collector):
+    """Length predictions against the real output lengths (predictor/confusion.py): the
+    confusion matrix as one counter per (predicted, actual) bucket pair, with buckets
+    named by their token range."""
+
+    def __init__(self, predictions: PredictionCounters) -> None:
+        self.predictions = predictions
+
+    def collect(self) -> Iterator[Metric]:
+        p = self.predictions
+        if p.spec is None:
+            return
+        confusion = CounterMetricFamily(
+            "pdserve_length_predictions",
+            "Finished requests by predicted and actual output-length bucket",
+            labels=["predicted", "actual"],
+        )
+        names = [_bucket_name(p.spec.prediction(b)) for b in range(p.spec.num_buckets)]
+        for i, row in enumerate(p.confusion):
+            for j, n in enumerate(row):
+                if n:
+                    confusion.add_metric([names[i], names[j]], n)
+        yield confusion
+        yield CounterMetricFamily(
+            "pdserve_length_predictions_truncated",
+            "Predicted requests cut by max_tokens (true length unknown; not in the matrix)",
+            value=p.truncated,
+        )
+        accuracy = p.accuracy
+        if accuracy is not None:
+            yield GaugeMetricFamily(
+                "pdserve_length_prediction_accuracy",
+                "Fraction of counted requests predicted in their actual bucket",
+                value=accuracy,
+            )
+
+
+def _bucket_name(p: LengthPrediction) -> str:
+    return f"{p.low}-{p.high}" if p.high is not None else f"{p.low}+"
