@@ -80,7 +80,8 @@ def test_collect_records_each_prompts_state_as_serving_computes_it(tiny: Path) -
 
 def train(tiny: Path, out: Path, data: Path) -> dict:
     argv = ["predictor", "train", "--model", str(tiny), "--out", str(out), "--data", str(data)]
-    argv += ["--num-prompts", "40", "--window", "16", "--granularities", "4,8"]
+    argv += ["--num-prompts", "40", "--sampled-fraction", "0.5", "--window", "16"]
+    argv += ["--granularities", "4,8"]
     argv += ["--granularity", "4", "--num-threads", "1", "--kv-cache-memory-gib", "0.05"]
     assert main(argv) == 0
     return json.loads(out.with_suffix(".json").read_text())
@@ -107,9 +108,9 @@ def test_train_writes_a_head_for_its_model_reproducibly(tiny: Path, tmp_path: Pa
 def test_the_shipped_head_is_for_the_shipped_model() -> None:
     (name,) = SHIPPED_HEADS.values()
     head = read_head(SHIPPED_DIR / name)
-    assert (head.spec.granularity, head.spec.num_buckets) == (64, 9)
+    assert (head.spec.granularity, head.spec.num_buckets) == (32, 9)
     assert (head.spec.hidden_size, head.spec.vocab_size) == (576, 49152)
     report = json.loads((SHIPPED_DIR / name).with_suffix(".json").read_text())
-    chosen = report["granularities"]["64"]
+    chosen = report["granularities"]["32"]
     assert chosen["chosen"] in ("linear", "mlp")
     assert chosen[f"{chosen['chosen']}_head"]["accuracy"] > chosen["majority"]["accuracy"]

@@ -110,7 +110,7 @@ def test_tetriinfer_policies_and_the_shipped_head_keep_greedy_outputs_exact(
     for reply in comps + chats:
         timings = reply["pdserve_timings"]
         low, high = timings["predicted_output_low"], timings["predicted_output_high"]
-        assert low % 64 == 0 and (high is None or high == low + 64), timings
+        assert low % 32 == 0 and (high is None or high == low + 32), timings
     wait_clean(server)
     counts = cluster(server)["controller"]["length_prediction"]
     stopped = sum(r["choices"][0]["finish_reason"] == "stop" for r in comps + chats)
@@ -120,7 +120,7 @@ def test_tetriinfer_policies_and_the_shipped_head_keep_greedy_outputs_exact(
         truncated,
         0,
     )
-    assert (counts["granularity"], counts["num_buckets"]) == (64, 9)
+    assert (counts["granularity"], counts["num_buckets"]) == (32, 9)
     assert sum(map(sum, counts["confusion"])) == stopped > 0
     samples = prometheus(server)
     matrix = {k: v for k, v in samples.items() if k.startswith("pdserve_length_predictions_total{")}

@@ -33,13 +33,14 @@ def add_predictor_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--data", default=None, help="data set (.npz): read if it exists, else saved")
     t.add_argument("--report", default=None, help="report JSON (default: OUT with .json)")
     t.add_argument("--num-prompts", type=int, default=3000)
-    t.add_argument("--sampled-fraction", type=float, default=0.5)
-    t.add_argument("--window", type=int, default=512, help="generation cap (max_tokens)")
-    t.add_argument("--granularities", default="32,64,128", help="reported, comma-separated")
-    t.add_argument("--granularity", type=int, default=64, help="the head written to --out")
+    t.add_argument("--sampled-fraction", type=float, default=0.2)
+    t.add_argument("--window", type=int, default=256, help="generation cap (max_tokens)")
+    t.add_argument("--granularities", default="16,32,64", help="reported, comma-separated")
+    t.add_argument("--granularity", type=int, default=32, help="the head written to --out")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--num-threads", type=int, default=None)
-    t.add_argument("--kv-cache-memory-gib", type=float, default=4.0, help="while generating")
+    t.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="while generating")
+    t.add_argument("--max-num-seqs", type=int, default=64, help="while generating")
     t.set_defaults(func=_train)
 
 
@@ -51,7 +52,7 @@ def _engine(args: argparse.Namespace) -> Engine:
         EngineConfig(
             model=args.model,
             num_threads=args.num_threads,
-            scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=1024),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
             cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory_gib),
         )
     )

@@ -158,7 +158,7 @@ class GranularityResult:
             "granularity": self.spec.granularity,
             "num_buckets": self.spec.num_buckets,
             "chosen": "mlp" if self.spec.mlp_hidden else "linear",
-            **{name: s.as_dict() for name, s in self.scores.items()},
+            **{name: s.as_dict() for name, s in self.scores.items() if name != "chosen"},
             "confusion_chosen": self.scores["chosen"].confusion,
         }
 
