@@ -23,7 +23,7 @@ from helpers.pairs import Router, assert_clean, colocated_outputs, make_core, pr
 from helpers.tiny_models import make_tiny_model
 
 from pdserve.cluster.config import DecodePolicy
-from pdserve.cluster.policies import DecodeChooser, heavy_ratio
+from pdserve.cluster.policies import DecodeChooser, same_class
 from pdserve.config import DecodeAdmission, EngineConfig, PrefillPolicy, Role, SchedulerConfig
 from pdserve.engine.admission import KVJob, admits, peak_future_blocks, remaining_tokens
 from pdserve.engine.engine import load_model
@@ -185,17 +185,17 @@ def room(blocks: int) -> LoadReport:
     return LoadReport(0.0, 0, 0, 0, blocks, 100, 0, 0, 0)
 
 
-def test_length_aware_sends_each_decode_where_the_heavy_ratio_stays_lowest() -> None:
+def test_length_aware_balances_each_class_over_the_two_drawn() -> None:
     a = Stand("a", assigned_requests=3, assigned_heavy=2)  # 2 heavy, 1 light
     b = Stand("b", assigned_requests=1, assigned_heavy=0)  # 1 light
     chooser = DecodeChooser(DecodePolicy.LENGTH_AWARE, seed=0)
-    assert heavy_ratio(a, True) == 3 / 2 and heavy_ratio(b, True) == 1 / 2
+    assert (same_class(a, True), same_class(b, True)) == (2, 0)
     assert chooser.choose([a, b], 1, heavy=True) is b
+    assert chooser.choose([a, b], 1, heavy=False) is b  # 1 light each: fewer requests
     c = Stand("c", assigned_requests=4, assigned_heavy=0)  # 4 light
     d = Stand("d", assigned_requests=1, assigned_heavy=1)  # 1 heavy
-    assert heavy_ratio(c, True) == 1 / 5 and heavy_ratio(d, True) == 2 / 1
     assert chooser.choose([d, c], 1, heavy=True) is c  # not the less loaded one
-    assert chooser.choose([d, c], 1, heavy=False) is c  # 0 / 6 against 1 / 2
+    assert chooser.choose([d, c], 1, heavy=False) is d
 
 
 def test_length_aware_draws_two_among_those_with_room_for_the_predicted_length() -> None:
@@ -205,7 +205,7 @@ def test_length_aware_draws_two_among_those_with_room_for_the_predicted_length()
     replica = random.Random(7)
     for heavy in (True, False, True, True, False):
         pair = replica.sample(roomy, 2)
-        want = min(pair, key=lambda i: (heavy_ratio(i, heavy), i.assigned_requests))
+        want = min(pair, key=lambda i: (same_class(i, heavy), i.assigned_requests))
         assert chooser.choose([full, *roomy], 4, heavy) is want
 
 

@@ -10,9 +10,14 @@ Decode dispatch (`DecodeChooser`), among live instances with room for the reques
 - least-loaded: fewest requests assigned;
 - power-of-two: two at random, the one with fewer requests assigned;
 - length-aware (TetriInfer): room means room for the predicted length (the caller's
-  `num_blocks`); two at random, the one whose heavy:light ratio, counting this request,
-  would be lower. The ratio is heavy / (light + 1), so an instance with no light decode
-  still compares; ties go to fewer requests assigned, then the first drawn;
+  `num_blocks`); two at random, and the request goes to the one with fewer decodes of
+  its own class (heavy or light) assigned, then fewer requests, then the first drawn.
+  TetriInfer's goal is the lowest average heavy:light ratio, i.e. heavy decodes spread
+  evenly; taken literally (the lower ratio after joining, or the larger drop in the
+  pair's mean ratio) the rule ignores load, and an instance rich in light decodes draws
+  every request: the simulation in bench/bench_decode_dispatch.py put 1.5-2x the
+  requests on the slowest instance that way. Balancing each class over the two drawn
+  instances spreads heavy decodes evenly and keeps the load even;
 - random: any one; imbalance (the worst case of TetriInfer's Fig. 19): every heavy decode
   to the first instance, light ones to the least loaded of the others.
 """
@@ -40,11 +45,10 @@ def has_room(instance: Instance, num_blocks: int) -> bool:
     return report is None or report.num_obtainable_blocks >= num_blocks
 
 
-def heavy_ratio(instance: Instance, heavy: bool) -> float:
-    """The instance's heavy:light decode ratio if a request (`heavy` or not) joined it."""
-    h = instance.assigned_heavy + heavy
-    light = instance.assigned_requests - instance.assigned_heavy + (not heavy)
-    return h / (light + 1)
+def same_class(instance: Instance, heavy: bool) -> int:
+    """Decodes of the class of a request (`heavy` or light) assigned to `instance`."""
+    h = instance.assigned_heavy
+    return h if heavy else instance.assigned_requests - h
 
 
 class DecodeChooser:
@@ -77,7 +81,7 @@ class DecodeChooser:
         if self.policy in (DecodePolicy.POWER_OF_TWO, DecodePolicy.LENGTH_AWARE) and len(roomy) > 2:
             roomy = self.rng.sample(roomy, 2)
         if self.policy is DecodePolicy.LENGTH_AWARE:
-            return min(roomy, key=lambda i: (heavy_ratio(i, heavy), i.assigned_requests))
+            return min(roomy, key=lambda i: (same_class(i, heavy), i.assigned_requests))
         return _least_loaded(roomy)
 
 
