@@ -7,7 +7,7 @@ import sys
 import time
 
 from pdserve.bench.cli import add_bench_parser
-from pdserve.errors import InvalidRequestError, ModelLoadError
+from pdserve.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.profiler import add_profile_parser
 from pdserve.predictor.cli import add_predictor_parser
@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     except (InvalidRequestError, ModelLoadError, ValueError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    except EngineDeadError as e:  # an instance failed to start (it says why), no traceback
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
