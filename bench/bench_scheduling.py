@@ -129,8 +129,14 @@ def run_one(run: Run, factory: PromptFactory, seed: int) -> dict[str, Any]:
     }
 
 
+def save(rows: list[dict[str, Any]], out: str | None) -> None:
+    """Write every run so far, so a failure late in a long run loses nothing."""
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def fig16(args: argparse.Namespace, factory: PromptFactory) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         for name, rate, n in FIG16_LOADS:
             workload = build_workload(
@@ -141,6 +147,7 @@ def fig16(args: argparse.Namespace, factory: PromptFactory) -> list[dict[str, An
                     Run(setting, workload, rate, "/v1/completions", True), factory, args.seed
                 )
                 rows.append({"workload": name, "setting": setting.name, "repeat": repeat, **row})
+                save(rows, args.out)
                 print(f"  fig16 r{repeat} {name} {setting.name}: {summary(row)}", flush=True)
     return rows
 
@@ -156,7 +163,7 @@ def fig18(args: argparse.Namespace, factory: PromptFactory) -> list[dict[str, An
     )
     lengths = [max(1, n) for n in ref["output_tokens"]]
     oracle_trace = write_trace(tmp / "oracle.jsonl", prompts, lengths)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         for admission in ADMISSIONS:
             for kind, trace, extra in (
@@ -171,6 +178,7 @@ def fig18(args: argparse.Namespace, factory: PromptFactory) -> list[dict[str, An
                 )
                 row["same_lengths"] = row["output_tokens"] == ref["output_tokens"]
                 rows.append({"workload": "chat", "setting": setting.name, "repeat": repeat, **row})
+                save(rows, args.out)
                 print(f"  fig18 r{repeat} {setting.name}: {summary(row)}", flush=True)
     return rows
 
@@ -232,16 +240,19 @@ def main() -> int:
     ap.add_argument("--experiment", choices=["fig16", "fig18"], required=True)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="JSON of every run")
+    ap.add_argument("--out", default=None, help="JSON of every run, rewritten after each")
+    ap.add_argument("--table", default=None, help="print the table of a saved --out and exit")
     args = ap.parse_args()
+    if args.table:
+        rows = json.loads(Path(args.table).read_text())
+        table(rows, rows[0]["setting"])
+        return 0
     factory = PromptFactory(load_tokenizer(None))
     try:
         rows = fig16(args, factory) if args.experiment == "fig16" else fig18(args, factory)
     finally:
         bc.reap_children()
     table(rows, rows[0]["setting"])
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 
