@@ -1,0 +1,1 @@
+"""Quantized weights: GGUF block formats read directly by compiled CPU kernels."""

@@ -1,0 +1,343 @@
+/* Quantized matrix products for pdserve: y[M,N] = x[M,K] @ W[N,K]^T with W in a GGUF
+ * block format (Q8_0, Q4_0, Q4_1), read as it is, never expanded to fp32.
+ *
+ * The method is llama.cpp's: each 32-value block of an activation row is quantized on
+ * the fly to int8 with one fp32 scale (d = max|x| / 127, q = round(x / d)), and a block
+ * of the product is an exact int32 dot of the int8 values (AVX2 vpmaddubsw/vpmaddwd),
+ * scaled by d_w * d_x. See pdserve/quant/README.md for the layouts and the error bound.
+ *
+ * Contract - batch invariance: every output element y[m, n] is computed by the same
+ * sequence of float operations whatever M is, wherever m and n fall in a tile, and
+ * however the work is split between threads. Integer parts are exact; the float
+ * accumulation runs over the blocks in order, in fixed vector lanes, then one fixed
+ * horizontal sum. So a token's logits do not depend on what else shares its step
+ * (decode alone, decode beside a prefill chunk, a recompute after a migration). The
+ * file is built with -ffp-contract=off so the compiler cannot fuse differently in
+ * different tiles; the FMAs are the explicit ones.
+ *
+ * Weight layout (made in Python, pdserve/quant/formats.py), row n of N:
+ *   qs: Q8_0 int8 [N][K]; Q4_0/Q4_1 uint8 [N][K/2], GGUF's nibble order per block
+ *       (byte j holds value j in its low nibble and value j+16 in its high nibble);
+ *   d:  fp16 [N][K/32] block scales;  m: fp16 [N][K/32] block minimums (Q4_1 only).
+ * Values: Q8_0 w = d*q; Q4_0 w = d*(q-8); Q4_1 w = d*q + m.
+ *
+ * Threads: OpenMP over output columns. pdserve imports torch before this module, so
+ * the libgomp.so.1 already loaded (torch's) is the one used: one thread pool, sized by
+ * torch.set_num_threads.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define QK 32
+#define MC 64 /* activation rows per pass over the weights (fits in L2 with K <= 8192) */
+#define KERNEL __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+
+/* Activations quantized per 32-value block. */
+typedef struct {
+    const int8_t *q; /* [M][K] */
+    const float *d;  /* [M][B] scales */
+    const float *s;  /* [M][B] d * sum(q): what a constant per block (Q4_0's -8, Q4_1's m) adds */
+    int64_t K, B;
+} QRows;
+
+typedef struct {
+    int type;
+    const uint8_t *qs;
+    const uint16_t *d;
+    const uint16_t *m;
+    int64_t N, K, B;
+} QWeight;
+
+/* ---- activation quantization --------------------------------------------------------- */
+
+INLINE float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+INLINE int32_t hsum8i(__m256i v) {
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(x);
+}
+
+INLINE float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* One block of 32 floats -> 32 int8, its scale and d * sum(q). Rounding to nearest,
+ * ties to even (the same as numpy's rint on x * (1/d)). */
+INLINE void quantize_block(const float *x, int8_t *q, float *d_out, float *s_out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    const float max = hmax8(amax);
+    const float d = max / 127.0f;
+    const float id = max != 0.0f ? 127.0f / max : 0.0f;
+    const __m256 mul = _mm256_set1_ps(id);
+    __m256i i32[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], mul),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        i32[i] = _mm256_cvtps_epi32(r);
+    }
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
+                                         _mm256_add_epi32(i32[2], i32[3]));
+    /* pack 4x8 int32 -> 32 int8; the packs work per 128-bit lane, the permute restores order */
+    __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]);
+    __m256i p16b = _mm256_packs_epi32(i32[2], i32[3]);
+    __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p8);
+    *d_out = d;
+    *s_out = d * (float)hsum8i(sum);
+}
+
+KERNEL static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *q,
+                                 float *d, float *s, int threads) {
+    const int64_t B = K / QK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < B; b++) {
+            quantize_block(x + m * ldx + b * QK, q + m * K + b * QK, d + m * B + b, s + m * B + b);
+        }
+    }
+}
+
+/* ---- the micro-kernel ---------------------------------------------------------------- */
+
+INLINE __m256i unpack_nibbles(const uint8_t *p) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* sum over the 32 values of w*a, as 8 int32 lanes. `w` unsigned (Q4) or the absolute
+ * value of a signed weight whose signs were moved onto `a` (Q8_0). */
+INLINE __m256 block_dot(__m256i w, __m256i a) {
+    const __m256i p16 = _mm256_maddubs_epi16(w, a);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+INLINE float half(uint16_t h) { return _cvtsh_ss(h); }
+
+/* sum_b w16[b] * s[b] in a fixed order: 8 lanes, then the tail, then one horizontal sum. */
+INLINE float offset_dot(const uint16_t *w16, const float *s, int64_t B) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= B; b += 8) {
+        const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w16 + b)));
+        acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(s + b), acc);
+    }
+    float tail = 0.0f;
+    for (; b < B; b++) tail += half(w16[b]) * s[b];
+    return hsum8(acc) + tail;
+}
+
+/* y[m0+i, n0+j] for i < RM, j < RN over all K: the same operations for every (i, j).
+ * T, RM and RN are constants at every call, so the loops unroll into registers. */
+INLINE void tile(const QWeight *w, const QRows *a, int64_t m0, int64_t n0, float *y,
+                 int64_t ldy, const int T, const int RM, const int RN) {
+    __m256 acc[4][4];
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) acc[i][j] = _mm256_setzero_ps();
+    const int64_t K = w->K, B = w->B;
+    const int64_t row_bytes = T == Q8_0 ? K : K / 2;
+    const uint8_t *rows[4];
+    for (int j = 0; j < RN; j++) rows[j] = w->qs + (n0 + j) * row_bytes;
+    for (int64_t b = 0; b < B; b++) {
+        __m256i wq[4], ws[4];
+        __m256 wd[4];
+        for (int j = 0; j < RN; j++) {
+            if (T == Q8_0) {
+                ws[j] = _mm256_loadu_si256((const __m256i *)(rows[j] + b * QK));
+                wq[j] = _mm256_sign_epi8(ws[j], ws[j]); /* |w|; its signs go onto a */
+            } else {
+                wq[j] = unpack_nibbles(rows[j] + b * (QK / 2));
+            }
+            wd[j] = _mm256_set1_ps(half(w->d[(n0 + j) * B + b]));
+        }
+        for (int i = 0; i < RM; i++) {
+            const __m256i aq = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * K + b * QK));
+            const __m256 ad = _mm256_set1_ps(a->d[(m0 + i) * B + b]);
+            for (int j = 0; j < RN; j++) {
+                const __m256i signed_a = T == Q8_0 ? _mm256_sign_epi8(aq, ws[j]) : aq;
+                const __m256 dot = block_dot(wq[j], signed_a);
+                acc[i][j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(wd[j], ad), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < RM; i++) {
+        const float *s = a->s + (m0 + i) * B;
+        for (int j = 0; j < RN; j++) {
+            float v = hsum8(acc[i][j]);
+            const int64_t n = n0 + j;
+            if (T == Q4_0)
+                v -= 8.0f * offset_dot(w->d + n * B, s, B);
+            else if (T == Q4_1)
+                v += offset_dot(w->m + n * B, s, B);
+            y[(m0 + i) * ldy + n] = v;
+        }
+    }
+}
+
+/* Tiles of up to 4 rows x RN columns over rows [m, m1). */
+#define TILES(T, RN)                                                               \
+    do {                                                                           \
+        for (; m + 4 <= m1; m += 4) tile(w, a, m, n, y, ldy, T, 4, RN);           \
+        switch (m1 - m) {                                                          \
+            case 3: tile(w, a, m, n, y, ldy, T, 3, RN); break;                    \
+            case 2: tile(w, a, m, n, y, ldy, T, 2, RN); break;                    \
+            case 1: tile(w, a, m, n, y, ldy, T, 1, RN); break;                    \
+        }                                                                          \
+    } while (0)
+
+#define WIDTHS(T)                                                                  \
+    do {                                                                           \
+        switch (rn) {                                                              \
+            case 4: TILES(T, 4); break;                                            \
+            case 3: TILES(T, 3); break;                                            \
+            case 2: TILES(T, 2); break;                                            \
+            default: TILES(T, 1); break;                                           \
+        }                                                                          \
+    } while (0)
+
+/* Columns [n, n + rn) of rows [m0, m1). */
+KERNEL static void column_block(const QWeight *w, const QRows *a, int64_t m0, int64_t m1,
+                                int64_t n, int rn, float *y, int64_t ldy) {
+    int64_t m = m0;
+    switch (w->type) {
+        case Q8_0: WIDTHS(Q8_0); break;
+        case Q4_0: WIDTHS(Q4_0); break;
+        default: WIDTHS(Q4_1); break;
+    }
+}
+
+/* Tiles 4 x 2 for a GEMM (registers: 8 accumulators), 1 x 4 for a GEMV; rows in passes
+ * of MC so a pass's activations stay in cache while every weight column goes by. */
+KERNEL static void gemm(const QWeight *w, const QRows *a, int64_t M, float *y, int64_t ldy,
+                        int threads) {
+    const int rn = M == 1 ? 4 : 2;
+    const int64_t tiles = (w->N + rn - 1) / rn;
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t m1 = m0 + MC < M ? m0 + MC : M;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n = t * rn;
+            const int width = n + rn <= w->N ? rn : (int)(w->N - n);
+            column_block(w, a, m0, m1, n, width, y, ldy);
+        }
+    }
+}
+
+/* ---- Python bindings ----------------------------------------------------------------- */
+
+static int cpu_ok(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+}
+
+static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *out) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < want; i++) {
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* qlinear(type, x, ldx, M, K, qs, d, m, N, y, ldy, threads): y[M,N] = x[M,K] @ W^T.
+ * Pointers are addresses (torch's data_ptr()); the caller checks shapes, dtypes,
+ * contiguity and lifetimes (pdserve/quant/linear.py). K is a multiple of 32. */
+static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long v[12];
+    if (read_args(args, nargs, 12, v) < 0) return NULL;
+    const int threads = v[11] > 0 ? (int)v[11] : 1;
+    const int type = (int)v[0];
+    const float *x = (const float *)(intptr_t)v[1];
+    const int64_t ldx = v[2], M = v[3], K = v[4], N = v[8], ldy = v[10];
+    float *y = (float *)(intptr_t)v[9];
+    if (type < Q8_0 || type > Q4_1 || K % QK != 0 || M < 0 || N <= 0) {
+        PyErr_SetString(PyExc_ValueError, "qlinear: bad type or shape");
+        return NULL;
+    }
+    if (M == 0) Py_RETURN_NONE;
+    const int64_t B = K / QK;
+    QWeight w = {type, (const uint8_t *)(intptr_t)v[5], (const uint16_t *)(intptr_t)v[6],
+                 (const uint16_t *)(intptr_t)v[7], N, K, B};
+    int8_t *q = NULL;
+    float *d = NULL;
+    int ok = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    q = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    d = malloc(sizeof(float) * (size_t)(2 * M * B));
+    if (q != NULL && d != NULL) {
+        quantize_rows(x, ldx, M, K, q, d, d + M * B, threads);
+        QRows a = {q, d, d + M * B, K, B};
+        gemm(&w, &a, M, y, ldy, threads);
+        ok = 1;
+    }
+    free(q);
+    free(d);
+    Py_END_ALLOW_THREADS;
+    if (!ok) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* quantize_rows(x, ldx, M, K, q, d, s): the activation quantization alone (for tests). */
+static PyObject *py_quantize_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long v[7];
+    if (read_args(args, nargs, 7, v) < 0) return NULL;
+    if (v[3] % QK != 0) {
+        PyErr_SetString(PyExc_ValueError, "quantize_rows: K must be a multiple of 32");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    quantize_rows((const float *)(intptr_t)v[0], v[1], v[2], v[3], (int8_t *)(intptr_t)v[4],
+                  (float *)(intptr_t)v[5], (float *)(intptr_t)v[6], 1);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"qlinear", (PyCFunction)(void (*)(void))py_qlinear, METH_FASTCALL,
+     "qlinear(type, x, ldx, M, K, qs, d, m, N, y, ldy, threads): y = x @ W^T, W in GGUF blocks"},
+    {"quantize_rows", (PyCFunction)(void (*)(void))py_quantize_rows, METH_FASTCALL,
+     "quantize_rows(x, ldx, M, K, q, d, s): int8 blocks of 32 with scales d and d*sum(q)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    if (!cpu_ok()) {
+        PyErr_SetString(PyExc_ImportError, "this CPU lacks AVX2, FMA or F16C");
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}

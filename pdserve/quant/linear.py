@@ -1,0 +1,50 @@
+"""y = x @ W.T + bias with W in a GGUF block format, by the compiled kernel.
+
+Activations are quantized per 32-value block to int8 on the fly (llama.cpp's method);
+each output element is computed the same way whatever the batch (see `_kernels.c`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.quant.formats import QuantWeight
+from pdserve.quant.kernels import kernels, unavailable_reason
+
+
+class QuantLinear:
+    """Same call as model.linear.PackedLinear: x [T, K] fp32 -> [T, N] fp32.
+
+    Contract: holds the weight's tensors (and so their memory) for its whole life; the
+    kernel reads them by address, so they are never resized or moved in place."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+        mod = kernels()
+        if mod is None:
+            raise RuntimeError(f"quantized linear layers need the kernels: {unavailable_reason()}")
+        self._qlinear = mod.qlinear
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias.detach().to(torch.float32).clone() if bias is not None else None
+        self._type = int(weight.qtype)
+        self._qs = weight.qs.data_ptr()
+        self._d = weight.d.data_ptr()
+        self._m = weight.m.data_ptr() if weight.m is not None else 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"QuantLinear takes fp32 CPU activations, got {x.dtype} {x.device}")
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"expected [T, {self.in_features}], got {list(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        t = x.shape[0]
+        y = torch.empty(t, self.out_features, dtype=torch.float32)
+        self._qlinear(
+            self._type, x.data_ptr(), x.stride(0), t, self.in_features,
+            self._qs, self._d, self._m, self.out_features,
+            y.data_ptr(), self.out_features, torch.get_num_threads(),
+        )  # fmt: skip
+        if self.bias is not None:
+            y += self.bias
+        return y

@@ -1,0 +1,176 @@
+"""The compiled quantized kernels (pdserve/quant/_kernels.c) against references.
+
+The bound (pdserve/quant/README.md): the kernel rounds each 32-value block of an
+activation row to int8 with scale d = max|x|/127, so each value moves by at most d/2,
+and everything after that is exact integer arithmetic plus fp32 accumulation. Against
+the fp32 product with the same (dequantized) weights, an output element is therefore
+off by at most sum over blocks of d/2 * sum|w| of the block's weights, plus fp32
+rounding. A second reference repeats the kernel's own integer method in float64: the
+two agree to fp32 rounding, so the only error is the stated one.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pdserve.model.default import default_model_path
+from pdserve.quant.formats import BLOCK, QuantType, QuantWeight
+from pdserve.quant.kernels import kernels
+from pdserve.quant.linear import QuantLinear
+
+SHAPES = [(1, 576, 576), (3, 130, 96), (7, 5, 64), (70, 33, 160), (1, 7, 32), (131, 64, 1536)]
+
+
+def reference_weight(qw: QuantWeight) -> torch.Tensor:
+    """gguf-py's dequantization of the same blocks (llama.cpp's reference code)."""
+    n, k = qw.shape
+    w = gguf.quants.dequantize(qw.to_blocks(), qw.qtype.ggml)
+    return torch.from_numpy(np.ascontiguousarray(w).reshape(n, k))
+
+
+def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantization, in numpy: int8 values [M, K], scales [M, K/32]."""
+    m, k = x.shape
+    blocks = x.numpy().reshape(m, k // BLOCK, BLOCK)
+    amax = np.abs(blocks).max(axis=-1)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).reshape(m, k)
+    return torch.from_numpy(q.astype(np.int8)), torch.from_numpy(d.astype(np.float32))
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per output element: sum_b d_b/2 * sum|w| over block b, plus fp32 rounding."""
+    m, k = x.shape
+    d = x.double().reshape(m, k // BLOCK, BLOCK).abs().amax(-1) / 127
+    wabs = w.double().abs().reshape(w.shape[0], k // BLOCK, BLOCK).sum(-1)
+    rounding = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
+    return d / 2 @ wabs.T + rounding
+
+
+def integer_method(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """The kernel's method in float64: int8 activations times the exact weights."""
+    q, d = quantized_rows(x)
+    m, k = x.shape
+    xq = (q.double().reshape(m, k // BLOCK, BLOCK) * d.double().unsqueeze(-1)).reshape(m, k)
+    return xq @ reference_weight(qw).double().T
+
+
+def check(x: torch.Tensor, qw: QuantWeight) -> None:
+    y = QuantLinear(qw, None)(x)
+    w = reference_weight(qw)
+    err = (y.double() - x.double() @ w.double().T).abs()
+    assert bool((err <= error_bound(x, w)).all()), float((err - error_bound(x, w)).max())
+    exact = integer_method(x, qw)
+    scale = x.double().abs() @ w.double().abs().T
+    assert bool(((y.double() - exact).abs() <= 1e-5 * scale + 1e-6).all())
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_random_blocks_within_the_bound(qtype: QuantType, shape: tuple[int, int, int]) -> None:
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+    qw = QuantWeight.quantize(w, qtype)
+    assert torch.equal(qw.dequantize(), reference_weight(qw))
+    check(torch.randn(m, k, generator=gen) * 3, qw)
+
+
+def test_the_activation_quantization_matches_numpy_exactly() -> None:
+    mod = kernels()
+    assert mod is not None
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 256, generator=gen) * torch.logspace(-3, 3, 9).unsqueeze(1)
+    x[2, 32:64] = 0.0  # an all-zero block: scale 0, values 0
+    q = torch.empty(9, 256, dtype=torch.int8)
+    d = torch.empty(9, 8)
+    s = torch.empty(9, 8)
+    mod.quantize_rows(x.data_ptr(), 256, 9, 256, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    want_q, want_d = quantized_rows(x)
+    assert torch.equal(q, want_q)
+    assert torch.equal(d, want_d)
+    assert torch.equal(s, want_d * q.reshape(9, 8, 32).sum(-1).float())
+    assert d[2, 1] == 0 and not q[2, 32:64].any()
+
+
+def shipped_tensors() -> dict[str, gguf.ReaderTensor]:
+    reader = gguf.GGUFReader(str(default_model_path()))
+    return {t.name: t for t in reader.tensors}
+
+
+def from_gguf(t: gguf.ReaderTensor, rows: int | None = None) -> QuantWeight:
+    qtype = QuantType.from_ggml(t.tensor_type)
+    assert qtype is not None
+    k = int(t.shape[0])
+    raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)
+    return QuantWeight.from_blocks(qtype, raw[:rows], k)
+
+
+@pytest.mark.slow
+def test_the_shipped_models_tensors_within_the_bound() -> None:
+    """Q4_1 projections (K 576 and 1536), the Q8_0 embedding (first 4096 rows) and a
+    real tensor requantized to Q4_0 and Q8_0; activations of a real hidden-state scale."""
+    tensors = shipped_tensors()
+    gen = torch.Generator().manual_seed(0)
+    cases = [
+        from_gguf(tensors["blk.0.attn_q.weight"]),
+        from_gguf(tensors["blk.3.ffn_down.weight"]),
+        from_gguf(tensors["token_embd.weight"], rows=4096),
+    ]
+    assert [c.qtype for c in cases] == [QuantType.Q4_1, QuantType.Q4_1, QuantType.Q8_0]
+    real = reference_weight(from_gguf(tensors["blk.5.ffn_up.weight"]))
+    cases += [QuantWeight.quantize(real, t) for t in (QuantType.Q4_0, QuantType.Q8_0)]
+    for qw in cases:
+        for m in (1, 5, 67):
+            check(torch.randn(m, qw.shape[1], generator=gen), qw)
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+def test_every_row_is_computed_the_same_whatever_the_batch_and_threads(qtype: QuantType) -> None:
+    """Batch invariance (the kernel's contract): a row's output is bit-identical alone,
+    in any batch, at any position, on 1 or 2 threads."""
+    gen = torch.Generator().manual_seed(7)
+    qw = QuantWeight.quantize(torch.randn(203, 320, generator=gen), qtype)
+    op = QuantLinear(qw, None)
+    x = torch.randn(150, 320, generator=gen)
+    batch = op(x)
+    assert torch.equal(torch.cat([op(x[i : i + 1]) for i in range(150)]), batch)
+    assert torch.equal(torch.cat([op(x[i : i + 7]) for i in range(0, 150, 7)]), batch)
+    assert torch.equal(op(x.flip(0)).flip(0), batch)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(op(x), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bias_strided_input_and_empty_batch() -> None:
+    gen = torch.Generator().manual_seed(3)
+    qw = QuantWeight.quantize(torch.randn(40, 64, generator=gen), QuantType.Q4_1)
+    bias = torch.randn(40, generator=gen)
+    op = QuantLinear(qw, bias)
+    wide = torch.randn(6, 128, generator=gen)
+    x = wide[:, 32:96]  # rows 128 apart: the kernel reads the stride
+    assert torch.equal(op(x), QuantLinear(qw, None)(x.contiguous()) + bias)
+    assert op(torch.empty(0, 64)).shape == (0, 40)
+
+
+def test_bad_shapes_and_blocks_are_refused_with_the_numbers() -> None:
+    qw = QuantWeight.quantize(torch.randn(8, 64), QuantType.Q8_0)
+    op = QuantLinear(qw, None)
+    with pytest.raises(ValueError, match=r"expected \[T, 64\], got \[2, 32\]"):
+        op(torch.randn(2, 32))
+    with pytest.raises(TypeError, match=r"fp32 CPU activations, got torch\.float64"):
+        op(torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="row length 48 is not a multiple of 32"):
+        QuantWeight.from_blocks(QuantType.Q4_0, np.zeros(36, np.uint8), 48)
+    with pytest.raises(ValueError, match="35 bytes are not whole rows of 2 Q4_0 blocks"):
+        QuantWeight.from_blocks(QuantType.Q4_0, np.zeros(35, np.uint8), 64)
+    with pytest.raises(ValueError, match=r"cannot fuse Q8_0 \[\*, 64\] with Q4_1 \[\*, 64\]"):
+        QuantWeight.cat([qw, QuantWeight.quantize(torch.randn(8, 64), QuantType.Q4_1)])
