@@ -33,9 +33,25 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def add_quantization_flag(p: argparse.ArgumentParser) -> None:
+    """--quantization, shared by `generate` and `serve` (pdserve/model/loader.py)."""
+    from pdserve.config import QUANTIZATIONS, EngineConfig
+
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=EngineConfig.quantization,
+        help="how weights are held: gguf = a GGUF file's Q8_0/Q4_0/Q4_1 blocks read directly "
+        "by the compiled kernels; q8_0/q4_0 = quantize a HF model's fp weights at load; "
+        "none = fp32; auto = gguf where the file and this install allow it, else none "
+        "(default: %(default)s)",
+    )
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
+    add_quantization_flag(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -58,7 +74,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    engine = Engine.from_config(EngineConfig(model=args.model))
+    engine = Engine.from_config(EngineConfig(model=args.model, quantization=args.quantization))
     tok = engine.tokenizer
     if args.raw or not tok.has_chat_template:
         prompt_ids = tok.encode(args.prompt)
@@ -102,6 +118,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    add_quantization_flag(p)
     p.add_argument(
         "--num-threads",
         type=int,

@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING
 
 from pdserve.kv.layout import DTYPE_SIZES
 
+# --quantization values; what each means for a given file: pdserve/model/loader.py.
+QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0")
+
 if TYPE_CHECKING:
     import torch
 
@@ -157,6 +160,10 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    # How weights are held (QUANTIZATIONS): "none" fp in `dtype`;
+    # "gguf" a GGUF file's blocks as they are; "q8_0"/"q4_0" fp weights quantized at
+    # load; "auto" "gguf" where the file and this install allow it, else "none".
+    quantization: str = "none"
     role: Role = Role.COLOCATED
     # Context limit of one request (prompt + generation); None = the model's own,
     # lowered to what the KV pool can hold.
@@ -185,6 +192,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.max_model_len is not None:
             _at_least("max_model_len", self.max_model_len, 2)
         if self.num_threads is not None:

@@ -333,6 +333,16 @@ def test_open_routes_without_a_key(server: Server) -> None:
     assert server.get("/v1/models", key=KEY)[0] == 200
 
 
+def test_the_model_card_and_metrics_say_how_the_weights_are_held(server: Server) -> None:
+    """The default load: fp32 weights dequantized from the GGUF (--quantization none)."""
+    status, body = server.get("/v1/models", key=KEY)
+    assert status == 200
+    (card,) = body["data"]
+    assert (card["quantization"], card["weight_formats"]) == ("none", ["float32"])
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    assert 'pdserve_model_weights_info{formats="float32",quantization="none"} 1.0' in text
+
+
 def engine_process(s: Server) -> psutil.Process:
     children = psutil.Process(s.proc.pid).children()
     # The spawned engine core (multiprocessing's resource tracker is a child too).

@@ -83,6 +83,7 @@ from pdserve.protocol.core import (
     LoadReport,
     OutputBatch,
     RequestRejected,
+    WeightsInfo,
 )
 from pdserve.protocol.handoff import (
     AddPrefilled,
@@ -208,6 +209,7 @@ class Cluster:
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = 0
         self.vocab_size = 0
+        self.weights = WeightsInfo("none", [])
         self.instances: list[Instance] = []
         self.records: dict[str, _Record] = {}  # by key (see _Record.key)
         # Push modes: decode reservations to release once the prefill side confirms it
@@ -287,6 +289,7 @@ class Cluster:
         await asyncio.gather(*(self._start_instance(i, timeout) for i in self.instances))
         self.max_model_len = min(i.max_model_len for i in self.instances)
         self.vocab_size = self.instances[0].vocab_size
+        self.weights = self.instances[0].weights  # every instance loads the same way
         self._arrange_replication()
         self._watch = asyncio.create_task(self._watchdog())
 

@@ -42,6 +42,7 @@ from pdserve.protocol.core import (
     LoadReport,
     Shutdown,
     StatsRequest,
+    WeightsInfo,
 )
 from pdserve.protocol.wire import EngineInput, EngineMessage, Handlers, encode_input
 
@@ -69,6 +70,7 @@ class Instance:
         self.max_model_len = 0
         self.vocab_size = 0
         self.kv_layout: KVLayout | None = None  # its pool's geometry, once ready
+        self.weights = WeightsInfo("none", [])  # how it holds the weights, once ready
         self.report: LoadReport | None = None
         self.last_heard = time.monotonic()
         self.dead: str | None = None  # why, once dead
@@ -124,6 +126,7 @@ class Instance:
                 if isinstance(msg, EngineReady):
                     self.max_model_len, self.vocab_size = msg.max_model_len, msg.vocab_size
                     self.kv_layout = msg.kv_layout
+                    self.weights = msg.weights
                     return
                 if isinstance(msg, EngineFailed):
                     raise EngineDeadError(msg.message)

@@ -19,7 +19,12 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.config import KVCacheConfig
 from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import iter_weights, load_config, resolve_model
+from pdserve.model.loader import (
+    iter_weights,
+    load_config,
+    resolve_model,
+    resolve_quantization,
+)
 from pdserve.model.registry import build_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.head import load_length_head
@@ -78,10 +83,12 @@ def load_model(config: EngineConfig) -> CausalLM:
     """Build the configured model with its weights, ready to serve (threads set)."""
     torch.set_num_threads(config.threads)
     path = resolve_model(config.model)
-    model = build_model(load_config(path), config.torch_dtype)
-    model.load_weights(iter_weights(path, config.torch_dtype))
+    quant = resolve_quantization(config.quantization, path, config.device)
+    model = build_model(load_config(path), config.torch_dtype, quant.quantized)
+    model.load_weights(iter_weights(path, config.torch_dtype, quant))
     model.to(config.device)
     model.finalize()
+    model.quantization = quant
     return model
 
 

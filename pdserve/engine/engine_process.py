@@ -29,6 +29,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model
 from pdserve.engine.step_trace import StepTrace
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
+from pdserve.model.base import CausalLM
 from pdserve.model.loader import resolve_model
 from pdserve.protocol.cache import FetchPrefix, OfferPrefix
 from pdserve.protocol.core import (
@@ -43,6 +44,7 @@ from pdserve.protocol.core import (
     RequestRejected,
     Shutdown,
     StatsRequest,
+    WeightsInfo,
 )
 from pdserve.protocol.handoff import AddPrefilled, ReleaseKV, ReserveKV
 from pdserve.protocol.replica import (
@@ -287,6 +289,11 @@ def _start_heartbeat(ctx: zmq.Context, output_addr: str, interval_s: float) -> t
     return stop
 
 
+def weights_info(model: CausalLM) -> WeightsInfo:
+    q = model.quantization
+    return WeightsInfo(q.mode, model.weight_formats, q.reason)
+
+
 def run_engine_process(
     config: EngineConfig, input_addr: str, output_addr: str, report: bool = False
 ) -> None:
@@ -312,9 +319,10 @@ def run_engine_process(
         out.send(encoder.encode(EngineFailed(f"engine failed to start: {e}")))
         sys.exit(1)
     freeze_startup_heap()
-    out.send(
-        encoder.encode(EngineReady(core.max_model_len, model.config.vocab_size, core.kv_layout))
+    ready = EngineReady(
+        core.max_model_len, model.config.vocab_size, core.kv_layout, weights_info(model)
     )
+    out.send(encoder.encode(ready))
     loop = _Loop(core, inp, out, report)
     beat = _start_heartbeat(ctx, output_addr, config.report_interval_s) if report else None
     try:

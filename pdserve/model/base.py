@@ -18,7 +18,12 @@ from pdserve.errors import ModelLoadError
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.config import ModelConfig
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from pdserve.model.linear import PackedLinear
+from pdserve.model.linear import Linear, PackedLinear
+from pdserve.model.loader import Quantization, is_quantizable, weight_shapes
+from pdserve.quant.formats import QuantWeight
+from pdserve.quant.linear import QuantEmbedding, QuantLinear
+
+Weight = torch.Tensor | QuantWeight
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,12 @@ class CausalLM(nn.Module):
     """Embedding, decoder layers over the paged cache, final norm, LM head.
 
     Family files subclass this and set the class attributes that distinguish them.
+
+    `quantized`: the projections, embeddings and LM head may arrive in GGUF blocks
+    (`QuantWeight`) and are then served as they are (pdserve/quant). Their fp32
+    parameters are never allocated: `load_weights` keeps what arrives by name and
+    `finalize` builds each op from it - quantized where every part of a fused op has
+    the same block format, dequantized to `dtype` otherwise.
     """
 
     use_sliding_window: bool = False  # honour config.sliding_window (Mistral)
@@ -42,20 +53,30 @@ class CausalLM(nn.Module):
         """(q/k/v carry a bias, o_proj carries a bias). Llama: both follow attention_bias."""
         return config.attention_bias, config.attention_bias
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, quantized: bool = False
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.quantized = quantized
+        self._parts: dict[str, Weight] = {}  # quantized: weights by HF name until finalize
+        self.quantization = Quantization()  # what --quantization came to (set by the loader)
         qkv_bias, o_bias = self.projection_biases(config)
-        self.embed_tokens = nn.Parameter(
-            torch.zeros(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
-        )
         self.rotary = RotaryEmbedding(config, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, qkv_bias, o_bias, dtype)
+            DecoderLayer(config, i, qkv_bias, o_bias, dtype, materialize=not quantized)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.finalized = False
+        if quantized:
+            # Set by finalize: a QuantEmbedding, or a tensor where the file has fp values.
+            self.embed_tokens: torch.Tensor | QuantEmbedding = torch.empty(0)
+            return
+        self.embed_tokens = nn.Parameter(
+            torch.zeros(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
+        )
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
@@ -64,7 +85,6 @@ class CausalLM(nn.Module):
                 requires_grad=False,
             )
         )
-        self.finalized = False
         self.finalize(pack=False)
 
     @property
@@ -114,14 +134,55 @@ class CausalLM(nn.Module):
 
         With `pack`, later `load_weights` calls are refused: the kernels no longer
         read the parameters (see model/linear.py)."""
+        if self.quantized:
+            self._finalize_quantized(pack)
+            return
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.finalize(pack)
             layer.mlp.finalize(pack)
-        self.lm_head_op = PackedLinear(self.lm_head, None, pack)
+        self.lm_head_op: Linear = PackedLinear(self.lm_head, None, pack)
         self.finalized = pack
         if pack:
             self._release_packed_originals()
+
+    def _finalize_quantized(self, pack: bool) -> None:
+        """Build every op from the weights `load_weights` kept (see the class docstring)."""
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_op = self._op([f"{p}self_attn.{x}_proj.weight" for x in "qkv"], a.qkv_bias, pack)
+            a.o_op = self._op([f"{p}self_attn.o_proj.weight"], a.o_bias, pack)
+            gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+            m.gate_up_op = self._op(gate_up, None, pack)
+            m.down_op = self._op([f"{p}mlp.down_proj.weight"], None, pack)
+        embed = self._parts["model.embed_tokens.weight"]
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head_op = self._op([head], None, pack)
+        self.embed_tokens = QuantEmbedding(embed) if isinstance(embed, QuantWeight) else embed
+        self._parts.clear()
+        self.finalized = True
+
+    def _op(self, names: list[str], bias: torch.Tensor | None, pack: bool) -> Linear:
+        parts = [self._parts[n] for n in names]
+        quant = [p for p in parts if isinstance(p, QuantWeight)]
+        if len(quant) == len(parts) and len({q.qtype for q in quant}) == 1:
+            return QuantLinear(QuantWeight.cat(quant), bias)
+        fp = [p.dequantize(self.dtype) if isinstance(p, QuantWeight) else p for p in parts]
+        return PackedLinear(torch.cat(fp).to(self.dtype), bias, pack)
+
+    @property
+    def weight_formats(self) -> list[str]:
+        """The block formats the ops read ("Q4_1", "Q8_0", ...), or ["fp32"]-like dtype
+        names where they read full-precision weights; sorted, each once."""
+        ops: list[object] = [self.lm_head_op]
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            a, m = layer.self_attn, layer.mlp
+            ops += [a.qkv_op, a.o_op, m.gate_up_op, m.down_op]
+        dtype = str(self.dtype).removeprefix("torch.")
+        return sorted({o.weight.qtype.name if isinstance(o, QuantLinear) else dtype for o in ops})
 
     def _release_packed_originals(self) -> None:
         """Free the row-major copies of weights that now live packed (halves memory)."""
@@ -134,22 +195,35 @@ class CausalLM(nn.Module):
                 (m.gate_up, m.gate_up_op),
                 (m.down, m.down_op),
             ):
-                if op.packed is not None:
+                if isinstance(op, PackedLinear) and op.packed is not None:
                     param.data = torch.empty(0, dtype=param.dtype)
-        if not self.config.tie_word_embeddings and self.lm_head_op.packed is not None:
+        head = self.lm_head_op
+        tied = self.config.tie_word_embeddings
+        if not tied and isinstance(head, PackedLinear) and head.packed is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
     # ---- weights ---------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Copy HF-named tensors into the fused parameters; fail on any missing one.
 
         Call `finalize()` afterwards to get the fast kernels."""
         if self.finalized:
             raise RuntimeError("weights are packed for serving; build a new model to reload")
         targets = self._weight_targets()
+        kept = self._kept_shapes()
         seen: set[str] = set()
         for name, tensor in weights:
+            if name in kept:
+                shape = tensor.shape if isinstance(tensor, QuantWeight) else tuple(tensor.shape)
+                if tuple(shape) != kept[name]:
+                    raise ModelLoadError(
+                        f"weight {name!r} has shape {tuple(shape)}, expected {kept[name]}"
+                    )
+                self._parts[name] = tensor
+                seen.add(name)
+                continue
+            assert isinstance(tensor, torch.Tensor), name
             if name not in targets:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
@@ -161,19 +235,45 @@ class CausalLM(nn.Module):
                 )
             dst.copy_(tensor)
             seen.add(name)
-        missing = [n for n in targets if n not in seen]
+        missing = [n for n in [*targets, *kept] if n not in seen]
         if self.config.tie_word_embeddings:
             missing = [n for n in missing if n != "lm_head.weight"]
         if missing:
             raise ModelLoadError(f"weights missing from the checkpoint: {missing[0]!r}")
 
+    def _kept_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Quantized models: the HF names whose weights are kept as they arrive, with the
+        shape each must have."""
+        if not self.quantized:
+            return {}
+        return {n: s for n, s in weight_shapes(self.config).items() if is_quantizable(n)}
+
     def _weight_targets(self) -> dict[str, torch.Tensor]:
-        """HF name -> the view of our (possibly fused) parameter it fills."""
+        """HF name -> the view of our (possibly fused) parameter it fills: norms and
+        biases, and (unless quantized, see `_kept_shapes`) the weight matrices."""
         c = self.config
-        t: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.embed_tokens.data,
-            "model.norm.weight": self.norm.weight.data,
-        }
+        t: dict[str, torch.Tensor] = {"model.norm.weight": self.norm.weight.data}
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            if a.qkv_bias is not None:
+                bias = a.qkv_bias.data.split([c.q_size, c.kv_size, c.kv_size])
+                t.update(
+                    {f"{p}self_attn.{n}_proj.bias": b for n, b in zip("qkv", bias, strict=True)}
+                )
+            if a.o_bias is not None:
+                t[f"{p}self_attn.o_proj.bias"] = a.o_bias.data
+            t[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight.data
+            t[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
+        if not self.quantized:
+            t.update(self._matrix_targets())
+        return t
+
+    def _matrix_targets(self) -> dict[str, torch.Tensor]:
+        c = self.config
+        assert isinstance(self.embed_tokens, torch.Tensor)
+        t = {"model.embed_tokens.weight": self.embed_tokens.data}
         if not c.tie_word_embeddings:
             t["lm_head.weight"] = self.lm_head.data
         for i, layer in enumerate(self.layers):
@@ -182,18 +282,9 @@ class CausalLM(nn.Module):
             a, m = layer.self_attn, layer.mlp
             qkv = a.qkv.data.split([c.q_size, c.kv_size, c.kv_size])
             t.update({f"{p}self_attn.{n}_proj.weight": w for n, w in zip("qkv", qkv, strict=True)})
-            if a.qkv_bias is not None:
-                bias = a.qkv_bias.data.split([c.q_size, c.kv_size, c.kv_size])
-                t.update(
-                    {f"{p}self_attn.{n}_proj.bias": b for n, b in zip("qkv", bias, strict=True)}
-                )
             t[f"{p}self_attn.o_proj.weight"] = a.o.data
-            if a.o_bias is not None:
-                t[f"{p}self_attn.o_proj.bias"] = a.o_bias.data
             gate, up = m.gate_up.data.split(c.intermediate_size)
             t[f"{p}mlp.gate_proj.weight"] = gate
             t[f"{p}mlp.up_proj.weight"] = up
             t[f"{p}mlp.down_proj.weight"] = m.down.data
-            t[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight.data
-            t[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
         return t

@@ -22,6 +22,7 @@ import torch
 
 from pdserve.errors import ModelLoadError
 from pdserve.model.config import ModelConfig
+from pdserve.quant.formats import QuantType, QuantWeight
 
 # GGUF `general.architecture` -> HF architecture. Mistral models converted by llama.cpp
 # are `llama` GGUFs: same tensors, same permutation.
@@ -203,19 +204,56 @@ def gguf_tensor_shapes(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
 
 
 def iter_gguf_tensors(
-    path: Path, names: Iterable[str], config: ModelConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize the named HF tensors (all must be present), in the order given."""
+    path: Path,
+    names: Iterable[str],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    keep_blocks: Iterable[str] = (),
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """The named HF tensors (all must be present), in the order given: dequantized to
+    `dtype`, except those named in `keep_blocks` whose GGUF type the kernels read
+    (`QuantType`), which come as `QuantWeight`s, rows in HF order."""
     reader = open_gguf(path)
     arch = gguf_architecture(reader, path)
     by_name = {hf_tensor_name(t.name) or t.name: t for t in reader.tensors}
+    keep = set(keep_blocks)
     for name in names:
-        tensor = _dequantize(by_name[name], path)
+        t = by_name[name]
+        heads = None
         if arch == "llama" and ".self_attn.q_proj." in name:
-            tensor = _reverse_permute(tensor, config.num_attention_heads)
+            heads = config.num_attention_heads
         elif arch == "llama" and ".self_attn.k_proj." in name:
-            tensor = _reverse_permute(tensor, config.num_key_value_heads)
+            heads = config.num_key_value_heads
+        qtype = QuantType.from_ggml(t.tensor_type)
+        if name in keep and qtype is not None:
+            weight = _blocks(t, qtype, path)
+            if heads is not None:
+                order = _reverse_permute(torch.arange(weight.shape[0]).unsqueeze(1), heads)
+                weight = weight.rows(order.squeeze(1))
+            yield name, weight
+            continue
+        tensor = _dequantize(t, path)
+        if heads is not None:
+            tensor = _reverse_permute(tensor, heads)
         yield name, tensor.to(dtype)
+
+
+def tensor_types(path: Path, names: Iterable[str]) -> dict[str, gguf.GGMLQuantizationType]:
+    """The GGUF type of each named HF tensor."""
+    by_name = {hf_tensor_name(t.name) or t.name: t for t in open_gguf(path).tensors}
+    return {n: by_name[n].tensor_type for n in names}
+
+
+def _blocks(t: gguf.ReaderTensor, qtype: QuantType, path: Path) -> QuantWeight:
+    k, rows = int(t.shape[0]), int(np.prod(t.shape[1:]))
+    raw = np.asarray(t.data)
+    want = rows * k // 32 * qtype.block_bytes
+    if k % 32 or raw.size != want:
+        raise ModelLoadError(
+            f"{path}: tensor {t.name!r} ({qtype.name}, shape {[int(n) for n in t.shape]}) "
+            f"holds {raw.size} bytes, expected {want}: the file is truncated or corrupt"
+        )
+    return QuantWeight.from_blocks(qtype, raw, k)
 
 
 def _dequantize(t: gguf.ReaderTensor, path: Path) -> torch.Tensor:

@@ -15,11 +15,14 @@ from torch import nn
 
 from pdserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig, RopeScaling
-from pdserve.model.linear import PackedLinear
+from pdserve.model.linear import Linear, PackedLinear
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype, materialize: bool = True) -> nn.Parameter:
+    """A frozen parameter of zeros; with `materialize` False an empty placeholder (a
+    quantized model's projection: its weight arrives as blocks, see CausalLM)."""
+    data = torch.zeros(*shape, dtype=dtype) if materialize else torch.empty(0, dtype=dtype)
+    return nn.Parameter(data, requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -82,13 +85,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, materialize: bool = True) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
-        self.down = _param(config.hidden_size, config.intermediate_size, dtype=dtype)
-        self.gate_up_op = PackedLinear(self.gate_up, None, pack=False)
-        self.down_op = PackedLinear(self.down, None, pack=False)
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_up = _param(2 * i, h, dtype=dtype, materialize=materialize)
+        self.down = _param(h, i, dtype=dtype, materialize=materialize)
+        self.gate_up_op: Linear = PackedLinear(self.gate_up, None, pack=False)
+        self.down_op: Linear = PackedLinear(self.down, None, pack=False)
 
     def finalize(self, pack: bool) -> None:
         """Called once after the weights are loaded."""
@@ -108,6 +112,7 @@ class Attention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         dtype: torch.dtype,
+        materialize: bool = True,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -116,16 +121,17 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
+        qkv_rows = self.q_size + 2 * self.kv_size
+        self.qkv = _param(qkv_rows, config.hidden_size, dtype=dtype, materialize=materialize)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if qkv_bias else None
-        self.o = _param(config.hidden_size, self.q_size, dtype=dtype)
+        self.o = _param(config.hidden_size, self.q_size, dtype=dtype, materialize=materialize)
         self.o_bias = _param(config.hidden_size, dtype=dtype) if o_bias else None
         self.finalize(pack=False)
 
     def finalize(self, pack: bool) -> None:
         """Called once after the weights are loaded."""
-        self.qkv_op = PackedLinear(self.qkv, self.qkv_bias, pack)
-        self.o_op = PackedLinear(self.o, self.o_bias, pack)
+        self.qkv_op: Linear = PackedLinear(self.qkv, self.qkv_bias, pack)
+        self.o_op: Linear = PackedLinear(self.o, self.o_bias, pack)
 
     def forward(
         self,
@@ -156,12 +162,13 @@ class DecoderLayer(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         dtype: torch.dtype,
+        materialize: bool = True,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, layer_idx, qkv_bias, o_bias, dtype)
+        self.self_attn = Attention(config, layer_idx, qkv_bias, o_bias, dtype, materialize)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, materialize)
 
     def forward(
         self,

@@ -14,11 +14,22 @@ then release the original (see `CausalLM.pack_weights`), after which only
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 # Batch-size hint for the reorder; the packed weight serves every batch size.
 _PACK_HINT = 64
+
+
+class Linear(Protocol):
+    """What a model calls for a projection: this module's PackedLinear, or
+    pdserve.quant.linear.QuantLinear for weights in GGUF blocks."""
+
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def onednn_available(weight: torch.Tensor) -> bool:

@@ -29,6 +29,8 @@ from pdserve.errors import ModelLoadError
 from pdserve.model import gguf_loader
 from pdserve.model.config import ModelConfig
 from pdserve.model.default import default_model_path
+from pdserve.quant.formats import QuantType, QuantWeight
+from pdserve.quant.kernels import unavailable_reason
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 CONFIG_FILE = "config.json"
@@ -159,10 +161,93 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# ---- quantization -----------------------------------------------------------------------
+
+_FOR_GGUF = ("auto", "none", "gguf")
+_FOR_HF = ("auto", "none", "q8_0", "q4_0")
+
+
+def is_quantizable(name: str) -> bool:
+    """The weights a quantized model holds in blocks: projections, embeddings, LM head."""
+    return name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """What `--quantization` came to for one model file.
+
+    mode: "none" (fp weights in the engine's dtype), "gguf" (a GGUF file's Q8_0 / Q4_0 /
+    Q4_1 blocks served as they are), "q8_0" / "q4_0" (fp weights quantized at load; the
+    embeddings and LM head to Q8_0, as llama.cpp keeps its output layer at 8 bits or
+    more). reason: why `auto` chose what it chose ("" otherwise)."""
+
+    mode: str = "none"
+    reason: str = ""
+
+    @property
+    def quantized(self) -> bool:
+        return self.mode != "none"
+
+
+def resolve_quantization(
+    requested: str, path: ModelPath | ModelSource, device: str = "cpu"
+) -> Quantization:
+    """The effective quantization; ValueError (a usage error) when `requested` does not
+    fit the file or this install, naming the values that do."""
+    src = ModelSource.resolve(path)
+    allowed = _FOR_GGUF if src.format == "gguf" else _FOR_HF
+    if requested not in allowed:
+        kind = "a GGUF file" if src.format == "gguf" else "a Hugging Face folder"
+        raise ValueError(
+            f"--quantization {requested} does not fit {src.path} ({kind}); "
+            f"use one of: {', '.join(allowed)}"
+        )
+    if requested == "none":
+        return Quantization()
+    blocker = _kernel_blocker(device)
+    if requested == "auto":
+        if not blocker and src.format != "gguf":
+            blocker = "the weights are fp (--quantization q8_0 or q4_0 quantizes them at load)"
+        blocker = blocker or _gguf_blocker(src)
+        return Quantization(reason=blocker) if blocker else Quantization("gguf")
+    if not blocker and requested == "gguf":
+        blocker = _gguf_blocker(src)
+    if blocker:
+        raise ValueError(f"--quantization {requested}: {blocker}")
+    return Quantization(requested)
+
+
+def _kernel_blocker(device: str) -> str:
+    """Why no quantized weights can be served here ("" when they can)."""
+    if device != "cpu":
+        return f"quantized weights are served on the CPU only (device {device})"
+    return unavailable_reason() or ""
+
+
+def _gguf_blocker(src: ModelSource) -> str:
+    """Why this GGUF file's blocks cannot be served as they are ("" when they can)."""
+    names = [n for n in weight_shapes(load_config(src)) if is_quantizable(n)]
+    types = gguf_loader.tensor_types(src.path, names)
+    for name, t in types.items():
+        if QuantType.from_ggml(t) is None and t.name not in ("F32", "F16", "BF16"):
+            readable = ", ".join(q.name for q in QuantType)
+            return (
+                f"tensor {_gguf_label(name)} has GGUF type {t.name}, which the kernels do not "
+                f"read (they read {readable}); serve it with --quantization none"
+            )
+    if all(QuantType.from_ggml(t) is None for t in types.values()):
+        return "the file holds no quantized weights"
+    return ""
+
+
 def iter_weights(
-    path: ModelPath | ModelSource, dtype: torch.dtype = torch.float32
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, tensor in `dtype`) for every parameter, in `weight_shapes` order.
+    path: ModelPath | ModelSource,
+    dtype: torch.dtype = torch.float32,
+    quantization: Quantization = Quantization(),
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """(HF parameter name, tensor in `dtype`) for every parameter, in `weight_shapes` order;
+    with a quantization, the weights it covers (`is_quantizable`) come as `QuantWeight`s
+    (a GGUF's fp tensors stay tensors).
 
     The file is checked before this returns (missing tensor, wrong shape, unreadable
     file); tensors are then read one at a time as the iterator is consumed.
@@ -171,15 +256,35 @@ def iter_weights(
     src = ModelSource.resolve(path)
     config = load_config(src)
     expected = weight_shapes(config)
+    blocks = [n for n in expected if is_quantizable(n)] if quantization.quantized else []
     if src.format == "gguf":
         reader = gguf_loader.open_gguf(src.path)
         found = gguf_loader.gguf_tensor_shapes(reader)
         _check_tensors(expected, found, str(src.path), _gguf_label)
-        return gguf_loader.iter_gguf_tensors(src.path, expected, config, dtype)
+        return gguf_loader.iter_gguf_tensors(src.path, expected, config, dtype, blocks)
     files, where = _safetensors_files(src.path)
     locations, found = _safetensors_index(files)
     _check_tensors(expected, found, where, repr)
-    return _iter_safetensors(expected, locations, dtype)
+    tensors = _iter_safetensors(expected, locations, dtype)
+    if not quantization.quantized:
+        return iter(tensors)
+    return _quantize_at_load(tensors, set(blocks), QuantType.parse(quantization.mode), where)
+
+
+def _quantize_at_load(
+    tensors: Iterator[tuple[str, torch.Tensor]], names: set[str], qtype: QuantType, where: str
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    for name, tensor in tensors:
+        if name not in names:
+            yield name, tensor
+            continue
+        target = QuantType.Q8_0 if not name.endswith("_proj.weight") else qtype
+        if tensor.shape[-1] % 32:
+            raise ModelLoadError(
+                f"{where}: tensor {name!r} has rows of {tensor.shape[-1]} values; "
+                f"{target.name} needs a multiple of 32 (serve it with --quantization none)"
+            )
+        yield name, QuantWeight.quantize(tensor, target)
 
 
 def _gguf_label(hf_name: str) -> str:

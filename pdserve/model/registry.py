@@ -18,12 +18,15 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 }
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """An unloaded model of the config's architecture (weights zero until load_weights)."""
+def build_model(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, quantized: bool = False
+) -> CausalLM:
+    """An unloaded model of the config's architecture (weights zero until load_weights;
+    `quantized`: see CausalLM)."""
     cls = MODEL_REGISTRY.get(config.architecture)
     if cls is None:
         supported = ", ".join(sorted(MODEL_REGISTRY))
         raise ModelLoadError(
             f"unsupported architecture {config.architecture!r} (supported: {supported})"
         )
-    return cls(config, dtype)
+    return cls(config, dtype, quantized)

@@ -117,7 +117,7 @@ def _train(args: argparse.Namespace) -> int:
     grans = sorted({int(g) for g in args.granularities.split(",")} | {args.granularity})
     results = {g: evaluate_granularity(data, split, base, g, args.window, args.seed) for g in grans}
     shipped = results[args.granularity]
-    set_probe(shipped.head, model.embed_tokens.detach())
+    set_probe(shipped.head, model.embed_tokens)
     texts = [t for _, t in make_prompts(20, args.seed + 1)]
     prefill_s = _prefill_seconds(engine, texts)
     head_s = head_cost(shipped.head, data.hidden, data.prompt_lens.tolist())

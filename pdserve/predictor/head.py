@@ -33,6 +33,7 @@ from pdserve.protocol.prediction import LengthPrediction
 
 if TYPE_CHECKING:  # the front end reads head files without loading the model code
     from pdserve.model.base import CausalLM
+    from pdserve.quant.linear import QuantEmbedding
 
 FORMAT = "pdserve-length-head/1"
 NUM_PROBES = 16
@@ -119,7 +120,7 @@ class LengthHead(nn.Module):
         save_file(tensors, str(path), metadata=meta)
 
 
-def set_probe(head: LengthHead, embeddings: torch.Tensor) -> None:
+def set_probe(head: LengthHead, embeddings: torch.Tensor | QuantEmbedding) -> None:
     """Record the model's identity: its embeddings of `probe_ids`."""
     ids = probe_ids(head.spec.vocab_size)
     probe = torch.zeros(NUM_PROBES, head.spec.hidden_size)
@@ -154,7 +155,7 @@ def read_head(path: str | Path) -> LengthHead:
 
 
 def check_matches(
-    head: LengthHead, path: str | Path, architecture: str, embeddings: torch.Tensor
+    head: LengthHead, path: str | Path, architecture: str, embeddings: torch.Tensor | QuantEmbedding
 ) -> None:
     """ModelLoadError unless `head` was trained for the model whose token embeddings are
     `embeddings` ([vocab, hidden]) and whose architecture is `architecture`."""

@@ -78,10 +78,22 @@ class StatsRequest(msgspec.Struct, frozen=True, tag=True):
 # ---- core -> front end ------------------------------------------------------------
 
 
+class WeightsInfo(msgspec.Struct, frozen=True):
+    """How an instance holds the model's weights (pdserve/model/loader.py Quantization):
+    `quantization` "none" | "gguf" | "q8_0" | "q4_0"; `formats` what the projections
+    read, sorted ("Q4_1", "Q8_0"; "float32" for full-precision ones); `note` why
+    `--quantization auto` chose "none" ("" otherwise)."""
+
+    quantization: str
+    formats: list[str]
+    note: str = ""
+
+
 class EngineReady(msgspec.Struct, frozen=True, tag=True):
     max_model_len: int
     vocab_size: int
     kv_layout: KVLayout  # the device pool's geometry (a replica store for it has the same)
+    weights: WeightsInfo
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True):

@@ -48,3 +48,19 @@ class QuantLinear:
         if self.bias is not None:
             y += self.bias
         return y
+
+
+class QuantEmbedding:
+    """Token embeddings in GGUF blocks: a lookup dequantizes only the rows it reads.
+    Indexes like the [vocab, hidden] tensor it stands for."""
+
+    def __init__(self, weight: QuantWeight) -> None:
+        self.weight = weight
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.weight.shape)
+
+    def __getitem__(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        index = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
+        return self.weight.rows(index).dequantize()

@@ -91,6 +91,7 @@ class _Api:
         self.metrics.watch_faults(client.faults)
         self.metrics.watch_cache(client.router)
         self.metrics.watch_predictions(client.predictions)
+        self.metrics.describe_weights(client.weights)
 
     async def health(self) -> JSONResponse:
         if not self.client.is_alive:
@@ -130,6 +131,8 @@ class _Api:
             "created": 0,
             "owned_by": "pdserve",
             "max_model_len": self.client.max_model_len,
+            "quantization": self.client.weights.quantization,
+            "weight_formats": self.client.weights.formats,
         }
         return {"object": "list", "data": [card]}
 

@@ -16,12 +16,13 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.confusion import PredictionCounters
-from pdserve.protocol.core import EngineStats
+from pdserve.protocol.core import EngineStats, WeightsInfo
 
 
 class ServingBackend(Protocol):
     tokenizer: Tokenizer | None
     max_model_len: int
+    weights: WeightsInfo  # how the instances hold the weights (/v1/models, /metrics)
     faults: FaultCounters  # retries, migrations, failures (cluster/recovery.py)
     router: Router  # routing, prompt trees, KV returns (cluster/routing.py)
     predictions: PredictionCounters  # length predictions vs real lengths (predictor/)

@@ -32,8 +32,9 @@ from pdserve.config import (
     TransferMode,
 )
 from pdserve.errors import RequestCancelledError
-from pdserve.model.loader import resolve_model
+from pdserve.model.loader import resolve_model, resolve_quantization
 from pdserve.predictor.head import resolve_predictor
+from pdserve.protocol.core import WeightsInfo
 from pdserve.runtime import freeze_startup_heap
 from pdserve.server.admission import Admission
 from pdserve.server.app import ServerConfig, build_app
@@ -50,8 +51,12 @@ def served_name(model: str | None) -> str:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The instances' config; a --quantization that does not fit the model is a usage
+    error here, before any instance starts."""
+    resolve_quantization(args.quantization, args.model)
     return EngineConfig(
         model=args.model,
+        quantization=args.quantization,
         length_predictor=resolve_predictor(args.predictor, args.model),
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
@@ -125,7 +130,18 @@ async def start_backend(args: argparse.Namespace, config: EngineConfig) -> Servi
                 f"pdserve: instance {cfg.instance_name}: {cfg.threads} CPU threads",
                 file=sys.stderr,
             )
-    return await Cluster.start(config, cluster)
+    backend = await Cluster.start(config, cluster)
+    print(weights_line(backend.weights), file=sys.stderr)
+    return backend
+
+
+def weights_line(weights: WeightsInfo) -> str:
+    """How the weights are served, and why where `auto` fell back to fp."""
+    formats = ", ".join(weights.formats)
+    if weights.quantization == "none":
+        why = f" (--quantization auto: {weights.note})" if weights.note else ""
+        return f"pdserve: weights: {formats}{why}"
+    return f"pdserve: weights: {formats} blocks ({weights.quantization}), by the compiled kernels"
 
 
 def _log_to_stderr() -> None:

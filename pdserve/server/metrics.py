@@ -17,7 +17,7 @@ from pdserve.cluster.recovery import FaultCounters
 from pdserve.cluster.routing import Router
 from pdserve.engine.outputs import RequestOutput
 from pdserve.predictor.confusion import PredictionCounters
-from pdserve.protocol.core import EngineStats
+from pdserve.protocol.core import EngineStats, WeightsInfo
 from pdserve.protocol.prediction import LengthPrediction
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -65,6 +65,15 @@ class ServerMetrics:
                 hist.observe(value)
         if m.decode_time is not None and len(out.token_ids) > 1:
             self.tpot.observe(m.decode_time / (len(out.token_ids) - 1))
+
+    def describe_weights(self, weights: WeightsInfo) -> None:
+        """pdserve_model_weights_info{quantization, formats} 1: what the engine reads."""
+        Gauge(
+            "pdserve_model_weights_info",
+            "How the served weights are held (formats: what the projections read)",
+            ["quantization", "formats"],
+            registry=self.registry,
+        ).labels(weights.quantization, ",".join(weights.formats)).set(1)
 
     def watch_faults(self, faults: FaultCounters) -> None:
         """Export the front end's failure counters (read at every scrape)."""

@@ -13,7 +13,7 @@ GGUF the way llama.cpp's converter does (q/k rows permuted for `llama`), tokeniz
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -177,13 +177,17 @@ def make_tiny_gguf(
     arch: str = "LlamaForCausalLM",
     *,
     drop_tensors: Collection[str] = (),
+    quant: str | None = None,
+    quant_overrides: Mapping[str, str] | None = None,
     **kwargs: Any,
 ) -> Path:
     """A tiny model (see `make_tiny_model`) written as an F32 GGUF file, as llama.cpp would.
 
     `arch`: LlamaForCausalLM -> GGUF `llama` (q/k rows permuted), Qwen2ForCausalLM -> `qwen2`.
     The HF folder stays beside it (same name without `.gguf`). `drop_tensors`: GGUF tensor
-    names to leave out (to test error reporting).
+    names to leave out (to test error reporting). `quant`: a GGML type name ("Q4_1") for
+    every weight matrix, quantized by gguf-py as llama.cpp's converter would;
+    `quant_overrides`: GGUF tensor name -> type name, for single tensors.
     """
     gguf_arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[arch]
     folder = make_tiny_model(tmp_path, arch, **kwargs)
@@ -192,7 +196,8 @@ def make_tiny_gguf(
     writer = gguf.GGUFWriter(str(path), gguf_arch)
     _write_metadata(writer, hf.config, gguf_arch)
     _write_tokenizer(writer, make_tokenizer())
-    _write_tensors(writer, hf, gguf_arch, drop_tensors)
+    types = {"": quant} if quant else {}
+    _write_tensors(writer, hf, gguf_arch, drop_tensors, {**types, **(quant_overrides or {})})
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -234,7 +239,11 @@ def _merges(tok: PreTrainedTokenizerFast) -> list[str]:
 
 
 def _write_tensors(
-    writer: gguf.GGUFWriter, hf: PreTrainedModel, gguf_arch: str, drop: Collection[str]
+    writer: gguf.GGUFWriter,
+    hf: PreTrainedModel,
+    gguf_arch: str,
+    drop: Collection[str],
+    types: Mapping[str, str],
 ) -> None:
     from pdserve.model.gguf_loader import gguf_tensor_name
 
@@ -247,8 +256,16 @@ def _write_tensors(
             data = _permute(data, c.num_attention_heads)
         elif gguf_arch == "llama" and ".k_proj." in name:
             data = _permute(data, c.num_key_value_heads)
-        if gguf_tensor_name(name) not in drop:
-            writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(data))
+        gname = gguf_tensor_name(name)
+        if gname in drop:
+            continue
+        qtype = types.get(gname, types.get("")) if data.ndim == 2 else None
+        if qtype is None:
+            writer.add_tensor(gname, np.ascontiguousarray(data))
+            continue
+        ggml = gguf.GGMLQuantizationType[qtype]
+        blocks = gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), ggml)
+        writer.add_tensor(gname, blocks, raw_shape=blocks.shape, raw_dtype=ggml)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -1,0 +1,174 @@
+"""Quantized models: GGUF blocks served as they are, fp weights quantized at load, and
+`--quantization` resolved for each kind of file (pdserve/model/loader.py).
+
+The loading checks are exact: every quantized op's blocks dequantize to exactly the
+fp32 weight the unquantized load builds (same permutation, same fusion), so what the
+kernels read is the file's weights; the kernels themselves are tests/test_quant_kernels.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.tiny_models import make_tiny_gguf, make_tiny_model
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine, load_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.base import CausalLM
+from pdserve.model.layers import DecoderLayer
+from pdserve.model.loader import Quantization, iter_weights, load_config, resolve_quantization
+from pdserve.model.registry import build_model
+from pdserve.quant.formats import QuantType, QuantWeight
+from pdserve.quant.linear import QuantEmbedding, QuantLinear
+
+
+def fp_model(path: Path) -> CausalLM:
+    """The unquantized load, ops unpacked (their `.weight` is the fp32 matrix)."""
+    model = build_model(load_config(path))
+    model.load_weights(iter_weights(path))
+    model.finalize(pack=False)
+    return model
+
+
+def ops(model: CausalLM) -> list[object]:
+    out: list[object] = [model.lm_head_op]
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        a, m = layer.self_attn, layer.mlp
+        out += [a.qkv_op, a.o_op, m.gate_up_op, m.down_op]
+    return out
+
+
+def assert_same_weights(quant: CausalLM, fp: CausalLM, qtype: QuantType) -> None:
+    for q, f in zip(ops(quant), ops(fp), strict=True):
+        assert isinstance(q, QuantLinear) and q.weight.qtype == qtype
+        assert torch.equal(q.weight.dequantize(), f.weight)  # type: ignore[attr-defined]
+        if f.bias is None:  # type: ignore[attr-defined]
+            assert q.bias is None
+        else:
+            assert torch.equal(q.bias, f.bias)  # type: ignore[attr-defined]
+    ids = torch.tensor([0, 5, 17, 3, 5])
+    assert torch.equal(quant.embed_tokens[ids], fp.embed_tokens[ids])
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize("qtype", list(QuantType))
+def test_a_quantized_gguf_is_served_from_its_own_blocks(
+    tmp_path: Path, arch: str, qtype: QuantType
+) -> None:
+    """Llama (q/k rows permuted in the file) and Qwen2 (q/k/v biases), untied head."""
+    path = make_tiny_gguf(tmp_path, arch, quant=qtype.name)
+    model = load_model(EngineConfig(model=str(path), quantization="gguf", num_threads=1))
+    assert model.quantization == Quantization("gguf")
+    assert model.weight_formats == [qtype.name]
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert_same_weights(model, fp_model(path), qtype)
+
+
+@pytest.mark.parametrize("qtype", [QuantType.Q8_0, QuantType.Q4_0])
+def test_hf_weights_quantized_at_load(tmp_path: Path, qtype: QuantType) -> None:
+    """Projections in the asked format; embeddings and LM head (tied here) in Q8_0."""
+    folder = make_tiny_model(tmp_path, "LlamaForCausalLM", tie_word_embeddings=True)
+    quantization = resolve_quantization(qtype.name.lower(), folder)
+    model = build_model(load_config(folder), quantized=True)
+    model.load_weights(iter_weights(folder, quantization=quantization))
+    model.finalize()
+    fp = fp_model(folder)
+    assert model.weight_formats == sorted({qtype.name, "Q8_0"})
+    head = model.lm_head_op
+    assert isinstance(head, QuantLinear) and head.weight.qtype == QuantType.Q8_0
+    want = QuantWeight.quantize(fp.lm_head_op.weight, QuantType.Q8_0)  # type: ignore[attr-defined]
+    assert (head.weight.to_blocks() == want.to_blocks()).all()
+    for q, f in zip(ops(model)[1:], ops(fp)[1:], strict=True):
+        assert isinstance(q, QuantLinear) and q.weight.qtype == qtype
+        want = QuantWeight.quantize(f.weight, qtype)  # type: ignore[attr-defined]
+        assert (q.weight.to_blocks() == want.to_blocks()).all()
+
+
+def test_auto_falls_back_on_a_type_the_kernels_do_not_read_and_gguf_refuses_it(
+    tmp_path: Path,
+) -> None:
+    path = make_tiny_gguf(tmp_path, quant="Q4_1", quant_overrides={"blk.1.attn_v.weight": "Q5_0"})
+    why = (
+        "tensor 'blk.1.attn_v.weight' (model.layers.1.self_attn.v_proj.weight) has GGUF type "
+        "Q5_0, which the kernels do not read (they read Q8_0, Q4_0, Q4_1); serve it with "
+        "--quantization none"
+    )
+    assert resolve_quantization("auto", path) == Quantization("none", why)
+    with pytest.raises(ValueError) as info:
+        resolve_quantization("gguf", path)
+    assert str(info.value) == f"--quantization gguf: {why}"
+
+
+def test_each_value_fits_its_kind_of_file(tmp_path: Path) -> None:
+    gguf_file = make_tiny_gguf(tmp_path)  # F32
+    folder = make_tiny_model(tmp_path, "LlamaForCausalLM")
+    assert resolve_quantization("auto", gguf_file) == Quantization(
+        "none", "the file holds no quantized weights"
+    )
+    assert resolve_quantization("auto", folder) == Quantization(
+        "none", "the weights are fp (--quantization q8_0 or q4_0 quantizes them at load)"
+    )
+    assert resolve_quantization("q8_0", folder) == Quantization("q8_0")
+    assert resolve_quantization("none", gguf_file) == Quantization()
+    with pytest.raises(ValueError) as info:
+        resolve_quantization("q4_0", gguf_file)
+    assert str(info.value) == (
+        f"--quantization q4_0 does not fit {gguf_file} (a GGUF file); use one of: auto, none, gguf"
+    )
+    with pytest.raises(ValueError) as info:
+        resolve_quantization("gguf", folder)
+    assert str(info.value) == (
+        f"--quantization gguf does not fit {folder} (a Hugging Face folder); "
+        "use one of: auto, none, q8_0, q4_0"
+    )
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_a_value_that_does_not_fit_the_model_exits_2_before_loading() -> None:
+    proc = run_cli("serve", "--port", "0", "--quantization", "q4_0")
+    assert proc.returncode == 2, proc.stderr
+    assert "pdserve: error: --quantization q4_0 does not fit " in proc.stderr
+    assert "(a GGUF file); use one of: auto, none, gguf" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_cli("generate", "hi", "--quantization", "bogus")
+    assert proc.returncode == 2
+    assert "argument --quantization: invalid choice: 'bogus'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_without_the_kernels_auto_serves_fp32_and_gguf_says_why() -> None:
+    """The fallback path (CI runs it here): PDSERVE_NO_KERNELS=1 - as on a machine
+    where the extension could not be built - gives the fp32 model's exact text."""
+    off = {"PDSERVE_NO_KERNELS": "1"}
+    proc = run_cli("generate", "--quantization", "gguf", "hi", env=off)
+    assert proc.returncode == 2
+    assert "pdserve: error: --quantization gguf: PDSERVE_NO_KERNELS is set" in proc.stderr
+    prompt = "The capital of France is"
+    proc = run_cli(
+        "generate", "--raw", "--max-tokens", "12", "--quantization", "auto", prompt, env=off
+    )
+    assert proc.returncode == 0, proc.stderr
+    engine = Engine.from_config(EngineConfig(quantization="none", num_threads=2))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    engine.add_request(engine.tokenizer.encode(prompt), greedy)
+    text = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            text = out.text
+    assert proc.stdout == text + "\n"
