@@ -1,13 +1,17 @@
 """Engine speed vs HF transformers and the machine's floors, side by side in one run.
 
     .venv/bin/python bench/bench_engine.py [--model PATH] [--repeats 3] [--json out.json]
+        [--quantization none,gguf,q8_0]
 
-Measures on the same weights, dtype and thread count:
+Measures on the same weights, dtype and thread count, for each --quantization (none:
+fp32 dequantized from the file; gguf: the file's own blocks; q8_0 / q4_0: the fp32
+weights requantized at load), against HF transformers in fp32:
 * prefill throughput (tokens/s) at prompt lengths 128 / 512 / 2048, batch 1;
 * decode step time (ms) at batch 1 / 8 / 32 / 64 with ~256 tokens of context;
 * the machine's floors: memory bandwidth (large tensor copy), fp32 matmul rate
-  (large square matmul), and from them the decode-step floor (weight bytes /
-  bandwidth) and the prefill floor (FLOPs / matmul rate).
+  (large square matmul), and from them the decode-step floor (the bytes of weights
+  that setting reads / bandwidth) and the prefill floor (FLOPs / fp32 matmul rate;
+  the int8 kernels of a quantized setting are not bound by it).
 
 Each figure is the median over `--repeats` runs; ours and HF's runs alternate so
 machine drift hits both. Reported as ratios; absolute times are for context only.
@@ -16,6 +20,7 @@ machine drift hits both. Reported as ratios; absolute times are for context only
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -29,8 +34,14 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import iter_weights, load_config, resolve_model
+from pdserve.model.layers import DecoderLayer
+from pdserve.model.loader import iter_weights, load_config, quantize_weights, resolve_model
+from pdserve.model.registry import build_model
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.quant.formats import QuantType
+from pdserve.quant.linear import QuantLinear
 
 PREFILL_LENS = (128, 512, 2048)
 DECODE_BATCHES = (1, 8, 32, 64)
@@ -41,10 +52,10 @@ DECODE_STEPS = 16
 @dataclass
 class Row:
     name: str
-    ours: float
+    ours: dict[str, float]  # by --quantization
     hf: float
     unit: str
-    floor: float | None = None
+    floors: dict[str, float] | None = None
 
 
 def median_of(fn: Callable[[], float], repeats: int) -> float:
@@ -99,12 +110,22 @@ def matmul_rate(n: int = 2048) -> float:
     return 2 * n**3 / best
 
 
-def weight_bytes(cfg: ModelConfig) -> int:
-    """Bytes a decode step must read: every weight once (the tied LM head included)."""
-    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i + 2 * h
-    head = cfg.vocab_size * h
-    return 4 * (layers * per_layer + head + h)
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes a decode step must read: every weight once (the tied LM head included),
+    in the format each op reads (blocks for a quantized op, fp32 otherwise)."""
+    cfg = model.config
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = [(cfg.vocab_size, h)]
+    ops: list[object] = [model.lm_head_op]
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        a, m = layer.self_attn, layer.mlp
+        ops += [a.qkv_op, a.o_op, m.gate_up_op, m.down_op]
+        shapes += [(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)]
+    total = 4 * h * (2 * cfg.num_hidden_layers + 1)  # the norms
+    for op, (n, k) in zip(ops, shapes, strict=True):
+        total += op.weight.nbytes if isinstance(op, QuantLinear) else 4 * n * k
+    return total
 
 
 def prefill_flops(cfg: ModelConfig, n: int) -> float:
@@ -205,11 +226,26 @@ def hf_decode(model: torch.nn.Module, batch: int) -> float:
 # ---- main -------------------------------------------------------------------------
 
 
+def make_engine(cfg: EngineConfig, quantization: str) -> Engine:
+    """none / gguf: as `pdserve serve --quantization` loads the file; q8_0 / q4_0: the
+    file's fp32 weights requantized at load (what `--quantization q8_0` does for a HF
+    folder), so every setting serves the same model."""
+    if quantization in ("none", "gguf"):
+        return Engine.from_config(dataclasses.replace(cfg, quantization=quantization))
+    assert cfg.model is not None
+    torch.set_num_threads(cfg.threads)
+    model = build_model(load_config(cfg.model), quantized=True)
+    model.load_weights(quantize_weights(iter_weights(cfg.model), QuantType.parse(quantization)))
+    model.finalize()
+    return Engine(cfg, model, Tokenizer.from_model_path(cfg.model))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quantization", default="none,gguf,q8_0", help="comma-separated settings")
     args = ap.parse_args()
     path = str(resolve_model(args.model))
     cfg = EngineConfig(
@@ -218,25 +254,25 @@ def main() -> int:
         cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_cache=False),
     )
     torch.manual_seed(0)
-    engine = Engine.from_config(cfg)
+    engines = {q: make_engine(cfg, q) for q in args.quantization.split(",")}
     hf = hf_model(path)
-    mc = engine.core.model.config
+    mc = next(iter(engines.values())).core.model.config
     (bw, bw_copy), mm = memory_bandwidth(), matmul_rate()
     rows: list[Row] = []
     for n in PREFILL_LENS:
-        ours_prefill(engine, n)  # warm-up
+        for e in engines.values():
+            ours_prefill(e, n)  # warm-up
         hf_prefill(hf, n)
-        o, h = _alternate(
-            lambda n=n: ours_prefill(engine, n), lambda n=n: hf_prefill(hf, n), args.repeats
-        )
-        rows.append(Row(f"prefill {n} tok", o, h, "tok/s", n / (prefill_flops(mc, n) / mm)))
+        fns = {q: functools.partial(ours_prefill, e, n) for q, e in engines.items()}
+        o, h = _alternate(fns, functools.partial(hf_prefill, hf, n), args.repeats)
+        floor = n / (prefill_flops(mc, n) / mm)
+        rows.append(Row(f"prefill {n} tok", o, h, "tok/s", {q: floor for q in engines}))
     for b in DECODE_BATCHES:
-        o, h = _alternate(
-            lambda b=b: ours_decode(engine, b), lambda b=b: hf_decode(hf, b), args.repeats
-        )
-        floor = weight_bytes(mc) / bw * 1000
-        rows.append(Row(f"decode b={b} ctx~{DECODE_CONTEXT}", o, h, "ms/step", floor))
-    _print(rows, bw, mm, mc)
+        fns = {q: functools.partial(ours_decode, e, b) for q, e in engines.items()}
+        o, h = _alternate(fns, functools.partial(hf_decode, hf, b), args.repeats)
+        floors = {q: weight_bytes(e.core.model) / bw * 1000 for q, e in engines.items()}
+        rows.append(Row(f"decode b={b} ctx~{DECODE_CONTEXT}", o, h, "ms/step", floors))
+    _print(rows, bw, mm, {q: weight_bytes(e.core.model) for q, e in engines.items()})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -254,32 +290,39 @@ def main() -> int:
 
 
 def _alternate(
-    ours: Callable[[], float], hf: Callable[[], float], repeats: int
-) -> tuple[float, float]:
-    o, h = [], []
+    ours: dict[str, Callable[[], float]], hf: Callable[[], float], repeats: int
+) -> tuple[dict[str, float], float]:
+    """Each setting then HF, `repeats` times over; the medians."""
+    o: dict[str, list[float]] = {q: [] for q in ours}
+    h = []
     for _ in range(repeats):
-        o.append(ours())
+        for q, fn in ours.items():
+            o[q].append(fn())
         h.append(hf())
-    return statistics.median(o), statistics.median(h)
+    return {q: statistics.median(v) for q, v in o.items()}, statistics.median(h)
 
 
-def _print(rows: list[Row], bw: float, mm: float, mc: ModelConfig) -> None:
+def _print(rows: list[Row], bw: float, mm: float, weights: dict[str, int]) -> None:
+    sizes = ", ".join(f"{q} {n / 1e6:.0f} MB" for q, n in weights.items())
     print(
         f"threads={torch.get_num_threads()}  read bandwidth={bw / 1e9:.1f} GB/s  "
-        f"matmul={mm / 1e9:.1f} GFLOP/s  weights={weight_bytes(mc) / 1e6:.0f} MB"
+        f"matmul={mm / 1e9:.1f} GFLOP/s  weights read per step: {sizes}"
     )
     print(
-        f"| {'case':24} | {'pdserve':>9} | {'HF':>9} | unit    | ours/HF | floor     | ours/floor |"
+        f"| {'case':24} | {'setting':8} | {'pdserve':>9} | {'HF fp32':>9} | unit    | ours/HF "
+        "| floor     | ours/floor |"
     )
-    print("|" + "---|" * 7)
+    print("|" + "---|" * 8)
     for r in rows:
         higher_better = r.unit == "tok/s"
-        speed = r.ours / r.hf if higher_better else r.hf / r.ours
-        fl = f"{r.floor:9.1f}" if r.floor else "-"
-        of = (r.ours / r.floor if higher_better else r.floor / r.ours) if r.floor else 0
-        cells = [f"{r.name:24}", f"{r.ours:9.1f}", f"{r.hf:9.1f}", f"{r.unit:7}"]
-        cells += [f"{speed:6.2f}x", fl, f"{of:9.2f}"]
-        print("| " + " | ".join(cells) + " |")
+        for q, ours in r.ours.items():
+            speed = ours / r.hf if higher_better else r.hf / ours
+            floor = r.floors[q] if r.floors else None
+            fl = f"{floor:9.1f}" if floor else "-"
+            of = (ours / floor if higher_better else floor / ours) if floor else 0
+            cells = [f"{r.name:24}", f"{q:8}", f"{ours:9.1f}", f"{r.hf:9.1f}", f"{r.unit:7}"]
+            cells += [f"{speed:6.2f}x", fl, f"{of:9.2f}"]
+            print("| " + " | ".join(cells) + " |")
     print("ours/HF > 1 means pdserve is faster; ours/floor is the fraction of the floor reached.")
 
 

@@ -268,20 +268,24 @@ def iter_weights(
     tensors = _iter_safetensors(expected, locations, dtype)
     if not quantization.quantized:
         return iter(tensors)
-    return _quantize_at_load(tensors, set(blocks), QuantType.parse(quantization.mode), where)
+    return quantize_weights(tensors, QuantType.parse(quantization.mode), where)
 
 
-def _quantize_at_load(
-    tensors: Iterator[tuple[str, torch.Tensor]], names: set[str], qtype: QuantType, where: str
+def quantize_weights(
+    tensors: Iterator[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor | QuantWeight]],
+    qtype: QuantType,
+    where: str = "",
 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """Quantize the fp weights `is_quantizable` names: projections to `qtype`, the
+    embeddings and LM head to Q8_0 (see `Quantization`); the rest pass as they are."""
     for name, tensor in tensors:
-        if name not in names:
+        if not is_quantizable(name) or not isinstance(tensor, torch.Tensor):
             yield name, tensor
             continue
         target = QuantType.Q8_0 if not name.endswith("_proj.weight") else qtype
         if tensor.shape[-1] % 32:
             raise ModelLoadError(
-                f"{where}: tensor {name!r} has rows of {tensor.shape[-1]} values; "
+                f"{where or 'model'}: tensor {name!r} has rows of {tensor.shape[-1]} values; "
                 f"{target.name} needs a multiple of 32 (serve it with --quantization none)"
             )
         yield name, QuantWeight.quantize(tensor, target)

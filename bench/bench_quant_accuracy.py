@@ -1,0 +1,123 @@
+"""Quantized serving vs the fp32 reference on the same model file: greedy agreement and
+perplexity (issue 20, acceptance 2).
+
+    .venv/bin/python bench/bench_quant_accuracy.py [--model PATH] [--quantization gguf]
+
+The reference is `--quantization none`: the file's blocks dequantized to fp32, so both
+settings hold exactly the same weights and the only difference is the kernels' int8
+activations (pdserve/quant/README.md).
+
+* Greedy agreement: 16 varied chat prompts (the length predictor's six task kinds,
+  predictor/prompts.py, seed 0) x 64 tokens with ignore_eos: the share of continuations
+  identical to fp32's, and where each other one first differs.
+* Perplexity over the first 2,048 tokens of a fixed English text (the "assignment",
+  "if", "for", "while", "try", "with" and "function" topics of CPython's own pydoc data,
+  shipped with every Python 3.11), one prefill each; the ratio must be within 1%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout
+from pdserve.model.attention import AttentionMetadata, SeqSpec
+from pdserve.model.base import CausalLM
+from pdserve.predictor.prompts import make_prompts
+
+NUM_PROMPTS = 16
+NUM_TOKENS = 64
+PPL_TOKENS = 2048
+TOPICS = ("assignment", "if", "for", "while", "try", "with", "function")
+BLOCK = 16
+
+
+def greedy(engine: Engine, prompts: list[str]) -> list[list[int]]:
+    tok = engine.tokenizer
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, text in enumerate(prompts):
+        chat = tok.apply_chat_template([{"role": "user", "content": text}])
+        engine.add_request(tok.encode(chat, False), params, f"p{i}")
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.token_ids)
+    return [done[f"p{i}"] for i in range(len(prompts))]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def fixed_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[t] for t in TOPICS)
+
+
+@torch.inference_mode()
+def perplexity(model: CausalLM, ids: list[int]) -> float:
+    """exp(mean NLL of each token given those before it), one prefill over a fresh pool."""
+    c = model.config
+    blocks = -(-len(ids) // BLOCK)
+    layout = KVLayout(
+        c.num_hidden_layers, blocks, BLOCK, c.num_key_value_heads, c.head_dim, "float32"
+    )
+    cache = KVCache(layout, num_host_blocks=0)
+    meta = AttentionMetadata.build([SeqSpec(0, len(ids), list(range(blocks)))], BLOCK)
+    n = len(ids)
+    logits = model(
+        torch.tensor(ids), torch.arange(n), cache.device_tensor, meta, torch.arange(n - 1)
+    )
+    nll = torch.nn.functional.cross_entropy(logits.double(), torch.tensor(ids[1:]))
+    return math.exp(float(nll))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--quantization", default="gguf")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    prompts = [text for _, text in make_prompts(NUM_PROMPTS, seed=0)]
+    results = {}
+    for q in ("none", args.quantization):
+        engine = Engine.from_config(EngineConfig(model=args.model, quantization=q))
+        ids = engine.tokenizer.encode(fixed_text(), False)[:PPL_TOKENS]
+        assert len(ids) == PPL_TOKENS, len(ids)
+        results[q] = {
+            "tokens": greedy(engine, prompts),
+            "perplexity": perplexity(engine.core.model, ids),
+            "formats": engine.core.model.weight_formats,
+        }
+        del engine
+    ref, got = results["none"], results[args.quantization]
+    diffs = [first_difference(a, b) for a, b in zip(ref["tokens"], got["tokens"], strict=True)]
+    same = sum(d is None for d in diffs)
+    ratio = got["perplexity"] / ref["perplexity"]
+    print(f"{args.quantization} ({', '.join(got['formats'])}) vs none (fp32):")
+    print(f"  identical greedy continuations: {same}/{NUM_PROMPTS} ({NUM_TOKENS} tokens each)")
+    print(
+        f"  first divergence positions of the others: {sorted(d for d in diffs if d is not None)}"
+    )
+    print(
+        f"  perplexity over {PPL_TOKENS} tokens: fp32 {ref['perplexity']:.4f}, "
+        f"{args.quantization} {got['perplexity']:.4f} (ratio {ratio:.4f})"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"diffs": diffs, "ppl": {q: r["perplexity"] for q, r in results.items()}}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
