@@ -115,16 +115,23 @@ def run_one(run: Run, factory: PromptFactory, seed: int) -> dict[str, Any]:
     finally:
         bc.stop(server)
     s = doc["runs"][0]["summary"]
-    delta = {k: sum(after[n][k] - before[n][k] for n in after) for k in next(iter(after.values()))}
+    delta = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in after}
+
+    def total(key: str, role: str = "") -> int:
+        return sum(d[key] for n, d in delta.items() if n.startswith(role))
+
     records = sorted(doc["runs"][0]["records"], key=lambda r: r["index"])
     return {
         "completed": s["completed"],
         "num_requests": s["num_requests"],
         "mean_ttft_ms": s.get("mean_ttft_ms"),
         "mean_jct_ms": s.get("mean_e2el_ms"),
-        "busy_s": delta["busy_ms"] / 1000,
-        "preemptions": delta["num_preemptions"],
-        "admission_waits": delta["num_admission_waits"],
+        "busy_s": total("busy_ms") / 1000,
+        # Decode admission acts on decode (and colocated) instances; a prefill instance
+        # preempts too when its pool is tight (it holds prompts' KV until the hand-off).
+        "preemptions": total("num_preemptions") - total("num_preemptions", "prefill"),
+        "prefill_preemptions": total("num_preemptions", "prefill"),
+        "admission_waits": total("num_admission_waits"),
         "output_tokens": [r["output_tokens"] for r in records],
     }
 
@@ -202,7 +209,8 @@ def summary(row: dict[str, Any]) -> str:
     return (
         f"{row['completed']}/{row['num_requests']} ok, TTFT {bc.ms(row['mean_ttft_ms'])} ms, "
         f"JCT {bc.ms(row['mean_jct_ms'])} ms, busy {row['busy_s']:.1f} s, "
-        f"preemptions {row['preemptions']}, admission waits {row['admission_waits']}"
+        f"decode preemptions {row['preemptions']} (prefill {row.get('prefill_preemptions')}), "
+        f"admission waits {row['admission_waits']}"
     )
 
 
