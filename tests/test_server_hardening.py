@@ -27,6 +27,7 @@ from pdserve.cluster.routing import CacheCounters, Router
 from pdserve.model.default import default_model_path
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.confusion import PredictionCounters
+from pdserve.protocol.core import WeightsInfo
 from pdserve.server.app import ServerConfig, build_app
 from pdserve.server.http import header_deadline_protocol
 
@@ -344,6 +345,7 @@ class _FailingBackend:
         config = ClusterConfig(num_colocated=1)
         self.router = Router(config, 16, DecodeChooser(config.decode_policy))
         self.predictions = PredictionCounters(None)
+        self.weights = WeightsInfo("none", ["float32"])
 
     async def generate(
         self, prompt: Any, params: Any, request_id: str | None = None, session: str | None = None
