@@ -36,7 +36,6 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
-from pdserve.model.layers import DecoderLayer
 from pdserve.model.loader import iter_weights, load_config, quantize_weights, resolve_model
 from pdserve.model.registry import build_model
 from pdserve.model.tokenizer import Tokenizer
@@ -115,13 +114,9 @@ def weight_bytes(model: CausalLM) -> int:
     in the format each op reads (blocks for a quantized op, fp32 otherwise)."""
     cfg = model.config
     h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = [(cfg.vocab_size, h)]
-    ops: list[object] = [model.lm_head_op]
-    for layer in model.layers:
-        assert isinstance(layer, DecoderLayer)
-        a, m = layer.self_attn, layer.mlp
-        ops += [a.qkv_op, a.o_op, m.gate_up_op, m.down_op]
-        shapes += [(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)]
+    layer = [(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)]
+    shapes = [(cfg.vocab_size, h), *layer * cfg.num_hidden_layers]
+    ops = model.projection_ops()
     total = 4 * h * (2 * cfg.num_hidden_layers + 1)  # the norms
     for op, (n, k) in zip(ops, shapes, strict=True):
         total += op.weight.nbytes if isinstance(op, QuantLinear) else 4 * n * k

@@ -21,7 +21,6 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine, load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.base import CausalLM
-from pdserve.model.layers import DecoderLayer
 from pdserve.model.loader import Quantization, iter_weights, load_config, resolve_quantization
 from pdserve.model.registry import build_model
 from pdserve.quant.formats import QuantType, QuantWeight
@@ -36,17 +35,8 @@ def fp_model(path: Path) -> CausalLM:
     return model
 
 
-def ops(model: CausalLM) -> list[object]:
-    out: list[object] = [model.lm_head_op]
-    for layer in model.layers:
-        assert isinstance(layer, DecoderLayer)
-        a, m = layer.self_attn, layer.mlp
-        out += [a.qkv_op, a.o_op, m.gate_up_op, m.down_op]
-    return out
-
-
 def assert_same_weights(quant: CausalLM, fp: CausalLM, qtype: QuantType) -> None:
-    for q, f in zip(ops(quant), ops(fp), strict=True):
+    for q, f in zip(quant.projection_ops(), fp.projection_ops(), strict=True):
         assert isinstance(q, QuantLinear) and q.weight.qtype == qtype
         assert torch.equal(q.weight.dequantize(), f.weight)  # type: ignore[attr-defined]
         if f.bias is None:  # type: ignore[attr-defined]
@@ -85,7 +75,7 @@ def test_hf_weights_quantized_at_load(tmp_path: Path, qtype: QuantType) -> None:
     assert isinstance(head, QuantLinear) and head.weight.qtype == QuantType.Q8_0
     want = QuantWeight.quantize(fp.lm_head_op.weight, QuantType.Q8_0)  # type: ignore[attr-defined]
     assert (head.weight.to_blocks() == want.to_blocks()).all()
-    for q, f in zip(ops(model)[1:], ops(fp)[1:], strict=True):
+    for q, f in zip(model.projection_ops()[1:], fp.projection_ops()[1:], strict=True):
         assert isinstance(q, QuantLinear) and q.weight.qtype == qtype
         want = QuantWeight.quantize(f.weight, qtype)  # type: ignore[attr-defined]
         assert (q.weight.to_blocks() == want.to_blocks()).all()

@@ -172,16 +172,21 @@ class CausalLM(nn.Module):
         fp = [p.dequantize(self.dtype) if isinstance(p, QuantWeight) else p for p in parts]
         return PackedLinear(torch.cat(fp).to(self.dtype), bias, pack)
 
-    @property
-    def weight_formats(self) -> list[str]:
-        """The block formats the ops read ("Q4_1", "Q8_0", ...), or ["fp32"]-like dtype
-        names where they read full-precision weights; sorted, each once."""
-        ops: list[object] = [self.lm_head_op]
+    def projection_ops(self) -> list[Linear]:
+        """The LM head, then each layer's qkv, o, gate_up and down ops, in that order."""
+        ops: list[Linear] = [self.lm_head_op]
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             a, m = layer.self_attn, layer.mlp
             ops += [a.qkv_op, a.o_op, m.gate_up_op, m.down_op]
+        return ops
+
+    @property
+    def weight_formats(self) -> list[str]:
+        """The block formats the ops read ("Q4_1", "Q8_0", ...), or ["fp32"]-like dtype
+        names where they read full-precision weights; sorted, each once."""
         dtype = str(self.dtype).removeprefix("torch.")
+        ops = self.projection_ops()
         return sorted({o.weight.qtype.name if isinstance(o, QuantLinear) else dtype for o in ops})
 
     def _release_packed_originals(self) -> None:
