@@ -18,7 +18,9 @@
  * Weight layout (made in Python, pdserve/quant/formats.py), row n of N:
  *   qs: Q8_0 int8 [N][K]; Q4_0/Q4_1 uint8 [N][K/2], GGUF's nibble order per block
  *       (byte j holds value j in its low nibble and value j+16 in its high nibble);
- *   d:  fp16 [N][K/32] block scales;  m: fp16 [N][K/32] block minimums (Q4_1 only).
+ *   d:  fp16 [N][K/32] block scales;
+ *   off: fp16 [N][BP] the per-block scales of the offset term, zero-padded to BP = K/32
+ *       rounded up to a multiple of 8 (Q4_0: d again; Q4_1: the block minimums m).
  * Values: Q8_0 w = d*q; Q4_0 w = d*(q-8); Q4_1 w = d*q + m.
  *
  * Threads: OpenMP over output columns. pdserve imports torch before this module, so
@@ -47,7 +49,8 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
 typedef struct {
     const int8_t *q; /* [M][K] */
     const float *d;  /* [M][B] scales */
-    const float *s;  /* [M][B] d * sum(q): what a constant per block (Q4_0's -8, Q4_1's m) adds */
+    const float *s;  /* [M][BP] d * sum(q): what a constant per block (Q4_0's -8, Q4_1's m)
+                        adds; zero past B */
     int64_t K, B;
 } QRows;
 
@@ -55,8 +58,8 @@ typedef struct {
     int type;
     const uint8_t *qs;
     const uint16_t *d;
-    const uint16_t *m;
-    int64_t N, K, B;
+    const uint16_t *off; /* [N][BP] fp16 per-block offset scales, zero past B: Q4_0 d, Q4_1 m */
+    int64_t N, K, B, BP; /* BP: B rounded up to a multiple of 8 */
 } QWeight;
 
 /* ---- activation quantization --------------------------------------------------------- */
@@ -114,13 +117,14 @@ INLINE void quantize_block(const float *x, int8_t *q, float *d_out, float *s_out
     *s_out = d * (float)hsum8i(sum);
 }
 
+/* s has row stride lds (>= B); entries past B are left as they are. */
 KERNEL static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *q,
-                                 float *d, float *s, int threads) {
+                                 float *d, float *s, int64_t lds, int threads) {
     const int64_t B = K / QK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (M * K >= 65536)
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < B; b++) {
-            quantize_block(x + m * ldx + b * QK, q + m * K + b * QK, d + m * B + b, s + m * B + b);
+            quantize_block(x + m * ldx + b * QK, q + m * K + b * QK, d + m * B + b, s + m * lds + b);
         }
     }
 }
@@ -142,17 +146,16 @@ INLINE __m256 block_dot(__m256i w, __m256i a) {
 
 INLINE float half(uint16_t h) { return _cvtsh_ss(h); }
 
-/* sum_b w16[b] * s[b] in a fixed order: 8 lanes, then the tail, then one horizontal sum. */
-INLINE float offset_dot(const uint16_t *w16, const float *s, int64_t B) {
+/* sum_b off[b] * s[b] as 8 lanes over the blocks in order. Both rows are zero-padded to
+ * a multiple of 8 blocks (BP), so there is no tail. The lanes are added to the main
+ * accumulator: each output has one horizontal sum. */
+INLINE __m256 offset_lanes(const uint16_t *off, const float *s, int64_t BP) {
     __m256 acc = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= B; b += 8) {
-        const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w16 + b)));
+    for (int64_t b = 0; b < BP; b += 8) {
+        const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(off + b)));
         acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(s + b), acc);
     }
-    float tail = 0.0f;
-    for (; b < B; b++) tail += half(w16[b]) * s[b];
-    return hsum8(acc) + tail;
+    return acc;
 }
 
 /* y[m0+i, n0+j] for i < RM, j < RN over all K: the same operations for every (i, j).
@@ -162,7 +165,7 @@ INLINE void tile(const QWeight *w, const QRows *a, int64_t m0, int64_t n0, float
     __m256 acc[4][4];
     for (int i = 0; i < RM; i++)
         for (int j = 0; j < RN; j++) acc[i][j] = _mm256_setzero_ps();
-    const int64_t K = w->K, B = w->B;
+    const int64_t K = w->K, B = w->B, BP = w->BP;
     const int64_t row_bytes = T == Q8_0 ? K : K / 2;
     const uint8_t *rows[4];
     for (int j = 0; j < RN; j++) rows[j] = w->qs + (n0 + j) * row_bytes;
@@ -180,7 +183,7 @@ INLINE void tile(const QWeight *w, const QRows *a, int64_t m0, int64_t n0, float
         }
         for (int i = 0; i < RM; i++) {
             const __m256i aq = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * K + b * QK));
-            const __m256 ad = _mm256_set1_ps(a->d[(m0 + i) * B + b]);
+            const __m256 ad = _mm256_broadcast_ss(a->d + (m0 + i) * B + b);
             for (int j = 0; j < RN; j++) {
                 const __m256i signed_a = T == Q8_0 ? _mm256_sign_epi8(aq, ws[j]) : aq;
                 const __m256 dot = block_dot(wq[j], signed_a);
@@ -189,15 +192,15 @@ INLINE void tile(const QWeight *w, const QRows *a, int64_t m0, int64_t n0, float
         }
     }
     for (int i = 0; i < RM; i++) {
-        const float *s = a->s + (m0 + i) * B;
+        const float *s = a->s + (m0 + i) * BP;
         for (int j = 0; j < RN; j++) {
-            float v = hsum8(acc[i][j]);
             const int64_t n = n0 + j;
+            __m256 v = acc[i][j];
             if (T == Q4_0)
-                v -= 8.0f * offset_dot(w->d + n * B, s, B);
+                v = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), offset_lanes(w->off + n * BP, s, BP), v);
             else if (T == Q4_1)
-                v += offset_dot(w->m + n * B, s, B);
-            y[(m0 + i) * ldy + n] = v;
+                v = _mm256_add_ps(v, offset_lanes(w->off + n * BP, s, BP));
+            y[(m0 + i) * ldy + n] = hsum8(v);
         }
     }
 }
@@ -271,7 +274,7 @@ static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, l
     return 0;
 }
 
-/* qlinear(type, x, ldx, M, K, qs, d, m, N, y, ldy, threads): y[M,N] = x[M,K] @ W^T.
+/* qlinear(type, x, ldx, M, K, qs, d, off, N, y, ldy, threads): y[M,N] = x[M,K] @ W^T.
  * Pointers are addresses (torch's data_ptr()); the caller checks shapes, dtypes,
  * contiguity and lifetimes (pdserve/quant/linear.py). K is a multiple of 32. */
 static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -287,17 +290,17 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     if (M == 0) Py_RETURN_NONE;
-    const int64_t B = K / QK;
+    const int64_t B = K / QK, BP = (B + 7) / 8 * 8;
     QWeight w = {type, (const uint8_t *)(intptr_t)v[5], (const uint16_t *)(intptr_t)v[6],
-                 (const uint16_t *)(intptr_t)v[7], N, K, B};
+                 (const uint16_t *)(intptr_t)v[7], N, K, B, BP};
     int8_t *q = NULL;
     float *d = NULL;
     int ok = 0;
     Py_BEGIN_ALLOW_THREADS;
     q = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
-    d = malloc(sizeof(float) * (size_t)(2 * M * B));
+    d = calloc((size_t)(M * (B + BP)), sizeof(float)); /* scales [M][B], then s [M][BP] */
     if (q != NULL && d != NULL) {
-        quantize_rows(x, ldx, M, K, q, d, d + M * B, threads);
+        quantize_rows(x, ldx, M, K, q, d, d + M * B, BP, threads);
         QRows a = {q, d, d + M * B, K, B};
         gemm(&w, &a, M, y, ldy, threads);
         ok = 1;
@@ -319,14 +322,14 @@ static PyObject *py_quantize_rows(PyObject *self, PyObject *const *args, Py_ssiz
     }
     Py_BEGIN_ALLOW_THREADS;
     quantize_rows((const float *)(intptr_t)v[0], v[1], v[2], v[3], (int8_t *)(intptr_t)v[4],
-                  (float *)(intptr_t)v[5], (float *)(intptr_t)v[6], 1);
+                  (float *)(intptr_t)v[5], (float *)(intptr_t)v[6], v[3] / QK, 1);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"qlinear", (PyCFunction)(void (*)(void))py_qlinear, METH_FASTCALL,
-     "qlinear(type, x, ldx, M, K, qs, d, m, N, y, ldy, threads): y = x @ W^T, W in GGUF blocks"},
+     "qlinear(type, x, ldx, M, K, qs, d, off, N, y, ldy, threads): y = x @ W^T, W in GGUF blocks"},
     {"quantize_rows", (PyCFunction)(void (*)(void))py_quantize_rows, METH_FASTCALL,
      "quantize_rows(x, ldx, M, K, q, d, s): int8 blocks of 32 with scales d and d*sum(q)"},
     {NULL, NULL, 0, NULL},

@@ -8,8 +8,22 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.quant.formats import QuantWeight
+from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.kernels import kernels, unavailable_reason
+
+
+def offset_scales(weight: QuantWeight) -> torch.Tensor | None:
+    """The kernel's `off` array: the fp16 scales of each block's constant term (Q4_0: d,
+    times -8 in the kernel; Q4_1: the minimums m), rows zero-padded to a multiple of 8
+    blocks so the kernel's 8-lane dot has no tail. None for Q8_0 (no constant term)."""
+    if weight.qtype == QuantType.Q8_0:
+        return None
+    src = weight.m if weight.qtype == QuantType.Q4_1 else weight.d
+    assert src is not None
+    n, blocks = src.shape
+    padded = torch.zeros(n, (blocks + 7) // 8 * 8, dtype=src.dtype)
+    padded[:, :blocks] = src
+    return padded
 
 
 class QuantLinear:
@@ -29,7 +43,8 @@ class QuantLinear:
         self._type = int(weight.qtype)
         self._qs = weight.qs.data_ptr()
         self._d = weight.d.data_ptr()
-        self._m = weight.m.data_ptr() if weight.m is not None else 0
+        self._offsets = offset_scales(weight)
+        self._off = self._offsets.data_ptr() if self._offsets is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -42,7 +57,7 @@ class QuantLinear:
         y = torch.empty(t, self.out_features, dtype=torch.float32)
         self._qlinear(
             self._type, x.data_ptr(), x.stride(0), t, self.in_features,
-            self._qs, self._d, self._m, self.out_features,
+            self._qs, self._d, self._off, self.out_features,
             y.data_ptr(), self.out_features, torch.get_num_threads(),
         )  # fmt: skip
         if self.bias is not None:
