@@ -238,14 +238,20 @@ KERNEL static void column_block(const QWeight *w, const QRows *a, int64_t m0, in
 }
 
 /* Tiles 4 x 2 for a GEMM (registers: 8 accumulators), 1 x 4 for a GEMV; rows in passes
- * of MC so a pass's activations stay in cache while every weight column goes by. */
+ * of MC so a pass's activations stay in cache while every weight column goes by.
+ * Column tiles are handed out in chunks of about 1/16 of a thread's share, not split
+ * statically: on a shared machine a thread that loses its core for a while then holds
+ * back one chunk, not half the product (a static split made a 0.1 ms product take 8 ms
+ * while another process ran). Which thread computes a column never changes its value. */
 KERNEL static void gemm(const QWeight *w, const QRows *a, int64_t M, float *y, int64_t ldy,
                         int threads) {
     const int rn = M == 1 ? 4 : 2;
     const int64_t tiles = (w->N + rn - 1) / rn;
+    int64_t chunk = tiles / ((int64_t)threads * 16);
+    if (chunk < 1) chunk = 1;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t m1 = m0 + MC < M ? m0 + MC : M;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n = t * rn;
             const int width = n + rn <= w->N ? rn : (int)(w->N - n);
