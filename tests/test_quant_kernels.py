@@ -1,7 +1,7 @@
 """The compiled quantized kernels (pdserve/quant/_kernels.c) against references.
 
 The bound (pdserve/quant/README.md): the kernel rounds each 32-value block of an
-activation row to int8 with scale d = max|x|/127, so each value moves by at most d/2,
+activation row to int16 with scale d = max|x|/32767, so each value moves by at most d/2,
 and everything after that is exact integer arithmetic plus fp32 accumulation. Against
 the fp32 product with the same (dequantized) weights, an output element is therefore
 off by at most sum over blocks of d/2 * sum|w| of the block's weights, plus fp32
@@ -32,28 +32,28 @@ def reference_weight(qw: QuantWeight) -> torch.Tensor:
 
 
 def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activation quantization, in numpy: int8 values [M, K], scales [M, K/32]."""
+    """The activation quantization, in numpy: int16 values [M, K], scales [M, K/32]."""
     m, k = x.shape
     blocks = x.numpy().reshape(m, k // BLOCK, BLOCK)
     amax = np.abs(blocks).max(axis=-1)
-    d = amax / np.float32(127)
+    d = amax / np.float32(32767)
     with np.errstate(divide="ignore"):
-        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        inv = np.where(amax != 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
     q = np.rint(blocks * inv[..., None]).reshape(m, k)
-    return torch.from_numpy(q.astype(np.int8)), torch.from_numpy(d.astype(np.float32))
+    return torch.from_numpy(q.astype(np.int16)), torch.from_numpy(d.astype(np.float32))
 
 
 def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per output element: sum_b d_b/2 * sum|w| over block b, plus fp32 rounding."""
     m, k = x.shape
-    d = x.double().reshape(m, k // BLOCK, BLOCK).abs().amax(-1) / 127
+    d = x.double().reshape(m, k // BLOCK, BLOCK).abs().amax(-1) / 32767
     wabs = w.double().abs().reshape(w.shape[0], k // BLOCK, BLOCK).sum(-1)
     rounding = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
     return d / 2 @ wabs.T + rounding
 
 
 def integer_method(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
-    """The kernel's method in float64: int8 activations times the exact weights."""
+    """The kernel's method in float64: int16 activations times the exact weights."""
     q, d = quantized_rows(x)
     m, k = x.shape
     xq = (q.double().reshape(m, k // BLOCK, BLOCK) * d.double().unsqueeze(-1)).reshape(m, k)
@@ -87,7 +87,7 @@ def test_the_activation_quantization_matches_numpy_exactly() -> None:
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(9, 256, generator=gen) * torch.logspace(-3, 3, 9).unsqueeze(1)
     x[2, 32:64] = 0.0  # an all-zero block: scale 0, values 0
-    q = torch.empty(9, 256, dtype=torch.int8)
+    q = torch.empty(9, 256, dtype=torch.int16)
     d = torch.empty(9, 8)
     s = torch.empty(9, 8)
     mod.quantize_rows(x.data_ptr(), 256, 9, 256, q.data_ptr(), d.data_ptr(), s.data_ptr())

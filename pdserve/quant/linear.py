@@ -1,6 +1,6 @@
 """y = x @ W.T + bias with W in a GGUF block format, by the compiled kernel.
 
-Activations are quantized per 32-value block to int8 on the fly (llama.cpp's method);
+Activations are quantized per 32-value block to int16 on the fly (pdserve/quant/README.md);
 each output element is computed the same way whatever the batch (see `_kernels.c`).
 """
 
