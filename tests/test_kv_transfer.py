@@ -457,6 +457,7 @@ def test_tcp_checksum_mismatch_is_detected(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize("threads", [2, 3])
 def test_parallel_copies_are_bit_exact(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
     monkeypatch.setattr(aggregate_module, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(aggregate_module, "ITEM_BYTES", 1000)  # a few runs / rows each
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -475,6 +476,18 @@ def test_parallel_copies_are_bit_exact(monkeypatch: pytest.MonkeyPatch, threads:
             assert torch.equal(dst, src)
     finally:
         torch.set_num_threads(before)
+
+
+def test_parallel_copy_items_cover_every_row_and_run_once() -> None:
+    runs = [(0, 5, 2), (9, 0, 40), (3, 70, 1), (50, 90, 3), (80, 40, 7)]
+    for item_bytes in (1, 100, 500, 10_000):
+        items = aggregate_module._work_items(runs, 6, 8, item_bytes)
+        covered = sorted(
+            (row, run) for lo, hi, group in items for run in group for row in range(lo, hi)
+        )
+        assert covered == sorted((row, run) for run in runs for row in range(6))
+        if item_bytes == 10_000:
+            assert items == [(0, 6, runs)]
 
 
 # ---- transports: failures ------------------------------------------------------------------

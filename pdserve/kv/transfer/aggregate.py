@@ -9,7 +9,6 @@ layers and K/V at once, never a loop per token), so they run near memcpy speed;
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -29,9 +28,13 @@ from pdserve.kv.transfer.plan import (
 )
 
 PARALLEL_MIN_BYTES = 8 << 20  # smaller copies run on the calling thread (measured faster)
+ITEM_BYTES = 1 << 20  # bytes per work item the copy threads take from a parallel copy
 _pool: ThreadPoolExecutor | None = None
 _pool_workers = 0
 _pool_lock = threading.Lock()
+
+_Run = tuple[int, int, int]
+_Item = tuple[int, int, Sequence[_Run]]  # rows [lo, hi) of these runs
 
 
 def copy_runs(
@@ -41,10 +44,15 @@ def copy_runs(
 
     Both tensors are token-flat `[L, 2, slots, row]` with the same L and row. One strided
     copy per run covers every layer and K/V. Between CPU tensors of one dtype the copies
-    are numpy byte copies (about 2 us per call against torch's 10+) spread over
-    `torch.get_num_threads()` threads once the copy reaches PARALLEL_MIN_BYTES: scattered
-    12 KB pieces are latency-bound on one core. Otherwise (a cast, a GPU tensor) they are
-    torch `copy_`s, which cast.
+    are numpy byte copies (about 2 us per call against torch's 10+; they release the GIL)
+    spread over `torch.get_num_threads()` threads once the copy reaches
+    PARALLEL_MIN_BYTES: scattered 12 KB pieces are latency-bound on one core. The threads
+    take ~ITEM_BYTES items from one shared list until it is empty, so a thread slowed down
+    by a neighbour's process copies less instead of holding the others up, and a helper
+    that has not started by then (the pool busy with another transfer) is cancelled.
+    Otherwise (a cast, a GPU tensor) they are torch `copy_`s, which cast.
+
+    The destination pieces must not overlap (any valid plan's do not).
     """
     pieces = [(int(s), int(d), int(n)) for s, d, n in runs]
     if not pieces:
@@ -54,59 +62,79 @@ def copy_runs(
         for s, d, n in pieces:
             dst_flat[:, :, d : d + n].copy_(src_flat[:, :, s : s + n])
         return
-    src, dst = _np_bytes(src_flat), _np_bytes(dst_flat)
-    nbytes = sum(r[2] for r in pieces) * src.shape[0] * 2 * src.shape[3]
+    src, dst = _np_rows(src_flat), _np_rows(dst_flat)
+    nbytes = sum(r[2] for r in pieces) * src.shape[0] * src.shape[2]
     threads = torch.get_num_threads() if nbytes >= PARALLEL_MIN_BYTES else 1
-    parts = _partition(src, dst, pieces, threads)
-    if len(parts) == 1:
-        _np_copy(*parts[0])
+    items = _work_items(pieces, src.shape[0], src.shape[2], ITEM_BYTES) if threads > 1 else []
+    if len(items) < 2:
+        _np_copy(src, dst, pieces)
         return
-    futures = [_executor(len(parts) - 1).submit(_np_copy, *part) for part in parts[1:]]
+    take = _Counter()
+
+    def drain() -> None:
+        while (i := take()) < len(items):
+            lo, hi, group = items[i]
+            _np_copy(src[lo:hi], dst[lo:hi], group)
+
+    helpers = min(threads, len(items)) - 1
+    futures = [_executor(helpers).submit(drain) for _ in range(helpers)]
     try:
-        _np_copy(*parts[0])
+        drain()
     finally:
-        wait(futures)  # no part may still be copying once this returns
+        for f in futures:
+            f.cancel()  # not started yet: nothing left for it, and no need to wait for it
+        wait(futures)  # no helper may still be copying once this returns
     for f in futures:
-        f.result()
+        if not f.cancelled():
+            f.result()
 
 
-def _np_bytes(flat: torch.Tensor) -> np.ndarray:
-    """A CPU tensor `[L, 2, slots, row]` as a uint8 ndarray `[L, 2, slots, row_bytes]`."""
-    return flat.view(torch.uint8).numpy()
+def _np_rows(flat: torch.Tensor) -> np.ndarray:
+    """A CPU tensor `[L, 2, slots, row]` as a uint8 ndarray `[2 L, slots, row_bytes]` (a view:
+    one row per layer and K/V)."""
+    layers, kv, slots, _ = flat.shape
+    return flat.view(torch.uint8).view(layers * kv, slots, -1).numpy()  # torch: never a copy
 
 
-def _np_copy(src: np.ndarray, dst: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> None:
+def _np_copy(src: np.ndarray, dst: np.ndarray, runs: Iterable[_Run]) -> None:
     for s, d, n in runs:
-        np.copyto(dst[:, :, d : d + n], src[:, :, s : s + n])
+        np.copyto(dst[:, d : d + n], src[:, s : s + n])
 
 
-_Part = tuple[np.ndarray, np.ndarray, Sequence[tuple[int, int, int]]]
+def _work_items(runs: list[_Run], rows: int, row_bytes: int, item_bytes: int) -> list[_Item]:
+    """Disjoint items of about `item_bytes` that together copy every run in every row:
+    consecutive small runs grouped (all rows), a run larger than that split by rows."""
+    items: list[_Item] = []
+    group: list[_Run] = []
+    acc = 0
+    for run in runs:
+        size = run[2] * rows * row_bytes
+        if size > item_bytes:
+            step = max(1, item_bytes // (run[2] * row_bytes))
+            items.extend((lo, min(lo + step, rows), (run,)) for lo in range(0, rows, step))
+            continue
+        group.append(run)
+        acc += size
+        if acc >= item_bytes:
+            items.append((0, rows, group))
+            group, acc = [], 0
+    if group:
+        items.append((0, rows, group))
+    return items
 
 
-def _partition(
-    src: np.ndarray, dst: np.ndarray, runs: list[tuple[int, int, int]], k: int
-) -> list[_Part]:
-    """Up to k disjoint pieces of about equal bytes: groups of layers when there are few
-    runs (one run may hold most bytes), else groups of runs."""
-    n_layers = src.shape[0]
-    if k <= 1 or (n_layers < k and len(runs) < k):
-        return [(src, dst, runs)]
-    if n_layers < k or len(runs) >= 8 * k:
-        total = sum(r[2] for r in runs)
-        parts: list[_Part] = []
-        group: list[tuple[int, int, int]] = []
-        acc = 0
-        for r in runs:
-            group.append(r)
-            acc += r[2]
-            if acc * k >= total * (len(parts) + 1) and len(parts) < k - 1:
-                parts.append((src, dst, group))
-                group = []
-        if group:
-            parts.append((src, dst, group))
-        return parts
-    cuts = [n_layers * i // k for i in range(k + 1)]
-    return [(src[a:b], dst[a:b], runs) for a, b in itertools.pairwise(cuts) if b > a]
+class _Counter:
+    """0, 1, 2, ... across threads (each value handed out once)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            i = self._next
+            self._next += 1
+        return i
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
