@@ -33,11 +33,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *extra]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -333,14 +335,20 @@ def test_open_routes_without_a_key(server: Server) -> None:
     assert server.get("/v1/models", key=KEY)[0] == 200
 
 
-def test_the_model_card_and_metrics_say_how_the_weights_are_held(server: Server) -> None:
-    """The default load: fp32 weights dequantized from the GGUF (--quantization none)."""
-    status, body = server.get("/v1/models", key=KEY)
+def weights_card(s: Server, key: str | None = None) -> tuple[tuple[str, list[str]], str]:
+    """(quantization, weight_formats) of the model card, and the /metrics text."""
+    status, body = s.get("/v1/models", key=key)
     assert status == 200
     (card,) = body["data"]
-    assert (card["quantization"], card["weight_formats"]) == ("none", ["float32"])
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    assert 'pdserve_model_weights_info{formats="float32",quantization="none"} 1.0' in text
+    return (card["quantization"], card["weight_formats"]), httpx.get(s.url + "/metrics").text
+
+
+def test_the_model_card_and_metrics_say_how_the_weights_are_held(server: Server) -> None:
+    """The default load (--quantization auto) of the shipped Q4_1 GGUF: its blocks as they
+    are, Q4_1 projections and the Q8_0 tied embedding / LM head, read by the kernels."""
+    card, metrics = weights_card(server, KEY)
+    assert card == ("gguf", ["Q4_1", "Q8_0"])
+    assert 'pdserve_model_weights_info{formats="Q4_1,Q8_0",quantization="gguf"} 1.0' in metrics
 
 
 def engine_process(s: Server) -> psutil.Process:
@@ -351,11 +359,18 @@ def engine_process(s: Server) -> psutil.Process:
 
 
 def test_server_exits_nonzero_when_the_engine_dies() -> None:
-    s = Server("--max-model-len", "512")
+    """(Started with the kernels turned off, so the fallback of --quantization auto is
+    checked here too: fp32 weights dequantized from the GGUF, and the card says so.)"""
+    s = Server("--max-model-len", "512", env={"PDSERVE_NO_KERNELS": "1"})
     try:
+        card, metrics = weights_card(s)
+        assert card == ("none", ["float32"])
+        assert 'pdserve_model_weights_info{formats="float32",quantization="none"} 1.0' in metrics
         engine_process(s).kill()
         assert s.proc.wait(10) == 1
-        assert "the engine process died" in (s.proc.stderr.read() if s.proc.stderr else "")
+        err = s.proc.stderr.read() if s.proc.stderr else ""
+        assert "the engine process died" in err
+        assert "pdserve: weights: float32 (--quantization auto: PDSERVE_NO_KERNELS is set)" in err
     finally:
         s.stop()
 
@@ -504,6 +519,7 @@ def test_n_choices_streamed_and_whole(client: OpenAI) -> None:
         "temperature": 1.0,
         "seed": 11,
         "n": 3,
+        "extra_body": {"ignore_eos": True},  # 3 x 12 tokens, whatever the samples say
     }
     whole = client.completions.create(**kw)
     assert [c.index for c in whole.choices] == [0, 1, 2]
