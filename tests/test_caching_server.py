@@ -61,7 +61,10 @@ def started(*args: str) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def pd_server() -> Iterator[Server]:
-    yield from started("--prefill", "2", "--decode", "2", "--routing", "prefix")
+    # fp32 weights: the answers are compared with the in-process engine of conftest.py
+    yield from started(
+        "--prefill", "2", "--decode", "2", "--routing", "prefix", "--quantization", "none"
+    )
 
 
 def client_of(server: Server) -> OpenAI:

@@ -37,8 +37,8 @@ def test_served_from_a_separate_process(make_engine) -> None:
     reference = make_engine()  # in-process engine over the same weights
 
     async def scenario() -> None:
-        client = await Cluster.start(
-            EngineConfig(cache=CacheConfig(num_blocks=256, num_host_blocks=64))
+        client = await Cluster.start(  # fp32, as the in-process reference
+            EngineConfig(quantization="none", cache=CacheConfig(num_blocks=256, num_host_blocks=64))
         )
         try:
             assert client.instances[0].process.pid != os.getpid() and client.max_model_len == 4096
