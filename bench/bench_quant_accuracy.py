@@ -4,7 +4,7 @@ perplexity (issue 20, acceptance 2).
     .venv/bin/python bench/bench_quant_accuracy.py [--model PATH] [--quantization gguf]
 
 The reference is `--quantization none`: the file's blocks dequantized to fp32, so both
-settings hold exactly the same weights and the only difference is the kernels' int8
+settings hold exactly the same weights and the only difference is the kernels' int16
 activations (pdserve/quant/README.md).
 
 * Greedy agreement: 16 varied chat prompts (the length predictor's six task kinds,

@@ -14,8 +14,9 @@
  * sequence of float operations whatever M is, wherever m and n fall in a tile, and
  * however the work is split between threads. Integer parts are exact; the float
  * accumulation runs over the blocks in order, in fixed vector lanes, then one fixed
- * horizontal sum. So a token's logits do not depend on what else shares its step
- * (decode alone, decode beside a prefill chunk, a recompute after a migration). The
+ * horizontal sum. So what a projection gives a row does not depend on what else shares
+ * its step (decode alone, or beside other decodes and a prefill chunk). (The attention
+ * is not yet invariant between one query row and a chunk of them: see the README.) The
  * file is built with -ffp-contract=off so the compiler cannot fuse differently in
  * different tiles; the FMAs are the explicit ones.
  *
