@@ -14,7 +14,8 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     ext_modules.append(
         Extension(
             "pdserve.quant._kernels",
-            sources=["pdserve/quant/_kernels.c"],
+            sources=["pdserve/quant/_kernels.c", "pdserve/quant/_attention.c"],
+            depends=["pdserve/quant/_kernels.h"],
             # -ffp-contract=off: the kernel's FMAs are explicit, so every tile shape
             # rounds the same way (batch invariance, see the file's header).
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-std=gnu11"],

@@ -73,7 +73,8 @@ def perplexity(model: CausalLM, ids: list[int]) -> float:
         c.num_hidden_layers, blocks, BLOCK, c.num_key_value_heads, c.head_dim, "float32"
     )
     cache = KVCache(layout, num_host_blocks=0)
-    meta = AttentionMetadata.build([SeqSpec(0, len(ids), list(range(blocks)))], BLOCK)
+    seqs = [SeqSpec(0, len(ids), list(range(blocks)))]
+    meta = AttentionMetadata.build(seqs, BLOCK, per_row=model.fused)
     n = len(ids)
     logits = model(
         torch.tensor(ids), torch.arange(n), cache.device_tensor, meta, torch.arange(n - 1)

@@ -163,7 +163,7 @@ class EngineConfig:
     # How weights are held (QUANTIZATIONS): "none" fp in `dtype`;
     # "gguf" a GGUF file's blocks as they are; "q8_0"/"q4_0" fp weights quantized at
     # load; "auto" "gguf" where the file and this install allow it, else "none".
-    quantization: str = "none"
+    quantization: str = "auto"
     role: Role = Role.COLOCATED
     # Context limit of one request (prompt + generation); None = the model's own,
     # lowered to what the KV pool can hold.

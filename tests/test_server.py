@@ -345,10 +345,11 @@ def weights_card(s: Server, key: str | None = None) -> tuple[tuple[str, list[str
 
 
 def test_the_model_card_and_metrics_say_how_the_weights_are_held(server: Server) -> None:
-    """The default load (--quantization none): fp32 weights dequantized from the GGUF."""
+    """The default load (--quantization auto) of the shipped Q4_1 GGUF: its blocks as they
+    are, Q4_1 projections and the Q8_0 tied embedding / LM head, read by the kernels."""
     card, metrics = weights_card(server, KEY)
-    assert card == ("none", ["float32"])
-    assert 'pdserve_model_weights_info{formats="float32",quantization="none"} 1.0' in metrics
+    assert card == ("gguf", ["Q4_1", "Q8_0"])
+    assert 'pdserve_model_weights_info{formats="Q4_1,Q8_0",quantization="gguf"} 1.0' in metrics
 
 
 def engine_process(s: Server) -> psutil.Process:

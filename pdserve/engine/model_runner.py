@@ -61,6 +61,7 @@ class ModelRunner:
             self.model.sliding_window,
             self.workspace,
             max_group_tokens=self.max_group_tokens,
+            per_row=self.model.fused,
         )
         sampled = [s for s in seqs if s.samples]
         if not sampled:

@@ -22,6 +22,13 @@ Layout contract
   the planner's latency model (`planner/latency.py`) prices.
 * The cache must be zero-initialised: padded block-table entries point at block 0
   and are masked, but a NaN there would still poison `softmax(.) @ V`.
+
+Two implementations read this layout. `paged_attention` (torch: gathers and SDPA) serves
+every dtype and device. `row_attention` (the compiled kernel in pdserve/quant/
+_attention.c) serves quantized models on CPU: it attends each query row on its own, in
+the same float operations whether the row is a decode or one row of a prefill chunk, so
+a recomputed token gets the bits its decode got (see that file's contract). It reads the
+step as `RowRanges` (`AttentionMetadata.build(..., per_row=True)`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.quant.kernels import kernels
 
 
 @dataclass(frozen=True)
@@ -157,14 +166,44 @@ def group_by_length(
 
 
 @dataclass(frozen=True)
+class RowRanges:
+    """A step as the compiled attention reads it: for each row of the flat batch, its
+    sequence and the range of key positions it attends, and each sequence's block table.
+    """
+
+    rows: torch.Tensor  # int32 [T, 3]: sequence index, first key, end key (exclusive)
+    tables: torch.Tensor  # int32 [S, max_blocks], padded with 0
+
+    @staticmethod
+    def build(seqs: Sequence[SeqSpec], block_size: int, sliding_window: int | None) -> RowRanges:
+        query = torch.tensor([s.query_len for s in seqs], dtype=torch.int64)
+        cached = torch.tensor([s.num_cached for s in seqs], dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(len(seqs)), query)
+        first_row = torch.repeat_interleave(torch.cumsum(query, 0) - query, query)
+        end = cached[seq] + (torch.arange(len(seq)) - first_row) + 1
+        start = (end - sliding_window).clamp_min(0) if sliding_window else torch.zeros_like(end)
+        n_blocks = [-(-s.context_len // block_size) for s in seqs]
+        tables = torch.zeros(len(seqs), max(n_blocks, default=1), dtype=torch.int32)
+        for i, (s, n) in enumerate(zip(seqs, n_blocks, strict=True)):
+            tables[i, :n] = torch.tensor(s.block_table[:n], dtype=torch.int32)
+        rows = torch.stack([seq, start, end], dim=1).to(torch.int32)
+        return RowRanges(rows, tables)
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-step tensors shared by every layer (built once per step)."""
+    """Per-step tensors shared by every layer (built once per step).
+
+    Built for one of the two implementations (module docstring): `paged_attention`
+    reads `decode_groups` and `prefills`; `row_attention` reads `ranges`, which only a
+    `per_row` build has (its decode groups and prefills are then left empty)."""
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     num_decode: int  # rows [0, num_decode) are decode rows
     decode_groups: tuple[DecodeGroup, ...]  # a partition of the decode rows
     prefills: tuple[PrefillSeq, ...]
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
+    ranges: RowRanges | None = None
 
     @staticmethod
     def build(
@@ -174,10 +213,19 @@ class AttentionMetadata:
         workspace: GatherWorkspace | None = None,
         group_cost: int = GROUP_COST_TOKENS,
         max_group_tokens: int | None = None,
+        per_row: bool = False,
     ) -> AttentionMetadata:
         slots: list[int] = []
         for s in seqs:
             slots.extend(_slots(s, block_size))
+        if per_row:
+            return AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.long),
+                num_decode=sum(1 for s in seqs if s.query_len == 1),
+                decode_groups=(),
+                prefills=(),
+                ranges=RowRanges.build(seqs, block_size, sliding_window),
+            )
         num_decode = 0
         while num_decode < len(seqs) and seqs[num_decode].query_len == 1:
             num_decode += 1
@@ -354,3 +402,37 @@ def _prefill_attention(
             qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=gqa
         )
     return o[0].transpose(0, 1)
+
+
+def row_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """The compiled path from a fused q/k/v projection to attention output: RoPE on q and
+    k (in place in `qkv`), this step's K/V into the cache, then each row over its keys.
+
+    qkv: [T, (H + 2 Hkv) D] fp32, contiguous rows; positions: [T] int64; cos, sin: the
+    whole [max_positions, D] tables; caches [num_blocks, bs, Hkv, D]. Returns [T, H D].
+    Needs a `per_row` metadata and the compiled kernels (the caller checks both)."""
+    mod, ranges = kernels(), meta.ranges
+    assert mod is not None and ranges is not None
+    t, (_, bs, hkv, d) = qkv.shape[0], k_cache.shape
+    slots, ld = meta.slot_mapping, qkv.stride(0)
+    mod.rope_write_kv(
+        qkv.data_ptr(), ld, t, num_heads, hkv, d, positions.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+    )  # fmt: skip
+    out = torch.empty(t, num_heads * d, dtype=qkv.dtype)
+    mod.paged_attention(
+        qkv.data_ptr(), ld, t, num_heads, hkv, d, k_cache.data_ptr(), v_cache.data_ptr(), bs,
+        ranges.rows.data_ptr(), ranges.tables.data_ptr(), ranges.tables.stride(0),
+        out.data_ptr(), out.stride(0), scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return out

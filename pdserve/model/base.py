@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -70,6 +71,10 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.finalized = False
+        # The compiled per-row path (`DecoderLayer.forward_fused`): a quantized model whose
+        # every layer can take it (set by finalize). The engine then builds per-row
+        # attention metadata (`AttentionMetadata.build(per_row=True)`).
+        self.fused = False
         if quantized:
             # Set by finalize: a QuantEmbedding, or a tensor where the file has fp values.
             self.embed_tokens: torch.Tensor | QuantEmbedding = torch.empty(0)
@@ -117,8 +122,17 @@ class CausalLM(nn.Module):
         """`forward` without the LM head: the final-norm hidden states of the rows in
         `logits_indices`, [len(logits_indices), hidden] (what the length head reads)."""
         h = self.embed_tokens[input_ids]
-        cos, sin = self.rotary.lookup(positions)
         on_layer_done = hooks.on_layer_done if hooks else None
+        if meta.ranges is not None:  # the compiled path (see `fused`)
+            if not self.fused:
+                raise ValueError("per-row attention metadata, but this model is not fused")
+            h = h.contiguous()
+            for i, fused in enumerate(cast(list[DecoderLayer], self.layers)):
+                h = fused.forward_fused(h, positions, self.rotary, kv_caches[i], meta)
+                if on_layer_done is not None:
+                    on_layer_done(i)
+            return self.norm(h[logits_indices])
+        cos, sin = self.rotary.lookup(positions)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, cos, sin, kv_caches[i], meta)
             if on_layer_done is not None:
@@ -163,6 +177,18 @@ class CausalLM(nn.Module):
         self.embed_tokens = QuantEmbedding(embed) if isinstance(embed, QuantWeight) else embed
         self._parts.clear()
         self.finalized = True
+        self.fused = self._can_fuse()
+
+    def _can_fuse(self) -> bool:
+        """Whether every layer can run `DecoderLayer.forward_fused`: all its projections
+        compiled quantized ops, fp32, and a head size the attention kernel takes."""
+        c = self.config
+        return (
+            self.dtype == torch.float32
+            and c.head_dim % 8 == 0
+            and c.head_dim <= 256
+            and all(isinstance(x, DecoderLayer) and x.fused_ops() is not None for x in self.layers)
+        )
 
     def _op(self, names: list[str], bias: torch.Tensor | None, pack: bool) -> Linear:
         parts = [self._parts[n] for n in names]

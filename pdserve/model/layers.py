@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from pdserve.model.attention import AttentionMetadata, paged_attention, row_attention, write_kv
 from pdserve.model.config import ModelConfig, RopeScaling
 from pdserve.model.linear import Linear, PackedLinear
+from pdserve.quant.linear import QuantLinear
 
 
 def _param(*shape: int, dtype: torch.dtype, materialize: bool = True) -> nn.Parameter:
@@ -182,3 +183,40 @@ class DecoderLayer(nn.Module):
         # batch-1 decode step makes ~150 of these calls.
         h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, kv_cache, meta)
         return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+
+    def fused_ops(self) -> tuple[QuantLinear, QuantLinear, QuantLinear, QuantLinear] | None:
+        """qkv, o, gate_up and down when all four are compiled quantized ops (the path of
+        `forward_fused`), else None."""
+        a, m = self.self_attn, self.mlp
+        ops = (a.qkv_op, a.o_op, m.gate_up_op, m.down_op)
+        if not all(isinstance(op, QuantLinear) for op in ops):
+            return None
+        return ops  # type: ignore[return-value]
+
+    def forward_fused(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`forward` for a quantized layer on CPU, in five compiled calls: each RMSNorm is
+        fused into the next projection's activation quantization, SwiGLU into down's,
+        the residual adds into o's and down's output, RoPE and the KV write into the
+        attention (`row_attention`). Every step is row-invariant (a row gets the same
+        bits alone or in any batch), which recovery's recompute relies on.
+
+        Updates `h` (contiguous fp32 [T, hidden]) in place and returns it."""
+        ops = self.fused_ops()
+        assert ops is not None
+        qkv_op, o_op, gate_up_op, down_op = ops
+        a, n1, n2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        qkv = qkv_op.run(h, norm=n1.weight, eps=n1.eps)
+        o = row_attention(
+            qkv, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1], meta,
+            a.num_heads, a.scale,
+        )  # fmt: skip
+        o_op.run(o, into=h)
+        gate_up = gate_up_op.run(h, norm=n2.weight, eps=n2.eps)
+        return down_op.run(gate_up, swiglu=True, into=h)

@@ -15,8 +15,9 @@
  * however the work is split between threads. Integer parts are exact; the float
  * accumulation runs over the blocks in order, in fixed vector lanes, then one fixed
  * horizontal sum. So what a projection gives a row does not depend on what else shares
- * its step (decode alone, or beside other decodes and a prefill chunk). (The attention
- * is not yet invariant between one query row and a chunk of them: see the README.) The
+ * its step (decode alone, or beside other decodes and a prefill chunk); the prologues
+ * (RMSNorm, SwiGLU) and the residual add work on one row at a time too, and so does the
+ * attention (_attention.c): a whole quantized layer is row-invariant. The
  * file is built with -ffp-contract=off so the compiler cannot fuse differently in
  * different tiles; the FMAs are the explicit ones.
  *
@@ -34,19 +35,16 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#include "_kernels.h"
+
 #define QK 32
 #define MC 64 /* activation rows per pass over the weights (fits in L2 with K <= 8192) */
-#define KERNEL __attribute__((target("avx2,fma,f16c")))
-#define INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
 
@@ -69,25 +67,11 @@ typedef struct {
 
 /* ---- activation quantization --------------------------------------------------------- */
 
-INLINE float hmax8(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_max_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
 INLINE int32_t hsum8i(__m256i v) {
     __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
     x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1)));
     return _mm_cvtsi128_si32(x);
-}
-
-INLINE float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
 }
 
 /* One block of 32 floats -> 32 int16, its scale and d * sum(q). Rounding to nearest,
@@ -121,14 +105,64 @@ INLINE void quantize_block(const float *x, int16_t *q, float *d_out, float *s_ou
     *s_out = d * (float)hsum8i(sum);
 }
 
-/* s has row stride lds (>= B); entries past B are left as they are. */
-KERNEL static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *q,
-                                 float *d, float *s, int64_t lds, int threads) {
+/* What the product reads in place of the raw row x (fused, so the transformed row never
+ * goes to memory): x itself; RMSNorm(x) * w; or SwiGLU, silu(gate) * up, of a row that
+ * holds gate in x[0, K) and up in x[K, 2K) (the fused gate/up projection's output). */
+enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2 };
+typedef struct {
+    int kind;
+    const float *w; /* RMSNorm weight [K] */
+    float eps;
+} Prologue;
+
+/* 1 / sqrt(mean(x^2) + eps) over a row of K (a multiple of 32) floats. */
+INLINE float rms_scale(const float *x, int64_t K, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    return 1.0f / sqrtf(hsum8(acc) / (float)K + eps);
+}
+
+/* Block b of the row the product reads: a pointer to x's own block, or buf filled. */
+INLINE const float *prologue_block(const Prologue *pre, const float *x, int64_t K, int64_t b,
+                                   float r, float *buf) {
+    const float *p = x + b * QK;
+    if (pre->kind == PRE_RMSNORM) {
+        const __m256 vr = _mm256_set1_ps(r);
+        for (int i = 0; i < QK; i += 8) {
+            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(p + i), vr);
+            _mm256_storeu_ps(buf + i, _mm256_mul_ps(v, _mm256_loadu_ps(pre->w + b * QK + i)));
+        }
+        return buf;
+    }
+    if (pre->kind == PRE_SWIGLU) {
+        const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+        for (int i = 0; i < QK; i += 8) {
+            const __m256 g = _mm256_loadu_ps(p + i);
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, neg))));
+            _mm256_storeu_ps(buf + i, _mm256_mul_ps(silu, _mm256_loadu_ps(p + K + i)));
+        }
+        return buf;
+    }
+    return p;
+}
+
+/* Rows of x (through the prologue) -> int16 blocks. s has row stride lds (>= B); its
+ * entries past B are left as they are. */
+KERNEL static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K,
+                                 const Prologue *pre, int16_t *q, float *d, float *s,
+                                 int64_t lds, int threads) {
     const int64_t B = K / QK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (M * K >= 65536)
     for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * ldx;
+        const float r = pre->kind == PRE_RMSNORM ? rms_scale(row, K, pre->eps) : 0.0f;
+        float buf[QK] __attribute__((aligned(32)));
         for (int64_t b = 0; b < B; b++) {
-            quantize_block(x + m * ldx + b * QK, q + m * K + b * QK, d + m * B + b, s + m * lds + b);
+            const float *src = prologue_block(pre, row, K, b, r, buf);
+            quantize_block(src, q + m * K + b * QK, d + m * B + b, s + m * lds + b);
         }
     }
 }
@@ -173,7 +207,7 @@ INLINE __m256 offset_lanes(const uint16_t *off, const float *s, int64_t BP) {
 /* y[m0+i, n0+j] for i < RM, j < RN over all K: the same operations for every (i, j).
  * T, RM and RN are constants at every call, so the loops unroll into registers. */
 INLINE void tile(const QWeight *w, const QRows *a, int64_t m0, int64_t n0, float *y,
-                 int64_t ldy, const int T, const int RM, const int RN) {
+                 int64_t ldy, int accumulate, const int T, const int RM, const int RN) {
     __m256 acc[4][4];
     for (int i = 0; i < RM; i++)
         for (int j = 0; j < RN; j++) acc[i][j] = _mm256_setzero_ps();
@@ -208,7 +242,8 @@ INLINE void tile(const QWeight *w, const QRows *a, int64_t m0, int64_t n0, float
                 v = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), offset_lanes(w->off + n * BP, s, BP), v);
             else if (T == Q4_1)
                 v = _mm256_add_ps(v, offset_lanes(w->off + n * BP, s, BP));
-            y[(m0 + i) * ldy + n] = hsum8(v);
+            float *out = y + (m0 + i) * ldy + n;
+            *out = accumulate ? *out + hsum8(v) : hsum8(v);
         }
     }
 }
@@ -216,11 +251,11 @@ INLINE void tile(const QWeight *w, const QRows *a, int64_t m0, int64_t n0, float
 /* Tiles of up to 4 rows x RN columns over rows [m, m1). */
 #define TILES(T, RN)                                                               \
     do {                                                                           \
-        for (; m + 4 <= m1; m += 4) tile(w, a, m, n, y, ldy, T, 4, RN);           \
+        for (; m + 4 <= m1; m += 4) tile(w, a, m, n, y, ldy, accumulate, T, 4, RN);           \
         switch (m1 - m) {                                                          \
-            case 3: tile(w, a, m, n, y, ldy, T, 3, RN); break;                    \
-            case 2: tile(w, a, m, n, y, ldy, T, 2, RN); break;                    \
-            case 1: tile(w, a, m, n, y, ldy, T, 1, RN); break;                    \
+            case 3: tile(w, a, m, n, y, ldy, accumulate, T, 3, RN); break;                    \
+            case 2: tile(w, a, m, n, y, ldy, accumulate, T, 2, RN); break;                    \
+            case 1: tile(w, a, m, n, y, ldy, accumulate, T, 1, RN); break;                    \
         }                                                                          \
     } while (0)
 
@@ -236,7 +271,7 @@ INLINE void tile(const QWeight *w, const QRows *a, int64_t m0, int64_t n0, float
 
 /* Columns [n, n + rn) of rows [m0, m1). */
 KERNEL static void column_block(const QWeight *w, const QRows *a, int64_t m0, int64_t m1,
-                                int64_t n, int rn, float *y, int64_t ldy) {
+                                int64_t n, int rn, float *y, int64_t ldy, int accumulate) {
     int64_t m = m0;
     switch (w->type) {
         case Q8_0: WIDTHS(Q8_0); break;
@@ -252,7 +287,7 @@ KERNEL static void column_block(const QWeight *w, const QRows *a, int64_t m0, in
  * back one chunk, not half the product (a static split made a 0.1 ms product take 8 ms
  * while another process ran). Which thread computes a column never changes its value. */
 KERNEL static void gemm(const QWeight *w, const QRows *a, int64_t M, float *y, int64_t ldy,
-                        int threads) {
+                        int accumulate, int threads) {
     const int rn = M == 1 ? 4 : 2;
     const int64_t tiles = (w->N + rn - 1) / rn;
     int64_t chunk = tiles / ((int64_t)threads * 16);
@@ -263,7 +298,7 @@ KERNEL static void gemm(const QWeight *w, const QRows *a, int64_t M, float *y, i
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n = t * rn;
             const int width = n + rn <= w->N ? rn : (int)(w->N - n);
-            column_block(w, a, m0, m1, n, width, y, ldy);
+            column_block(w, a, m0, m1, n, width, y, ldy, accumulate);
         }
     }
 }
@@ -276,37 +311,60 @@ static int cpu_ok(void) {
            __builtin_cpu_supports("f16c");
 }
 
-static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *out) {
+/* Integer arguments (addresses, sizes), except those listed in `floats`: read as doubles
+ * into out[i] reinterpreted through the union. */
+typedef union {
+    long long i;
+    double f;
+} Arg;
+
+static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Arg *out,
+                     const int *floats, int n_floats) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
         return -1;
     }
     for (Py_ssize_t i = 0; i < want; i++) {
-        out[i] = PyLong_AsLongLong(args[i]);
-        if (out[i] == -1 && PyErr_Occurred()) return -1;
+        int is_float = 0;
+        for (int k = 0; k < n_floats; k++) is_float |= floats[k] == i;
+        if (is_float) {
+            out[i].f = PyFloat_AsDouble(args[i]);
+            if (out[i].f == -1.0 && PyErr_Occurred()) return -1;
+        } else {
+            out[i].i = PyLong_AsLongLong(args[i]);
+            if (out[i].i == -1 && PyErr_Occurred()) return -1;
+        }
     }
     return 0;
 }
 
-/* qlinear(type, x, ldx, M, K, qs, d, off, N, y, ldy, threads): y[M,N] = x[M,K] @ W^T.
+#define PTR(T, a) ((T)(intptr_t)(a).i)
+
+/* qlinear(type, x, ldx, M, K, qs, d, off, N, y, ldy, threads, pre, pre_w, eps, accumulate):
+ * y[M,N] = P(x)[M,K] @ W^T, or y += that with `accumulate`; P is the prologue `pre`
+ * (PRE_NONE, PRE_RMSNORM with weight pre_w and eps, PRE_SWIGLU over rows of 2K).
  * Pointers are addresses (torch's data_ptr()); the caller checks shapes, dtypes,
  * contiguity and lifetimes (pdserve/quant/linear.py). K is a multiple of 32. */
 static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    long long v[12];
-    if (read_args(args, nargs, 12, v) < 0) return NULL;
-    const int threads = v[11] > 0 ? (int)v[11] : 1;
-    const int type = (int)v[0];
-    const float *x = (const float *)(intptr_t)v[1];
-    const int64_t ldx = v[2], M = v[3], K = v[4], N = v[8], ldy = v[10];
-    float *y = (float *)(intptr_t)v[9];
-    if (type < Q8_0 || type > Q4_1 || K % QK != 0 || M < 0 || N <= 0) {
-        PyErr_SetString(PyExc_ValueError, "qlinear: bad type or shape");
+    Arg v[16];
+    const int floats[] = {14};
+    if (read_args(args, nargs, 16, v, floats, 1) < 0) return NULL;
+    const int threads = v[11].i > 0 ? (int)v[11].i : 1;
+    const int type = (int)v[0].i;
+    const float *x = PTR(const float *, v[1]);
+    const int64_t ldx = v[2].i, M = v[3].i, K = v[4].i, N = v[8].i, ldy = v[10].i;
+    float *y = PTR(float *, v[9]);
+    const Prologue pre = {(int)v[12].i, PTR(const float *, v[13]), (float)v[14].f};
+    const int accumulate = v[15].i != 0;
+    if (type < Q8_0 || type > Q4_1 || K % QK != 0 || M < 0 || N <= 0 || pre.kind < PRE_NONE ||
+        pre.kind > PRE_SWIGLU) {
+        PyErr_SetString(PyExc_ValueError, "qlinear: bad type, shape or prologue");
         return NULL;
     }
     if (M == 0) Py_RETURN_NONE;
     const int64_t B = K / QK, BP = (B + 7) / 8 * 8;
-    QWeight w = {type, (const uint8_t *)(intptr_t)v[5], (const uint16_t *)(intptr_t)v[6],
-                 (const uint16_t *)(intptr_t)v[7], N, K, B, BP};
+    QWeight w = {type, PTR(const uint8_t *, v[5]), PTR(const uint16_t *, v[6]),
+                 PTR(const uint16_t *, v[7]), N, K, B, BP};
     int16_t *q = NULL;
     float *d = NULL;
     int ok = 0;
@@ -314,9 +372,9 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
     q = aligned_alloc(64, (size_t)((M * K * 2 + 63) / 64 * 64));
     d = calloc((size_t)(M * (B + BP)), sizeof(float)); /* scales [M][B], then s [M][BP] */
     if (q != NULL && d != NULL) {
-        quantize_rows(x, ldx, M, K, q, d, d + M * B, BP, threads);
+        quantize_rows(x, ldx, M, K, &pre, q, d, d + M * B, BP, threads);
         QRows a = {q, d, d + M * B, K, B};
-        gemm(&w, &a, M, y, ldy, threads);
+        gemm(&w, &a, M, y, ldy, accumulate, threads);
         ok = 1;
     }
     free(q);
@@ -328,24 +386,70 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 /* quantize_rows(x, ldx, M, K, q, d, s): the activation quantization alone (for tests). */
 static PyObject *py_quantize_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    long long v[7];
-    if (read_args(args, nargs, 7, v) < 0) return NULL;
-    if (v[3] % QK != 0) {
+    Arg v[7];
+    if (read_args(args, nargs, 7, v, NULL, 0) < 0) return NULL;
+    if (v[3].i % QK != 0) {
         PyErr_SetString(PyExc_ValueError, "quantize_rows: K must be a multiple of 32");
         return NULL;
     }
+    const Prologue none = {PRE_NONE, NULL, 0.0f};
     Py_BEGIN_ALLOW_THREADS;
-    quantize_rows((const float *)(intptr_t)v[0], v[1], v[2], v[3], (int16_t *)(intptr_t)v[4],
-                  (float *)(intptr_t)v[5], (float *)(intptr_t)v[6], v[3] / QK, 1);
+    quantize_rows(PTR(const float *, v[0]), v[1].i, v[2].i, v[3].i, &none,
+                  PTR(int16_t *, v[4]), PTR(float *, v[5]), PTR(float *, v[6]), v[3].i / QK, 1);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+/* paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, bs, rows, tables, ldt, out, ldo,
+ * scale, threads): see _attention.c. rows and tables are int32. */
+static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Arg v[16];
+    const int floats[] = {14};
+    if (read_args(args, nargs, 16, v, floats, 1) < 0) return NULL;
+    const Attn a = {PTR(const float *, v[0]), v[1].i, PTR(const float *, v[6]),
+                    PTR(const float *, v[7]), v[3].i, v[4].i, v[5].i, v[8].i,
+                    PTR(const int32_t *, v[9]), PTR(const int32_t *, v[10]), v[11].i,
+                    PTR(float *, v[12]), v[13].i, (float)v[14].f};
+    const int threads = v[15].i > 0 ? (int)v[15].i : 1;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = paged_attention(&a, v[2].i, threads);
+    Py_END_ALLOW_THREADS;
+    if (rc == -1) return PyErr_NoMemory();
+    if (rc != 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "paged_attention: head_dim must be a multiple of 8 up to 256, and the "
+                        "query heads a multiple of the KV heads");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* rope_write_kv(qkv, ld, T, H, Hkv, D, positions, cos, sin, k_cache, v_cache, slots):
+ * see _attention.c. positions and slots are int64. */
+static PyObject *py_rope_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Arg v[12];
+    if (read_args(args, nargs, 12, v, NULL, 0) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS;
+    rope_write_kv(PTR(float *, v[0]), v[1].i, v[2].i, v[3].i, v[4].i, v[5].i,
+                  PTR(const int64_t *, v[6]), PTR(const float *, v[7]), PTR(const float *, v[8]),
+                  PTR(float *, v[9]), PTR(float *, v[10]), PTR(const int64_t *, v[11]));
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"qlinear", (PyCFunction)(void (*)(void))py_qlinear, METH_FASTCALL,
-     "qlinear(type, x, ldx, M, K, qs, d, off, N, y, ldy, threads): y = x @ W^T, W in GGUF blocks"},
+     "qlinear(type, x, ldx, M, K, qs, d, off, N, y, ldy, threads, pre, pre_w, eps, accumulate):"
+     " y (+)= P(x) @ W^T, W in GGUF blocks"},
     {"quantize_rows", (PyCFunction)(void (*)(void))py_quantize_rows, METH_FASTCALL,
      "quantize_rows(x, ldx, M, K, q, d, s): int16 blocks of 32 with scales d and d*sum(q)"},
+    {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
+     "paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, bs, rows, tables, ldt, out, ldo,"
+     " scale, threads): each query row over its keys in the paged cache"},
+    {"rope_write_kv", (PyCFunction)(void (*)(void))py_rope_write_kv, METH_FASTCALL,
+     "rope_write_kv(qkv, ld, T, H, Hkv, D, positions, cos, sin, k_cache, v_cache, slots):"
+     " RoPE on q and k in place, k and v into their cache slots"},
     {NULL, NULL, 0, NULL},
 };
 

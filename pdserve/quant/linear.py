@@ -11,6 +11,9 @@ import torch
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.kernels import kernels, unavailable_reason
 
+# What the product reads in place of x (the kernel's prologues, _kernels.c).
+PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
+
 
 def offset_scales(weight: QuantWeight) -> torch.Tensor | None:
     """The kernel's `off` array: the fp16 scales of each block's constant term (Q4_0: d,
@@ -47,18 +50,55 @@ class QuantLinear:
         self._off = self._offsets.data_ptr() if self._offsets is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        *,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        swiglu: bool = False,
+        into: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """P(x) @ W.T + bias, with the prologue P fused into the activation quantization:
+        `norm` (a [K] weight): RMSNorm(x) * norm with `eps`; `swiglu`: x is [T, 2K] (gate,
+        then up) and P(x) = silu(gate) * up; else x itself. With `into` ([T, N], contiguous)
+        the product is added to it in place and it is returned (a residual add).
+
+        Each row is computed the same way whatever else is in the batch (the kernel's
+        contract), prologue included."""
+        width = 2 * self.in_features if swiglu else self.in_features
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise TypeError(f"QuantLinear takes fp32 CPU activations, got {x.dtype} {x.device}")
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"expected [T, {self.in_features}], got {list(x.shape)}")
+        if x.dim() != 2 or x.shape[1] != width:
+            raise ValueError(f"expected [T, {width}], got {list(x.shape)}")
         if x.stride(1) != 1:
             x = x.contiguous()
         t = x.shape[0]
-        y = torch.empty(t, self.out_features, dtype=torch.float32)
+        pre, pre_w = PRE_NONE, 0
+        if norm is not None:
+            ok = norm.shape == (self.in_features,) and norm.dtype == torch.float32
+            if not ok or not norm.is_contiguous() or swiglu:
+                raise ValueError(f"norm: expected one contiguous fp32 [{self.in_features}] weight")
+            pre, pre_w = PRE_RMSNORM, norm.data_ptr()
+        elif swiglu:
+            pre = PRE_SWIGLU
+        if into is None:
+            y = torch.empty(t, self.out_features, dtype=torch.float32)
+        else:
+            if (
+                into.shape != (t, self.out_features)
+                or into.dtype != torch.float32
+                or not into.is_contiguous()
+            ):
+                raise ValueError(f"into: expected a contiguous fp32 [{t}, {self.out_features}]")
+            y = into
         self._qlinear(
             self._type, x.data_ptr(), x.stride(0), t, self.in_features,
             self._qs, self._d, self._off, self.out_features,
             y.data_ptr(), self.out_features, torch.get_num_threads(),
+            pre, pre_w, float(eps), into is not None,
         )  # fmt: skip
         if self.bias is not None:
             y += self.bias

@@ -1,0 +1,80 @@
+/* Shared by the compiled kernels (_kernels.c: quantized products and the module;
+ * _attention.c: attention over the paged KV cache, RoPE and the KV write).
+ *
+ * Everything here is deterministic: the same inputs give the same bits, whatever the
+ * batch or the thread split (the files are built with -ffp-contract=off, so the only
+ * fused multiply-adds are the explicit ones). */
+#ifndef PDSERVE_KERNELS_H
+#define PDSERVE_KERNELS_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define KERNEL __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+INLINE float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+INLINE float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* e^x, 8 lanes, within ~2 ulp of expf (Cephes' range reduction and polynomial); inputs
+ * are clamped to [-87.3, 88.3], so the result is finite and > 0. */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.3762f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    /* 2^n: n is in [-126, 128) after the clamp; 2^128 is reached by two steps. */
+    const __m256i e = _mm256_cvtps_epi32(n);
+    const __m256i half = _mm256_srai_epi32(e, 1);
+    const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    const __m256 p2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(e, half), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+}
+
+/* Lanes [0, n) set, n in [0, 8]: the mask of a tail's masked loads and stores. */
+INLINE __m256i tail_mask(int64_t n) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx);
+}
+
+/* Attention over the paged cache (_attention.c); see there for the layout. */
+typedef struct {
+    const float *q;       /* query of row t, head h: q + t * ldq + h * D */
+    int64_t ldq;
+    const float *kc, *vc; /* [slots][Hkv][D] */
+    int64_t H, Hkv, D, bs;
+    const int32_t *rows;   /* [T][3]: sequence, first key, end key (exclusive) */
+    const int32_t *tables; /* [S][ldt]: each sequence's block ids */
+    int64_t ldt;
+    float *out; /* row t, head h: out + t * ldo + h * D */
+    int64_t ldo;
+    float scale;
+} Attn;
+
+int paged_attention(const Attn *a, int64_t T, int threads);
+void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                   const int64_t *positions, const float *cos, const float *sin, float *kc,
+                   float *vc, const int64_t *slots);
+
+#endif

@@ -1,0 +1,264 @@
+"""The compiled per-row path of quantized models (pdserve/quant/_attention.c and the
+prologues of _kernels.c): against torch's paged attention and ops, and its contract -
+a row's result has the same bits alone, in any batch, on any thread count - down to the
+model, where a decoded token's logits equal those of the same token recomputed by a
+prefill (what a resumed request relies on).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.tiny_models import make_tiny_gguf
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import load_model
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout
+from pdserve.model.attention import AttentionMetadata, SeqSpec, paged_attention, row_attention
+from pdserve.model.base import CausalLM
+from pdserve.model.layers import apply_rope
+from pdserve.quant.formats import QuantType, QuantWeight
+from pdserve.quant.linear import QuantLinear
+
+BS = 4  # small blocks: many block boundaries inside each context
+
+
+class Case:
+    """Random q/k/v for a batch of sequences over a random paged cache (its earlier
+    tokens already there), the rotary tables, and both metadata builds."""
+
+    def __init__(
+        self, seqs: list[tuple[int, int]], h: int, hkv: int, d: int, window: int | None = None
+    ) -> None:
+        gen = torch.Generator().manual_seed(h * 1000 + d + len(seqs))
+        self.h, self.hkv, self.d, self.window = h, hkv, d, window
+        n_blocks = sum(-(-(c + q) // BS) for c, q in seqs) + 3
+        self.cache = torch.randn(2, n_blocks, BS, hkv, d, generator=gen)
+        perm = torch.randperm(n_blocks - 1, generator=gen) + 1  # block 0 never used
+        self.specs, used = [], 0
+        for cached, query in seqs:
+            n = -(-(cached + query) // BS)
+            self.specs.append(SeqSpec(cached, query, perm[used : used + n].tolist()))
+            used += n
+        t = sum(q for _, q in seqs)
+        self.qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen)
+        self.positions = torch.cat([torch.arange(c, c + q) for c, q in seqs])
+        angles = torch.outer(torch.arange(64.0), torch.rand(d // 2, generator=gen))
+        self.cos = torch.cat([angles.cos()] * 2, dim=1)
+        self.sin = torch.cat([angles.sin()] * 2, dim=1)
+
+    def meta(self, per_row: bool, specs: list[SeqSpec] | None = None) -> AttentionMetadata:
+        return AttentionMetadata.build(specs or self.specs, BS, self.window, per_row=per_row)
+
+    def compiled(self, threads: int | None = None) -> torch.Tensor:
+        cache, qkv = self.cache.clone(), self.qkv.clone()
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads or old)
+        try:
+            return row_attention(
+                qkv, self.positions, self.cos, self.sin, cache[0], cache[1], self.meta(True),
+                self.h, self.d**-0.5,
+            )  # fmt: skip
+        finally:
+            torch.set_num_threads(old)
+
+    def reference(self) -> torch.Tensor:
+        """RoPE, KV write and torch's paged attention, in float64."""
+        t, h, hkv, d = self.qkv.shape[0], self.h, self.hkv, self.d
+        cache = self.cache.double()
+        qkv = self.qkv.double().view(t, h + 2 * hkv, d)
+        pos = self.positions
+        qk = apply_rope(
+            qkv[:, : h + hkv], self.cos[pos, None].double(), self.sin[pos, None].double()
+        )
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]
+        meta = self.meta(False)
+        cache[0].view(-1, hkv, d)[meta.slot_mapping] = k
+        cache[1].view(-1, hkv, d)[meta.slot_mapping] = v
+        out = paged_attention(q, k, v, cache[0], cache[1], meta, d**-0.5)
+        return out.reshape(t, h * d).float()
+
+
+# (cached, new) per sequence: decode rows first, then a fresh prompt and a continued one.
+MIXED = [(0, 1), (9, 1), (30, 1), (0, 13), (11, 7)]
+
+
+@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 4, 128), (4, 2, 16)])
+def test_matches_torch_paged_attention(h: int, hkv: int, d: int) -> None:
+    """Decodes, a fresh prompt and a prompt after a cached prefix in one batch; GQA and
+    plain heads; the head sizes with their own code (64, 128) and the generic one."""
+    case = Case(MIXED, h, hkv, d)
+    torch.testing.assert_close(case.compiled(), case.reference(), atol=2e-6, rtol=1e-5)
+
+
+def test_sliding_window() -> None:
+    case = Case([(20, 1), (3, 12)], 4, 2, 32, window=5)
+    torch.testing.assert_close(case.compiled(), case.reference(), atol=2e-6, rtol=1e-5)
+
+
+def test_each_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads() -> None:
+    """Row t of a prefill chunk, recomputed as a decode (one query row over the same
+    keys), gives the same bits; so does a 1-thread run."""
+    case = Case(MIXED, 9, 3, 64)
+    batch = case.compiled()
+    assert torch.equal(case.compiled(threads=1), batch)
+    row = 0
+    for spec in case.specs:
+        for i in range(spec.query_len):
+            alone = Case(MIXED, 9, 3, 64)  # same seed: same cache and qkv
+            # The rows before this one are already in the cache; this row is a decode.
+            before = [SeqSpec(spec.num_cached, i, spec.block_table)] if i else []
+            if before:
+                _write(alone, before, row - i)
+            decode = SeqSpec(spec.num_cached + i, 1, spec.block_table)
+            got = _single(alone, decode, row)
+            assert torch.equal(got, batch[row]), (spec, i)
+            row += 1
+
+
+def _write(case: Case, specs: list[SeqSpec], first_row: int) -> None:
+    """Put the K/V of rows [first_row, ...) of `specs` into the case's cache."""
+    n = sum(s.query_len for s in specs)
+    qkv = case.qkv[first_row : first_row + n].clone()
+    row_attention(
+        qkv, case.positions[first_row : first_row + n].contiguous(), case.cos, case.sin,
+        case.cache[0], case.cache[1], case.meta(True, specs), case.h, case.d**-0.5,
+    )  # fmt: skip
+
+
+def _single(case: Case, spec: SeqSpec, row: int) -> torch.Tensor:
+    qkv = case.qkv[row : row + 1].clone()
+    out = row_attention(
+        qkv, case.positions[row : row + 1].contiguous(), case.cos, case.sin,
+        case.cache[0], case.cache[1], case.meta(True, [spec]), case.h, case.d**-0.5,
+    )  # fmt: skip
+    return out[0]
+
+
+# ---- the projections' prologues ----------------------------------------------------------
+
+
+def quant_op(n: int, k: int, qtype: QuantType = QuantType.Q4_1) -> QuantLinear:
+    gen = torch.Generator().manual_seed(n + k)
+    return QuantLinear(QuantWeight.quantize(torch.randn(n, k, generator=gen), qtype), None)
+
+
+def test_rmsnorm_prologue_is_the_norm_then_the_product() -> None:
+    """Close to F.rms_norm then the product (the norm's own sum order differs, so not
+    bit-equal), and row-invariant like the plain product."""
+    op = quant_op(96, 128)
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(37, 128, generator=gen) * 3, torch.rand(128, generator=gen) + 0.5
+    got = op.run(x, norm=w, eps=1e-5)
+    torch.testing.assert_close(got, op(F.rms_norm(x, (128,), w, 1e-5)), atol=1e-4, rtol=1e-4)
+    assert torch.equal(torch.cat([op.run(x[i : i + 1], norm=w, eps=1e-5) for i in range(37)]), got)
+
+
+def test_swiglu_prologue_is_silu_gate_times_up_then_the_product() -> None:
+    op = quant_op(64, 96, QuantType.Q8_0)
+    x = torch.randn(21, 192, generator=torch.Generator().manual_seed(2)) * 4
+    got = op.run(x, swiglu=True)
+    gate, up = x.split(96, dim=1)
+    torch.testing.assert_close(got, op(F.silu(gate) * up), atol=1e-4, rtol=1e-4)
+    assert torch.equal(torch.cat([op.run(x[i : i + 1], swiglu=True) for i in range(21)]), got)
+
+
+def test_into_adds_the_product_to_the_residual_in_place() -> None:
+    op = quant_op(64, 64, QuantType.Q4_0)
+    gen = torch.Generator().manual_seed(3)
+    x, h = torch.randn(5, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    want = h + op(x)
+    got = op.run(x, into=h)
+    assert got is h and torch.equal(h, want)
+
+
+def test_bad_prologue_arguments_name_the_shape() -> None:
+    op = quant_op(8, 64)
+    with pytest.raises(ValueError, match=r"expected \[T, 128\], got \[2, 64\]"):
+        op.run(torch.randn(2, 64), swiglu=True)
+    with pytest.raises(ValueError, match=r"norm: expected one contiguous fp32 \[64\] weight"):
+        op.run(torch.randn(2, 64), norm=torch.ones(32))
+    with pytest.raises(ValueError, match=r"into: expected a contiguous fp32 \[2, 8\]"):
+        op.run(torch.randn(2, 64), into=torch.zeros(2, 9))
+
+
+# ---- the model -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
+    path = make_tiny_gguf(tmp_path_factory.mktemp("tiny"), "LlamaForCausalLM", quant="Q4_1")
+    model = load_model(EngineConfig(model=str(path), quantization="gguf", num_threads=2))
+    assert model.fused
+    return model
+
+
+def run_steps(model: CausalLM, ids: list[int], chunks: list[int], decodes: int) -> torch.Tensor:
+    """Prefill `ids` in `chunks`, then greedy-decode; the logits of every position from
+    the last prompt token on, [1 + decodes, vocab]."""
+    c = model.config
+    layout = KVLayout(c.num_hidden_layers, 32, BS, c.num_key_value_heads, c.head_dim, "float32")
+    cache, table, seq, pos = KVCache(layout, num_host_blocks=0), list(range(1, 32)), list(ids), 0
+    rows = []
+    with torch.inference_mode():
+        for n in [*chunks, *[1] * decodes]:
+            if pos + n > len(seq):  # a decode: append the last greedy token
+                seq.append(int(rows[-1].argmax()))
+            meta = AttentionMetadata.build([SeqSpec(pos, n, table)], BS, per_row=True)
+            logits = model(
+                torch.tensor(seq[pos : pos + n]), torch.arange(pos, pos + n),
+                cache.device_tensor, meta, torch.arange(n),
+            )  # fmt: skip
+            rows += list(logits) if pos + n >= len(ids) else []
+            pos += n
+    return torch.stack(rows[-(1 + decodes) :])
+
+
+def test_decoded_logits_equal_a_prefill_recompute_of_the_same_tokens(
+    tiny_quantized: CausalLM,
+) -> None:
+    """Decode 12 tokens; then prefill the prompt and the 12 tokens in one chunk, and in uneven
+    chunks: every position's logits are bit-identical (the tokens a resumed request
+    recomputes are the ones it decoded)."""
+    prompt = [5, 9, 2, 77, 31, 8, 15]
+    decoded = run_steps(tiny_quantized, prompt, [len(prompt)], 12)
+    tokens = prompt + [int(r.argmax()) for r in decoded[:-1]]
+    once = run_steps(tiny_quantized, tokens, [len(tokens)], 0)
+    assert torch.equal(once[-1], decoded[-1])
+    whole = _all_logits(tiny_quantized, tokens)
+    assert torch.equal(whole[len(prompt) - 1 :], decoded)
+    assert torch.equal(_all_logits(tiny_quantized, tokens, [3, 9, 7]), whole)
+
+
+def _all_logits(model: CausalLM, ids: list[int], chunks: list[int] | None = None) -> torch.Tensor:
+    c = model.config
+    layout = KVLayout(c.num_hidden_layers, 32, BS, c.num_key_value_heads, c.head_dim, "float32")
+    cache, table, pos, out = KVCache(layout, num_host_blocks=0), list(range(1, 32)), 0, []
+    with torch.inference_mode():
+        for n in chunks or [len(ids)]:
+            meta = AttentionMetadata.build([SeqSpec(pos, n, table)], BS, per_row=True)
+            ids_, pos_ = torch.tensor(ids[pos : pos + n]), torch.arange(pos, pos + n)
+            out.append(model(ids_, pos_, cache.device_tensor, meta, torch.arange(n)))
+            pos += n
+    return torch.cat(out)
+
+
+def test_the_compiled_path_agrees_with_the_torch_path(tiny_quantized: CausalLM) -> None:
+    """Same weights, torch attention and ops instead: logits within fp32 noise."""
+    ids = [5, 9, 2, 77, 31, 8, 15, 40, 41]
+    c = tiny_quantized.config
+    layout = KVLayout(c.num_hidden_layers, 8, BS, c.num_key_value_heads, c.head_dim, "float32")
+    got = {}
+    for per_row in (True, False):
+        cache = KVCache(layout, num_host_blocks=0)
+        meta = AttentionMetadata.build(
+            [SeqSpec(0, len(ids), list(range(1, 8)))], BS, per_row=per_row
+        )
+        with torch.inference_mode():
+            got[per_row] = tiny_quantized(
+                torch.tensor(ids), torch.arange(len(ids)), cache.device_tensor, meta,
+                torch.arange(len(ids)),
+            )  # fmt: skip
+    torch.testing.assert_close(got[True], got[False], atol=2e-3, rtol=1e-3)
