@@ -202,7 +202,7 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """`forward` for a quantized layer on CPU, in five compiled calls: each RMSNorm is
-        fused into the next projection's activation quantization, SwiGLU into down's,
+        fused into the next projection as its prologue, SwiGLU into down's,
         the residual adds into o's and down's output, RoPE and the KV write into the
         attention (`row_attention`). Every step is row-invariant (a row gets the same
         bits alone or in any batch), which recovery's recompute relies on.

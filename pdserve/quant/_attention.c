@@ -35,11 +35,25 @@ INLINE float dot(const float *a, const float *b, const int64_t D) {
     return hsum8(acc);
 }
 
-INLINE const float *slot_of(const float *cache, const int32_t *table, int64_t j,
-                            const Attn *a, int64_t g) {
-    const int64_t slot = (int64_t)table[j / a->bs] * a->bs + j % a->bs;
-    return cache + (slot * a->Hkv + g) * a->D;
-}
+/* Keys [j0, j1) of KV head g in runs that are contiguous in the cache (one block, or
+ * what of it the range covers): f(i, key) for key i (0-based from j0) at address key, in
+ * order. The block arithmetic is done once per run, not once per key (an integer
+ * division per key cost more than the key's dot product). */
+#define FOR_EACH_KEY(a, cache, table, g, j0, j1, i, key, BODY)                              \
+    do {                                                                                  \
+        const int64_t stride_ = (a)->Hkv * (a)->D;                                        \
+        for (int64_t j_ = (j0); j_ < (j1);) {                                             \
+            const int64_t blk_ = j_ / (a)->bs, off_ = j_ % (a)->bs;                       \
+            const int64_t run_ = (a)->bs - off_ < (j1) - j_ ? (a)->bs - off_ : (j1) - j_; \
+            const float *base_ = (cache) + (((int64_t)(table)[blk_] * (a)->bs + off_) * (a)->Hkv + (g)) * (a)->D; \
+            for (int64_t r_ = 0; r_ < run_; r_++) {                                       \
+                const int64_t i = j_ - (j0) + r_;                                         \
+                const float *key = base_ + r_ * stride_;                                  \
+                BODY;                                                                     \
+            }                                                                             \
+            j_ += run_;                                                                   \
+        }                                                                                 \
+    } while (0)
 
 /* p = exp(s - max(s)) in place over n scores; returns sum(p). */
 INLINE float softmax_numerator(float *s, int64_t n) {
@@ -72,12 +86,11 @@ INLINE void weighted_values(const Attn *a, const int32_t *table, int64_t g, int6
     const int64_t D = DV ? DV : a->D;
     __m256 acc[32];
     for (int64_t i = 0; i < D / 8; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
-        const float *v = slot_of(a->vc, table, j0 + j, a, g);
+    FOR_EACH_KEY(a, a->vc, table, g, j0, j0 + n, j, v, {
         const __m256 pj = _mm256_broadcast_ss(p + j);
         for (int64_t i = 0; i < D / 8; i++)
             acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), acc[i]);
-    }
+    });
     const __m256 t = _mm256_set1_ps(total);
     for (int64_t i = 0; i < D / 8; i++) _mm256_storeu_ps(out + 8 * i, _mm256_div_ps(acc[i], t));
 }
@@ -93,10 +106,9 @@ INLINE void attend(const Attn *a, int64_t t, int64_t g, float *s, const int64_t 
         return;
     }
     const float *q = a->q + t * a->ldq + g * G * D;
-    for (int64_t j = 0; j < n; j++) {
-        const float *k = slot_of(a->kc, table, j0 + j, a, g);
+    FOR_EACH_KEY(a, a->kc, table, g, j0, j0 + n, j, k, {
         for (int64_t h = 0; h < G; h++) s[h * n + j] = dot(q + h * D, k, D) * a->scale;
-    }
+    });
     for (int64_t h = 0; h < G; h++) {
         const float total = softmax_numerator(s + h * n, n);
         weighted_values(a, table, g, j0, n, s + h * n, total,

@@ -1,32 +1,19 @@
 """y = x @ W.T + bias with W in a GGUF block format, by the compiled kernel.
 
-Activations are quantized per 32-value block to int16 on the fly (pdserve/quant/README.md);
-each output element is computed the same way whatever the batch (see `_kernels.c`).
+The weights are dequantized in registers to their exact fp32 values and multiplied by
+the fp32 activations (pdserve/quant/README.md); each output element is computed the same
+way whatever the batch (see `_kernels.c`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.quant.formats import QuantType, QuantWeight
+from pdserve.quant.formats import QuantWeight
 from pdserve.quant.kernels import kernels, unavailable_reason
 
 # What the product reads in place of x (the kernel's prologues, _kernels.c).
 PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
-
-
-def offset_scales(weight: QuantWeight) -> torch.Tensor | None:
-    """The kernel's `off` array: the fp16 scales of each block's constant term (Q4_0: d,
-    times -8 in the kernel; Q4_1: the minimums m), rows zero-padded to a multiple of 8
-    blocks so the kernel's 8-lane dot has no tail. None for Q8_0 (no constant term)."""
-    if weight.qtype == QuantType.Q8_0:
-        return None
-    src = weight.m if weight.qtype == QuantType.Q4_1 else weight.d
-    assert src is not None
-    n, blocks = src.shape
-    padded = torch.zeros(n, (blocks + 7) // 8 * 8, dtype=src.dtype)
-    padded[:, :blocks] = src
-    return padded
 
 
 class QuantLinear:
@@ -46,8 +33,7 @@ class QuantLinear:
         self._type = int(weight.qtype)
         self._qs = weight.qs.data_ptr()
         self._d = weight.d.data_ptr()
-        self._offsets = offset_scales(weight)
-        self._off = self._offsets.data_ptr() if self._offsets is not None else 0
+        self._m = weight.m.data_ptr() if weight.m is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x)
@@ -61,7 +47,7 @@ class QuantLinear:
         swiglu: bool = False,
         into: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """P(x) @ W.T + bias, with the prologue P fused into the activation quantization:
+        """P(x) @ W.T + bias, with the prologue P applied to each row inside the kernel:
         `norm` (a [K] weight): RMSNorm(x) * norm with `eps`; `swiglu`: x is [T, 2K] (gate,
         then up) and P(x) = silu(gate) * up; else x itself. With `into` ([T, N], contiguous)
         the product is added to it in place and it is returned (a residual add).
@@ -96,7 +82,7 @@ class QuantLinear:
             y = into
         self._qlinear(
             self._type, x.data_ptr(), x.stride(0), t, self.in_features,
-            self._qs, self._d, self._off, self.out_features,
+            self._qs, self._d, self._m, self.out_features,
             y.data_ptr(), self.out_features, torch.get_num_threads(),
             pre, pre_w, float(eps), into is not None,
         )  # fmt: skip
