@@ -250,12 +250,15 @@ KERNEL static void dequantize_any(const QWeight *w, int64_t n, int rn, float *bu
     }
 }
 
-/* Column tiles are handed out in chunks of about 1/16 of a thread's share, not split
+/* Column tiles are handed out in chunks (`per_thread` of them per thread), not split
  * statically: on a shared machine a thread that loses its core for a while then holds
  * back one chunk, not half the product (a static split made a 0.1 ms product take 8 ms
- * while another process ran). Which thread computes a column never changes its value. */
-static int64_t chunk_of(int64_t tiles, int threads) {
-    const int64_t chunk = tiles / ((int64_t)threads * 16);
+ * while another process ran: the thread that was not running had not taken its half,
+ * and with dynamic chunks it takes none). A GEMV uses 2 chunks per thread: at 16 its
+ * scheduling and the short weight streams cost a third of a 60 us product; a GEMM 4.
+ * Which thread computes a column never changes its value. */
+static int64_t chunk_of(int64_t tiles, int threads, int per_thread) {
+    const int64_t chunk = tiles / ((int64_t)threads * per_thread);
     return chunk < 1 ? 1 : chunk;
 }
 
@@ -263,7 +266,7 @@ static int64_t chunk_of(int64_t tiles, int threads) {
 KERNEL static void gemv(const QWeight *w, const float *x, int64_t ldx, int64_t M, float *y,
                         int64_t ldy, int acc, int threads) {
     const int64_t tiles = (w->N + 3) / 4;
-#pragma omp parallel for schedule(dynamic, chunk_of(tiles, threads)) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, chunk_of(tiles, threads, 2)) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n = t * 4;
         rows_direct(w, x, ldx, M, n, n + 4 <= w->N ? 4 : (int)(w->N - n), y, ldy, acc);
@@ -287,7 +290,7 @@ KERNEL static void gemm(const QWeight *w, const float *x, int64_t ldx, int64_t M
 #endif
         for (int64_t m0 = 0; m0 < M; m0 += pass) {
             const int64_t m1 = m0 + pass < M ? m0 + pass : M;
-#pragma omp for schedule(dynamic, chunk_of(tiles, threads))
+#pragma omp for schedule(dynamic, chunk_of(tiles, threads, 4))
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t n = t * 3;
                 const int rn = n + 3 <= w->N ? 3 : (int)(w->N - n);
