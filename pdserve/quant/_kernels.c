@@ -158,7 +158,20 @@ INLINE void tile_direct(const QWeight *w, const float *x, int64_t ldx, int64_t m
     __m256 acc[4][4];
     for (int i = 0; i < RM; i++)
         for (int j = 0; j < RN; j++) acc[i][j] = _mm256_setzero_ps();
+    /* The next tile's weights, a line per block ahead of need (the hardware prefetcher
+     * did not keep up with the 4 interleaved row streams of a tile). */
+    const int64_t row_bytes = T == Q8_0 ? w->K : w->K / 2;
+    const char *next_qs = (const char *)(w->qs + (n0 + RN) * row_bytes);
+    const char *next_d = (const char *)(w->d + (n0 + RN) * w->B);
+    const char *next_m = T == Q4_1 ? (const char *)(w->m + (n0 + RN) * w->B) : NULL;
+    const int64_t qs_lines = RN * row_bytes / 64, sc_lines = (RN * w->B * 4 + 63) / 64;
     for (int64_t b = 0; b < w->B; b++) {
+        for (int64_t l = b * qs_lines / w->B; l < (b + 1) * qs_lines / w->B; l++)
+            _mm_prefetch(next_qs + 64 * l, _MM_HINT_T0);
+        if (b < sc_lines) {
+            _mm_prefetch(next_d + 64 * b, _MM_HINT_T0);
+            if (T == Q4_1) _mm_prefetch(next_m + 64 * b, _MM_HINT_T0);
+        }
         for (int j = 0; j < RN; j++) {
             __m256 v[4];
             weight_block(w, n0 + j, b, T, v);
