@@ -4,8 +4,8 @@ perplexity (issue 20, acceptance 2).
     .venv/bin/python bench/bench_quant_accuracy.py [--model PATH] [--quantization gguf]
 
 The reference is `--quantization none`: the file's blocks dequantized to fp32, so both
-settings hold exactly the same weights and the only difference is the kernels' int16
-activations (pdserve/quant/README.md).
+settings hold exactly the same weights and the only difference is the order of the
+kernels' fp32 sums, and their compiled attention (pdserve/quant/README.md).
 
 * Greedy agreement: 16 varied chat prompts (the length predictor's six task kinds,
   predictor/prompts.py, seed 0) x 64 tokens with ignore_eos: the share of continuations
