@@ -146,13 +146,13 @@ def quant_op(n: int, k: int, qtype: QuantType = QuantType.Q4_1) -> QuantLinear:
 
 
 def test_rmsnorm_prologue_is_the_norm_then_the_product() -> None:
-    """Close to F.rms_norm then the product (the norm's own sum order differs, so not
-    bit-equal), and row-invariant like the plain product."""
+    """Within fp32 rounding of F.rms_norm then the product (the norm's own sum order
+    differs, so not bit-equal), and row-invariant like the plain product."""
     op = quant_op(96, 128)
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(37, 128, generator=gen) * 3, torch.rand(128, generator=gen) + 0.5
     got = op.run(x, norm=w, eps=1e-5)
-    torch.testing.assert_close(got, op(F.rms_norm(x, (128,), w, 1e-5)), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, op(F.rms_norm(x, (128,), w, 1e-5)), atol=5e-5, rtol=1e-5)
     assert torch.equal(torch.cat([op.run(x[i : i + 1], norm=w, eps=1e-5) for i in range(37)]), got)
 
 
@@ -161,7 +161,7 @@ def test_swiglu_prologue_is_silu_gate_times_up_then_the_product() -> None:
     x = torch.randn(21, 192, generator=torch.Generator().manual_seed(2)) * 4
     got = op.run(x, swiglu=True)
     gate, up = x.split(96, dim=1)
-    torch.testing.assert_close(got, op(F.silu(gate) * up), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, op(F.silu(gate) * up), atol=5e-5, rtol=1e-5)
     assert torch.equal(torch.cat([op.run(x[i : i + 1], swiglu=True) for i in range(21)]), got)
 
 
@@ -261,4 +261,4 @@ def test_the_compiled_path_agrees_with_the_torch_path(tiny_quantized: CausalLM) 
                 torch.tensor(ids), torch.arange(len(ids)), cache.device_tensor, meta,
                 torch.arange(len(ids)),
             )  # fmt: skip
-    torch.testing.assert_close(got[True], got[False], atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(got[True], got[False], atol=2e-5, rtol=1e-5)
