@@ -7,6 +7,7 @@ import sys
 import time
 
 from pdserve.bench.cli import add_bench_parser
+from pdserve.cluster.status import add_cluster_parser
 from pdserve.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.profiler import add_profile_parser
@@ -19,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub.add_parser("generate", help="complete one prompt and print the text"))
     _add_serve(sub.add_parser("serve", help="serve the OpenAI API over HTTP"))
     add_bench_parser(sub)
+    add_cluster_parser(sub)
     add_plan_parser(sub)
     add_profile_parser(sub)
     add_predictor_parser(sub)
@@ -192,6 +194,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="serve GET /debug/engine (engine counters and a KV-pool integrity check)",
     )
     _add_cluster(p.add_argument_group("instances and disaggregation"))
+    _add_ray(p.add_argument_group("several machines: instances placed by Ray (docs/deploy.md)"))
     _add_scheduling(p.add_argument_group("length-aware scheduling (docs/scheduling.md)"))
     p.set_defaults(func=_serve)
 
@@ -267,7 +270,13 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         default="pull",
         help="how KV moves from prefill to decode (default: pull)",
     )
-    g.add_argument("--kv-transport", choices=["shm", "tcp"], default="shm")
+    g.add_argument(
+        "--kv-transport",
+        choices=["shm", "tcp", "auto"],
+        default=None,
+        help="how KV moves between instances: shm (one host), tcp, or auto: shm between "
+        "instances on one node, tcp between nodes (default: auto with --ray, else shm)",
+    )
     g.add_argument(
         "--instance-timeout",
         type=float,
@@ -337,6 +346,33 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         "--kv-fault-bandwidth", type=float, default=None, help="cap transfers at BYTES per second"
     )
     g.add_argument("--kv-fault-seed", type=int, default=None)
+
+
+def _add_ray(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--ray",
+        action="store_true",
+        help="start the instances as Ray actors on the nodes of a Ray cluster (pip install "
+        "pdserve[ray]); without it every instance is a child process of the server",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join: 'auto', HOST:PORT of its head (default: RAY_ADDRESS, "
+        "else a new one-node cluster on this machine)",
+    )
+    g.add_argument(
+        "--ray-restart",
+        action="store_true",
+        help="with --ray: start a dead instance again (a new actor, on its node while that "
+        "node lives); it rejoins the cluster empty",
+    )
+    g.add_argument(
+        "--placement",
+        default=None,
+        metavar="JSON",
+        help="with --ray: run the instances a `pdserve plan` placement names, on its nodes",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -114,10 +114,13 @@ class TransferConfig:
     """KV hand-off between prefill and decode instances (kv/transfer)."""
 
     mode: TransferMode = TransferMode.PULL
-    # "shm" (one host, one copy between the two pools), "tcp" (across hosts), "inproc" (tests).
+    # "shm" (one host, one copy between the two pools), "tcp" (across hosts), "auto" (shm to
+    # instances on the same node, tcp to the others: `serve --ray`), "inproc" (tests).
     transport: str = "shm"
     # Address the TCP transport listens on.
     host: str = "127.0.0.1"
+    # auto: the node this instance runs on (a Ray node id); set by the launcher.
+    node: str = ""
     # A transfer that has not finished after this long fails (the request is retried or fails).
     timeout_s: float = 30.0
     # Pull mode: how long a prefill instance keeps KV that no decode instance has claimed.
@@ -132,8 +135,8 @@ class TransferConfig:
     fault_seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.transport not in ("shm", "tcp", "inproc"):
-            raise ValueError(f"transport must be shm, tcp or inproc, got {self.transport!r}")
+        if self.transport not in ("shm", "tcp", "auto", "inproc"):
+            raise ValueError(f"transport must be shm, tcp, auto or inproc, got {self.transport!r}")
         for name in ("timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

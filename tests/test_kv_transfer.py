@@ -542,7 +542,7 @@ def test_tcp_silent_peer_times_out() -> None:
 def test_make_transport_rejects_unknown_kind() -> None:
     raises_exactly(
         ValueError,
-        "transport must be one of inproc, shm, tcp, got 'rdma'",
+        "transport must be one of inproc, shm, tcp, auto, got 'rdma'",
         lambda: make_transport("rdma"),
     )
 
@@ -630,8 +630,9 @@ def _peer_main(commands: Any, results: Any) -> None:
         cmd, *args = commands.get()
         try:
             if cmd == "create":
-                kind, name, lay, seed = args
-                transport = transports.setdefault(kind, make_transport(kind))
+                kind, name, lay, seed = args  # kind "auto@NODE": the auto transport on NODE
+                base, _, node = kind.partition("@")
+                transport = transports.setdefault(kind, make_transport(base, node=node))
                 region = transport.create_region(name, lay)
                 region.tensor.copy_(filled(lay, seed))
                 regions[name] = region
@@ -700,6 +701,49 @@ def test_peer_in_another_process(peer: Peer, kind: str) -> None:
         plan = stream_in(a, [0], b, [0], 0, 4)
         error = bounded(lambda: me.fetch(remote, plan, local.tensor))
         assert isinstance(error, PeerUnavailableError), error
+
+
+def test_auto_transport_routes_by_node(peer: Peer) -> None:
+    """The auto transport (serve --ray): a peer process's region, reached from the same
+    node through its shared-memory segment and from another node over TCP, bit-exact
+    both ways, each transfer counted on the route it took."""
+    a, b = layout(block_size=4), layout(block_size=8, num_blocks=8)
+    remote: RegionHandle = peer.ask("create", "auto@node-a", "prefill", a, 21)
+    assert (remote.transport, remote.node) == ("auto", "node-a")
+    assert remote.address.startswith("pdkv-") and remote.tcp_address.startswith("127.0.0.1:")
+    for node, route in (("node-a", "shm"), ("node-b", "tcp")):
+        with make_transport("auto", node=node) as me:
+            local = me.create_region("decode", b)
+            local.tensor.copy_(filled(b, 22))
+            want = reference_move(filled(a, 21), a, [3, 4, 9], local.tensor, b, [6, 0], 1, 11)
+            me.fetch(remote, stream_in(a, [3, 4, 9], b, [6, 0], 1, 11), local.tensor)
+            assert torch.equal(local.tensor, want)
+            target: RegionHandle = peer.ask("create", "auto@node-a", f"target-{node}", b, 23)
+            want = reference_move(local.tensor, b, [5, 2], filled(b, 23), b, [7, 3], 0, 16)
+            me.flush(target, stream_out(b, [5, 2], b, [7, 3], 0, 16), local.tensor)
+            assert peer.ask("expect", f"target-{node}", want) is True
+            assert me.routes() == {"shm": 0, "tcp": 0} | {route: 2}
+    peer.ask("close", "auto@node-a")
+    # A peer that cannot be reached over either route fails as unavailable, not a hang.
+    with make_transport("auto", node="node-b", timeout_s=10) as me:
+        local = me.create_region("decode", b)
+        error = bounded(lambda: me.fetch(remote, stream_in(a, [0], b, [0], 0, 4), local.tensor))
+        assert isinstance(error, PeerUnavailableError), error
+
+
+def test_auto_transport_needs_a_node_and_refuses_plain_handles() -> None:
+    raises_exactly(
+        ValueError, "the auto transport needs the name of its node", lambda: make_transport("auto")
+    )
+    with make_transport("auto", node="n") as me, make_transport("tcp") as tcp:
+        handle = tcp.create_region("x", layout()).handle
+        raises_exactly(
+            ValueError,
+            f"cannot reach tcp region 'x' at {tcp.address} through the auto transport",
+            lambda: me.fetch(
+                handle, stream_in(layout(), [0], layout(), [0], 0, 1), torch.zeros(layout().shape)
+            ),
+        )
 
 
 # ---- fault injection -----------------------------------------------------------------------

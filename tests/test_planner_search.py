@@ -226,14 +226,15 @@ def test_parallel_configs_respect_memory_heads_and_layers() -> None:
     assert cap == int((144e9 - PRESETS["opt-66b"].weight_bytes) // (2 * 64 * 9216 * 2))
 
 
-def test_hardware_without_an_all_reduce_link_gets_no_tensor_parallelism() -> None:
+def test_hardware_without_an_all_reduce_link_gets_no_tensor_or_pipeline_parallelism() -> None:
+    """A CPU profile: the plan is for pdserve to start, whose instance is one process."""
     cpu = dataclasses.replace(TOY_HW, kind="measured", tp_bandwidth=0.0)
     ctx = dataclasses.replace(toy_context(), hw=cpu)
-    assert ctx.max_tp == 1
+    assert (ctx.max_tp, ctx.max_pp) == (1, 1)
     outcome = search(ctx, "both", workers=1)
-    tasks = [r.task for p in outcome.ranked for r in p.results]
-    assert tasks and all(t.par.tp == 1 for t in tasks)
-    assert all(t.decode_par is None or t.decode_par.tp == 1 for t in tasks)
+    tasks = [r.task for p in [*outcome.ranked, *outcome.colocated] for r in p.results]
+    assert tasks and all(t.par == Parallelism(1, 1) for t in tasks)
+    assert all(t.decode_par in (None, Parallelism(1, 1)) for t in tasks)
 
 
 def test_model_that_cannot_fit_gives_the_numbers() -> None:

@@ -312,7 +312,12 @@ def test_unknown_model_is_404(server: Server) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")],
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/cluster/status"),
+    ],
 )
 @pytest.mark.parametrize("key", [None, "wrong", KEY[:-1]])
 def test_api_key_guards_every_v1_route(server: Server, method: str, path: str, key) -> None:
@@ -326,6 +331,31 @@ def test_api_key_guards_every_v1_route(server: Server, method: str, path: str, k
     message = "invalid or missing API key (send 'Authorization: Bearer KEY')"
     error = {"message": message, "type": "authentication_error", "param": None, "code": 401}
     assert (status, resp) == (401, {"error": error})
+
+
+def test_cluster_status_of_a_single_engine(server: Server) -> None:
+    """`pdserve cluster status`'s source without --ray: one local node, one engine."""
+    status, body = server.get("/cluster/status", key=KEY)
+    assert status == 200, body
+    assert body["launcher"] == "local"
+    (node,) = body["nodes"]
+    assert node == {
+        "node": "local",
+        "address": "127.0.0.1",
+        "alive": True,
+        "cpus": len(os.sched_getaffinity(0)),
+        "gpus": 0,
+        "instances": ["engine"],
+    }
+    (engine,) = body["instances"]
+    assert {k: engine[k] for k in ("name", "role", "node", "alive", "dead_reason")} == {
+        "name": "engine",
+        "role": "colocated",
+        "node": "local",
+        "alive": True,
+        "dead_reason": None,
+    }
+    assert engine["pid"] > 0 and engine["pid"] != os.getpid()
 
 
 def test_open_routes_without_a_key(server: Server) -> None:

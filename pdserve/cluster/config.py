@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from pdserve.cluster.placement import PlacedInstance, check_roles, counts, in_launch_order
+from pdserve.config import Role
+
 
 class Routing(StrEnum):
     """How the controller picks the instance that prefills a request (cluster/routing.py)."""
@@ -74,6 +77,12 @@ class ClusterConfig:
     # Decode dispatch: a request predicted to generate at least this many tokens is a
     # heavy decode (TetriInfer: 128, ShareGPT's median answer); docs/scheduling.md.
     heavy_decode_tokens: int = 128
+    # A dead instance is started again (a new process, on its node if that is still alive)
+    # and rejoins empty once ready (`serve --ray --ray-restart`); a lone engine is not.
+    restart_dead: bool = False
+    # Which node each instance runs on and the devices it holds (cluster/placement.py), in
+    # launch order (prefill, decode, colocated); () : wherever the launcher puts them.
+    placement: tuple[PlacedInstance, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated", "max_retries", "max_migrations"):
@@ -110,6 +119,24 @@ class ClusterConfig:
             raise ValueError(f"decode_balance must be >= 0, got {self.decode_balance}")
         if self.instance_timeout_s <= 0:
             raise ValueError(f"instance_timeout_s must be > 0, got {self.instance_timeout_s}")
+        if self.placement:
+            self._check_placement()
+
+    def _check_placement(self) -> None:
+        placement = list(self.placement)
+        check_roles(placement, "placement")
+        if placement != in_launch_order(placement):
+            raise ValueError(
+                "placement: instances must be in launch order (prefill, decode, colocated)"
+            )
+        n = counts(placement)
+        have = (n[Role.PREFILL], n[Role.DECODE], n[Role.COLOCATED])
+        want = (self.num_prefill, self.num_decode, self.num_colocated)
+        if have != want:
+            raise ValueError(
+                f"the placement has {have[0]} prefill, {have[1]} decode and {have[2]} colocated "
+                f"instances, the flags ask for {want[0]}, {want[1]} and {want[2]}"
+            )
 
     @property
     def disaggregated(self) -> bool:

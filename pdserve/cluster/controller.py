@@ -53,7 +53,7 @@ import msgspec
 import zmq.asyncio
 
 from pdserve.cluster.config import ClusterConfig, DecodePolicy
-from pdserve.cluster.instance import Instance
+from pdserve.cluster.instance import Instance, Launcher, LocalLauncher
 from pdserve.cluster.policies import DecodeChooser
 from pdserve.cluster.recovery import FaultCounters
 from pdserve.cluster.replication import RecoveryCost, ring
@@ -110,6 +110,8 @@ from pdserve.protocol.timing import RequestTimes
 from pdserve.protocol.wire import EngineMessage, Handlers
 
 _WATCH_S = 0.1
+_RESTART_TRIES = 5  # --ray-restart: starts tried for one dead instance
+_RESTART_WAIT_S = 2.0  # between them
 log = logging.getLogger("pdserve.recovery")
 
 Item = RequestOutput | BaseException
@@ -202,9 +204,12 @@ class _Replica:
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig, engine: EngineConfig) -> None:
+    def __init__(
+        self, config: ClusterConfig, engine: EngineConfig, launcher: Launcher | None = None
+    ) -> None:
         self.config = config
         self.engine = engine
+        self.launcher = launcher  # None: children of this process (cluster/instance.py)
         self.mode = engine.transfer.mode
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = 0
@@ -225,6 +230,7 @@ class Cluster:
         self._budget = LoopBudget()
         self._ids = itertools.count()
         self._watch: asyncio.Task[None] | None = None
+        self._restarts: set[asyncio.Task[None]] = set()  # --ray-restart: starts in flight
         self._closed = False
         self._dead: EngineDeadError | None = None  # a lone engine died: why
         self._handlers = Handlers[Awaitable[None] | None](
@@ -251,12 +257,18 @@ class Cluster:
 
     @classmethod
     async def start(
-        cls, engine: EngineConfig, config: ClusterConfig | None = None, timeout: float = 600.0
+        cls,
+        engine: EngineConfig,
+        config: ClusterConfig | None = None,
+        timeout: float = 600.0,
+        launcher: Launcher | None = None,
     ) -> Cluster:
         """Start every instance (in parallel) and wait until all are ready. `config`
-        None: a single engine. Raises what a failed start reports (EngineDeadError with
-        the engine's message, ModelLoadError); no process is left running then."""
-        cluster = cls(config or ClusterConfig(num_colocated=1), engine)
+        None: a single engine. `launcher`: where the instances' processes run (None:
+        children of this process; cluster/ray_launch.py: Ray actors). Raises what a
+        failed start reports (EngineDeadError with the engine's message,
+        ModelLoadError); no process is left running then."""
+        cluster = cls(config or ClusterConfig(num_colocated=1), engine, launcher)
         try:
             await cluster._start(timeout)
         except BaseException:
@@ -283,6 +295,7 @@ class Cluster:
                 self._on_message,
                 silence,
                 self._on_report,
+                self.launcher,
             )
             for cfg in instance_configs(self.config, self.engine)
         ]
@@ -306,6 +319,9 @@ class Cluster:
         self._closed = True
         if self._watch is not None:
             self._watch.cancel()
+        for task in self._restarts:
+            task.cancel()
+        await asyncio.gather(*self._restarts, return_exceptions=True)
         self._fail_all(EngineDeadError("the server is shutting down"))
         await asyncio.gather(*(i.shutdown(timeout) for i in self.instances))
         self._ctx.term()
@@ -662,6 +678,55 @@ class Cluster:
         if holder is not None and holder.alive:
             holder.send(DropReplicas(inst.name, []))  # after the resumes it consumed
         self._arrange_replication()
+        if self.config.restart_dead and not self._closed:
+            task = asyncio.create_task(self._restart(inst))
+            self._restarts.add(task)
+            task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, dead: Instance, timeout: float = 600.0) -> None:
+        """Start `dead`'s config again as a new instance (the launcher places it) and, once
+        ready, put it in `dead`'s place: it rejoins empty (no cache, no requests) and the
+        router, the decode chooser and replication see it from then on. A failed start
+        is tried again `_RESTART_TRIES` times, `_RESTART_WAIT_S` apart (a node that just
+        died may still be offered by Ray for a few seconds); then the instance stays dead."""
+        for attempt in range(1, _RESTART_TRIES + 1):
+            fresh = await self._start_again(dead, timeout)
+            if fresh is not None:
+                await dead.shutdown(0)  # its process is gone (fenced); this closes its sockets
+                self.instances[self.instances.index(dead)] = fresh
+                self.faults.instance_restarted(fresh.role.value)
+                log.warning("instance %s restarted on node %s, empty", fresh.name, fresh.node)
+                self._arrange_replication()
+                return
+            if self._closed:
+                return
+            if attempt < _RESTART_TRIES:
+                await asyncio.sleep(_RESTART_WAIT_S)
+        log.warning("instance %s stays dead: %d restarts failed", dead.name, _RESTART_TRIES)
+
+    async def _start_again(self, dead: Instance, timeout: float) -> Instance | None:
+        """A ready new instance of `dead`'s config; None if its start failed (logged)."""
+        fresh = Instance(
+            dead.config,
+            self._ctx,
+            self._on_message,
+            self.config.instance_timeout_s,
+            self._on_report,
+            self.launcher,
+        )
+        try:
+            await fresh.start(timeout)
+        except asyncio.CancelledError:  # the server is shutting down
+            await fresh.shutdown()
+            raise
+        except Exception as e:  # its start failed (Ray could not place it, it died, ...)
+            log.warning("instance %s could not be restarted: %s", dead.name, e)
+            await fresh.shutdown()
+            return None
+        if self._closed:
+            await fresh.shutdown()
+            return None
+        return fresh
 
     def _on_engine_dead(self, inst: Instance, reason: str) -> None:
         """The lone engine is gone: every request, open or new, fails with why."""
@@ -1031,19 +1096,36 @@ class Cluster:
         )
         return _sum_stats(live, replies)
 
+    def status(self) -> dict[str, object]:
+        """The cluster as the controller sees it now, without asking any instance: the
+        nodes and which instances run on each, every instance's role, liveness and load
+        (its last load report and what the front end assigned it). `pdserve cluster
+        status` prints it."""
+        launcher = self.launcher or LocalLauncher()
+        nodes = launcher.nodes()
+        for row in nodes:
+            row["instances"] = [i.name for i in self.instances if i.node == row["node"]]
+        instances = []
+        for inst in self.instances:
+            report = inst.report
+            instances.append(
+                {
+                    **_identity(inst),
+                    "running": report.num_running if report else None,
+                    "waiting": report.num_waiting if report else None,
+                    "free_blocks": report.num_obtainable_blocks if report else None,
+                    "blocks": report.num_blocks if report else None,
+                }
+            )
+        return {"launcher": launcher.kind, "nodes": nodes, "instances": instances}
+
     async def instance_stats(self, timeout: float = 5.0) -> list[dict[str, object]]:
         """Per instance: role, liveness, assigned load, last report and counters."""
         rows: list[dict[str, object]] = []
         replicated = self.replicated_tokens()
         for inst in self.instances:
             row: dict[str, object] = {
-                "name": inst.name,
-                "role": inst.role.value,
-                "pid": inst.process.pid,
-                "alive": inst.alive,
-                "dead_reason": inst.dead,
-                "assigned_prefill_tokens": inst.assigned_prefill_tokens,
-                "assigned_requests": inst.assigned_requests,
+                **_identity(inst),
                 "replicating_to": self._holder_name(inst),
                 "replicated_tokens": replicated[inst.name],  # held here, as the front end knows
             }
@@ -1054,6 +1136,21 @@ class Cluster:
                     row["stats"] = {f: getattr(stats, f) for f in fields}
             rows.append(row)
         return rows
+
+
+def _identity(inst: Instance) -> dict[str, object]:
+    """What every per-instance row starts with: who and where it is, whether it lives,
+    and the load the front end assigned it."""
+    return {
+        "name": inst.name,
+        "role": inst.role.value,
+        "node": inst.node,
+        "pid": inst.process.pid,
+        "alive": inst.alive,
+        "dead_reason": inst.dead,
+        "assigned_requests": inst.assigned_requests,
+        "assigned_prefill_tokens": inst.assigned_prefill_tokens,
+    }
 
 
 def _sum_stats(live: list[Instance], replies: Sequence[EngineStats | BaseException]) -> EngineStats:
@@ -1075,16 +1172,18 @@ def _sum_stats(live: list[Instance], replies: Sequence[EngineStats | BaseExcepti
 
 
 def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[EngineConfig]:
-    """One EngineConfig per instance: role, name, and its share of the CPU threads."""
+    """One EngineConfig per instance: role, name, and its share of the CPU threads (or, with
+    a placement, the devices it names)."""
     roles = (
         [Role.PREFILL] * cluster.num_prefill
         + [Role.DECODE] * cluster.num_decode
         + [Role.COLOCATED] * cluster.num_colocated
     )
-    threads = max(1, engine.threads // len(roles))
+    even = max(1, engine.threads // len(roles))
+    shares = [p.devices for p in cluster.placement] if cluster.placement else [even] * len(roles)
     counts: dict[Role, int] = {}
     configs = []
-    for role in roles:
+    for role, threads in zip(roles, shares, strict=True):
         index = counts[role] = counts.get(role, -1) + 1
         name = "engine" if len(roles) == 1 else f"{role.value}-{index}"
         scheduler, cache = engine.scheduler, engine.cache

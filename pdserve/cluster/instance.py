@@ -9,6 +9,11 @@ heartbeats a thread of the instance sends every `report_interval_s` whatever its
 loop does - for that long. A dead instance is never used again; the front end
 moves or fails its requests.
 
+Where the process runs is the `Launcher`'s business: a child of this process with IPC
+sockets (`LocalLauncher`, the default), or a Ray actor on any node of a Ray cluster with
+TCP sockets (cluster/ray_launch.py). Everything above - handshake, liveness, fencing,
+messages - is the same for both.
+
 Fencing: a dead instance that is still running (silent, e.g. SIGSTOPped) is killed when it
 is marked dead, `fence` waits until its process is gone, and nothing it sent after its
 death is read. The front end moves its requests only after `fence`, so a request is never
@@ -20,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import multiprocessing
+import os
 import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from multiprocessing.process import BaseProcess
+from multiprocessing.context import SpawnProcess
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -48,6 +54,85 @@ from pdserve.protocol.wire import EngineInput, EngineMessage, Handlers, encode_i
 
 _POLL_MS = 200  # while waiting for the handshake: how often to check the process
 _ids = itertools.count()
+LOCAL_NODE = "local"  # the node name of instances started by `LocalLauncher`
+
+
+class EngineProcess(Protocol):
+    """The process an instance's engine runs in (its `multiprocessing.Process` subset)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    @property
+    def node(self) -> str:
+        """The node it runs on, once started (`LOCAL_NODE` for a child of this process)."""
+        ...
+
+    def start(self) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def exit_reason(self) -> str:
+        """Why it is no longer alive (it exited with a code; Ray: its actor or node died)."""
+        ...
+
+
+class Launcher(Protocol):
+    """Makes an instance's process and says how the front end's sockets reach it."""
+
+    kind: str  # "local" | "ray": how `pdserve cluster status` names it
+    # None: IPC sockets in a private directory (same host); else TCP on this address.
+    bind_host: str | None
+
+    def process(
+        self, config: EngineConfig, input_addr: str, output_addr: str, report: bool
+    ) -> EngineProcess: ...
+
+    def nodes(self) -> list[dict[str, object]]:
+        """The nodes instances can run on, as `pdserve cluster status` lists them: node,
+        address, alive, cpus, gpus."""
+        ...
+
+
+class LocalProcess(SpawnProcess):
+    """A spawned child of this process (the embedded launch)."""
+
+    @property
+    def node(self) -> str:
+        return LOCAL_NODE
+
+    def exit_reason(self) -> str:
+        return f"process exited (exit code {self.exitcode})"
+
+
+class LocalLauncher:
+    """Instances as children of this process, over IPC sockets: the default launch."""
+
+    kind = "local"
+    bind_host: str | None = None
+
+    def process(
+        self, config: EngineConfig, input_addr: str, output_addr: str, report: bool
+    ) -> EngineProcess:
+        return LocalProcess(
+            target=_run_engine,
+            args=(config, input_addr, output_addr, report),
+            name=f"pdserve-{config.instance_name}",
+            daemon=True,
+        )
+
+    def nodes(self) -> list[dict[str, object]]:
+        cpus = len(os.sched_getaffinity(0))
+        return [
+            {"node": LOCAL_NODE, "address": "127.0.0.1", "alive": True, "cpus": cpus, "gpus": 0}
+        ]
 
 
 class Instance:
@@ -58,6 +143,7 @@ class Instance:
         on_message: Callable[[Instance, EngineMessage], Awaitable[None]],
         timeout_s: float | None,
         on_report: Callable[[Instance, LoadReport], None] | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         self.config = config
         # None: silence is never a death (a lone engine), and nothing needs its load
@@ -80,12 +166,19 @@ class Instance:
         self.assigned_prefill_tokens = 0
         self.assigned_requests = 0
         self.assigned_heavy = 0  # of those, predicted heavy decodes (cluster/policies.py)
-        self._dir = tempfile.mkdtemp(prefix=f"pdserve-{self.name}-")
+        launcher = launcher or LocalLauncher()
+        self._dir: str | None = None
         self._to = ctx.socket(zmq.PUSH)
         self._to.setsockopt(zmq.SNDHWM, 0)  # never block a send on a full queue
         self._from = ctx.socket(zmq.PULL)
-        self._to.bind(f"ipc://{self._dir}/in")
-        self._from.bind(f"ipc://{self._dir}/out")
+        if launcher.bind_host is None:
+            self._dir = tempfile.mkdtemp(prefix=f"pdserve-{self.name}-")
+            input_addr, output_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+            self._to.bind(input_addr)
+            self._from.bind(output_addr)
+        else:  # an ephemeral port each, on the address the instance's node can reach
+            input_addr = _bind_tcp(self._to, launcher.bind_host)
+            output_addr = _bind_tcp(self._from, launcher.bind_host)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._stats: dict[int, asyncio.Future[EngineStats]] = {}
@@ -98,23 +191,22 @@ class Instance:
                 EngineFailed: self._on_failed,
             }
         )
-        self.process: BaseProcess = multiprocessing.get_context("spawn").Process(
-            target=_run_engine,
-            args=(config, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", timeout_s is not None),
-            name=f"pdserve-{self.name}",
-            daemon=True,
-        )
+        self.process = launcher.process(config, input_addr, output_addr, timeout_s is not None)
 
     @property
     def alive(self) -> bool:
         return self.dead is None
+
+    @property
+    def node(self) -> str:
+        return self.process.node
 
     # ---- life cycle ----------------------------------------------------------------
 
     async def start(self, timeout: float) -> None:
         """Spawn the process and wait for EngineReady. EngineDeadError otherwise, with
         the instance's own message ("engine failed to start: ...")."""
-        self.process.start()
+        await asyncio.wait_for(asyncio.to_thread(self.process.start), timeout)
         await asyncio.wait_for(self._await_ready(), timeout)
         self.last_heard = time.monotonic()
         self._reader = asyncio.create_task(self._read())
@@ -131,7 +223,7 @@ class Instance:
                 if isinstance(msg, EngineFailed):
                     raise EngineDeadError(msg.message)
             elif not self.process.is_alive():
-                raise EngineDeadError(f"engine process exited with code {self.process.exitcode}")
+                raise EngineDeadError(f"engine {self.process.exit_reason()}")
 
     def check(self, now: float) -> str | None:
         """Mark the instance dead if it is. Returns the reason exactly once, the first
@@ -139,7 +231,7 @@ class Instance:
         if self.dead is None:
             if not self.process.is_alive():
                 self.exit_code = self.process.exitcode
-                self.mark_dead(f"process exited (exit code {self.exit_code})")
+                self.mark_dead(self.process.exit_reason())
             elif self.timeout_s is not None and (silent := now - self.last_heard) > self.timeout_s:
                 self.mark_dead(f"sent nothing for {silent:.1f} s")
         if self.dead is None or self._announced:
@@ -176,7 +268,8 @@ class Instance:
             self._reader.cancel()
         self._to.close(0)
         self._from.close(0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- messages ------------------------------------------------------------------
 
@@ -230,6 +323,14 @@ class Instance:
 
 def _ignore(msg: Heartbeat) -> None:
     pass
+
+
+def _bind_tcp(sock: zmq.asyncio.Socket, host: str) -> str:
+    """Bind `sock` to an ephemeral TCP port on `host`; the address to connect to."""
+    sock.bind(f"tcp://{host}:*")
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    return endpoint.decode()
 
 
 def _run_engine(config: EngineConfig, input_addr: str, output_addr: str, report: bool) -> None:

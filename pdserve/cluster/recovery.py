@@ -24,9 +24,13 @@ class FaultCounters:
     recomputed_tokens: int = 0  # tokens whose KV a move computed again (cache hits excluded)
     failed: int = 0  # requests ended by an instance or transfer failure
     instance_failures: dict[str, int] = field(default_factory=dict)  # by role
+    instance_restarts: dict[str, int] = field(default_factory=dict)  # by role (--ray-restart)
 
     def instance_failed(self, role: str) -> None:
         self.instance_failures[role] = self.instance_failures.get(role, 0) + 1
+
+    def instance_restarted(self, role: str) -> None:
+        self.instance_restarts[role] = self.instance_restarts.get(role, 0) + 1
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -36,4 +40,5 @@ class FaultCounters:
             "recomputed_tokens": self.recomputed_tokens,
             "failed": self.failed,
             "instance_failures": dict(self.instance_failures),
+            "instance_restarts": dict(self.instance_restarts),
         }

@@ -228,6 +228,7 @@ class _Loop:
 
     def stats(self, request_id: int, check: bool) -> EngineStats:
         s, kv, role = self.core.scheduler, self.core.kv, self.core.role
+        routes = self.core.link.transport.routes() if self.core.link is not None else {}
         error = None
         if check:
             try:
@@ -257,6 +258,8 @@ class _Loop:
             num_preemptions=s.num_preemptions,
             num_admission_waits=self.core.num_admission_waits,
             busy_ms=round(self.busy_s * 1000),
+            kv_routes_shm=routes.get("shm", 0),
+            kv_routes_tcp=routes.get("tcp", 0),
         )
 
 
@@ -302,7 +305,8 @@ def run_engine_process(
 
     Ctrl-C in a terminal signals the whole process group: the server drains and then
     shuts its engines down, so an engine ignores SIGINT rather than die mid-drain."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # a Ray actor's may not be
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)

@@ -98,10 +98,14 @@ class KVLayout(msgspec.Struct, frozen=True):
 class RegionHandle(msgspec.Struct, frozen=True):
     """How a peer reaches a region: plain data, safe to send to other processes."""
 
-    transport: str  # "inproc" | "shm" | "tcp"
-    address: str  # inproc: registry key; shm: segment name; tcp: "host:port"
+    transport: str  # "inproc" | "shm" | "tcp" | "auto"
+    address: str  # inproc: registry key; shm and auto: segment name; tcp: "host:port"
     name: str  # region name within that address
     layout: KVLayout
+    # auto (kv/transfer/auto.py): the node the region lives on, and where its TCP server
+    # listens; a peer on the same node maps the segment, any other connects.
+    node: str = ""
+    tcp_address: str = ""
 
     def describe(self) -> str:
         """ "<transport> region '<name>' at <address>", for error messages."""

@@ -93,14 +93,16 @@ def parallel_configs(
     cluster: ClusterSpec,
     max_devices: int | None = None,
     max_tp: int | None = None,
+    max_pp: int | None = None,
 ) -> list[Parallelism]:
     """Every (tp, pp) with tp inside a node (at most `max_tp`), pp splitting the layers
-    evenly, the model fitting in memory, and at most `max_devices` devices (default:
-    the cluster)."""
+    evenly (at most `max_pp` stages), the model fitting in memory, and at most
+    `max_devices` devices (default: the cluster)."""
     limit = cluster.num_devices if max_devices is None else max_devices
     out = []
     for tp in tp_options(spec, cluster.devices_per_node, max_tp):
-        for pp in divisors_up_to(spec.num_layers, limit // tp):
+        stages = limit // tp if max_pp is None else min(max_pp, limit // tp)
+        for pp in divisors_up_to(spec.num_layers, stages):
             par = Parallelism(tp, pp)
             if fits(spec, par, cluster.usable_memory):
                 out.append(par)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.cluster.placement import lay_out
+from pdserve.config import Role
 from pdserve.planner.candidates import make_instance
 from pdserve.planner.latency import Parallelism
 from pdserve.planner.model_spec import PlanInputError
@@ -70,7 +72,22 @@ class PlanResult:
             "colocated_instances": self.colocated_sizing,
             "verified_attainment": self.verified_attainment,
             "tasks": self.outcome.tasks,
+            **self.placement(),
         }
+
+    def placement(self) -> dict[str, Any]:
+        """`placement`: the sized instances laid out on the cluster's nodes, the file
+        `pdserve serve --ray --placement` starts (cluster/placement.py); None with
+        `placement_note` saying why when there is none to start."""
+        if self.sizing is None:
+            return _no_placement("no --rate: the plan sizes no cluster")
+        try:
+            groups = _instance_groups(self.chosen, self.sizing)
+            c = self.ctx.cluster
+            placed = lay_out(groups, c.nodes, c.devices_per_node)
+        except ValueError as e:
+            return _no_placement(str(e))
+        return {"placement": {"instances": [p.to_dict() for p in placed]}, "placement_note": None}
 
 
 def make_plan(
@@ -96,6 +113,38 @@ def make_plan(
         ctx.slo.ttft, ctx.slo.tpot
     )
     return PlanResult(ctx, outcome, rate, chosen.instances_for(rate), colo_sizing, verified, chosen)
+
+
+def _no_placement(why: str) -> dict[str, Any]:
+    return {"placement": None, "placement_note": why}
+
+
+def _instance_groups(p: Placement, sizing: dict[str, int]) -> list[list[tuple[Role, int]]]:
+    """The sized instances as groups that share a node (one instance per group, but a
+    low-affinity unit's segments together). ValueError for a pipeline across processes."""
+    if p.kind == "colocated":
+        (r,) = p.results
+        return [[(Role.COLOCATED, _one_process(r.task.par))]] * sizing["colocated"]
+    if p.kind.startswith("disaggregated (high"):
+        pre, dec = p.results
+        return [[(Role.PREFILL, _one_process(pre.task.par))]] * sizing["prefill"] + [
+            [(Role.DECODE, _one_process(dec.task.par))]
+        ] * sizing["decode"]
+    (r,) = p.results
+    assert r.task.decode_par is not None
+    unit = [(Role.PREFILL, _one_process(r.task.par))] * r.task.num_prefill + [
+        (Role.DECODE, _one_process(r.task.decode_par))
+    ] * r.task.num_decode
+    return [unit] * sizing["units"]
+
+
+def _one_process(par: Parallelism) -> int:
+    if par.pp > 1:
+        raise ValueError(
+            f"{par}: a pdserve instance is one process; pipeline stages on separate "
+            "processes are not supported, so this plan cannot be started as written"
+        )
+    return par.devices
 
 
 def _dict(p: Placement | None) -> dict[str, Any] | None:
@@ -151,7 +200,9 @@ def explain_unmeetable(ctx: SearchContext) -> str:
 
     w = ctx.workload
     prompt = int(sorted(w.input_lens)[len(w.input_lens) // 2])
-    configs = parallel_configs(ctx.spec, ctx.cluster, max_tp=ctx.max_tp) or [Parallelism()]
+    configs = parallel_configs(ctx.spec, ctx.cluster, max_tp=ctx.max_tp, max_pp=ctx.max_pp) or [
+        Parallelism()
+    ]
     best_ttft = min(
         (instance_cost(ctx.spec, ctx.hw, p, ctx.cluster).prefill_time([prompt]), str(p))
         for p in configs

@@ -85,6 +85,14 @@ class SearchContext:
         """1 when the hardware has no all-reduce link (a CPU profile), else no cap."""
         return 1 if self.hw.tp_bandwidth <= 0 else None
 
+    @property
+    def max_pp(self) -> int | None:
+        """1 on a CPU profile, else no cap: there a plan is for pdserve itself to start
+        (`serve --ray --placement`), and a pdserve instance is one process, so pipeline
+        stages would have to be separate instances. Datasheet GPU profiles keep
+        DistServe's pipeline search (its Table 3)."""
+        return 1 if self.hw.tp_bandwidth <= 0 else None
+
 
 @dataclass(frozen=True)
 class Task:
@@ -191,27 +199,29 @@ def _first_guess(ctx: SearchContext, task: Task) -> float:
 
 
 def high_affinity_tasks(
-    spec: ModelSpec, cluster: ClusterSpec, max_tp: int | None = None
+    spec: ModelSpec, cluster: ClusterSpec, max_tp: int | None = None, max_pp: int | None = None
 ) -> list[Task]:
-    configs = parallel_configs(spec, cluster, max_tp=max_tp)
+    configs = parallel_configs(spec, cluster, max_tp=max_tp, max_pp=max_pp)
     require_some(spec, cluster, configs)
     return [Task(kind, par) for kind in ("prefill", "decode") for par in configs]
 
 
-def colocated_tasks(spec: ModelSpec, cluster: ClusterSpec, max_tp: int | None = None) -> list[Task]:
-    configs = parallel_configs(spec, cluster, max_tp=max_tp)
+def colocated_tasks(
+    spec: ModelSpec, cluster: ClusterSpec, max_tp: int | None = None, max_pp: int | None = None
+) -> list[Task]:
+    configs = parallel_configs(spec, cluster, max_tp=max_tp, max_pp=max_pp)
     require_some(spec, cluster, configs)
     return [Task("colocated", par, chunked) for par in configs for chunked in (True, False)]
 
 
 def low_affinity_tasks(
-    spec: ModelSpec, cluster: ClusterSpec, max_tp: int | None = None
+    spec: ModelSpec, cluster: ClusterSpec, max_tp: int | None = None, max_pp: int | None = None
 ) -> list[Task]:
     """Alg. 2: pp stages, one per node; inside each node the prefill and decode segments
     of that stage (get_intra_node_configs)."""
     m = cluster.devices_per_node
     tasks = []
-    for pp in range(1, cluster.nodes + 1):
+    for pp in range(1, min(cluster.nodes, max_pp or cluster.nodes) + 1):
         if spec.num_layers % pp:
             continue
         for tp_p in tp_options(spec, m, max_tp):
@@ -397,15 +407,15 @@ def search(
     tasks: list[Task] = []
     notes = []
     if affinity in ("high", "both"):
-        tasks += high_affinity_tasks(ctx.spec, ctx.cluster, ctx.max_tp)
+        tasks += high_affinity_tasks(ctx.spec, ctx.cluster, ctx.max_tp, ctx.max_pp)
     if affinity in ("low", "both"):
         try:
-            tasks += low_affinity_tasks(ctx.spec, ctx.cluster, ctx.max_tp)
+            tasks += low_affinity_tasks(ctx.spec, ctx.cluster, ctx.max_tp, ctx.max_pp)
         except PlanInputError as e:
             if affinity == "low":
                 raise
             notes.append(str(e))
-    tasks += colocated_tasks(ctx.spec, ctx.cluster, ctx.max_tp)
+    tasks += colocated_tasks(ctx.spec, ctx.cluster, ctx.max_tp, ctx.max_pp)
     progress = progress_factory(len(tasks)) if progress_factory else None
     results = run_tasks(ctx, tasks, workers, progress)
     high = high_affinity_placements(results, ctx.cluster.num_devices)

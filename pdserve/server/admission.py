@@ -4,7 +4,7 @@ ASGI: streamed bodies are counted too, and no route has to remember any of these
 
 Contract
 --------
-* With an API key set, `/v1/*`, `/debug/*` and the API docs (`/docs`, `/redoc`,
+* With an API key set, `/v1/*`, `/debug/*`, `/cluster/*` and the API docs (`/docs`, `/redoc`,
   `/openapi.json`) need `Authorization: Bearer KEY` (compared in constant time),
   else 401. `/health`, `/version`, `/metrics` are open.
 * A body over `max_body_bytes` is refused with 413: at once when `Content-Length`
@@ -34,7 +34,7 @@ _GATED_PREFIX = "/v1/"
 # clients that send the whole body before reading (urllib, httpx) would otherwise
 # see the connection reset instead of the answer.
 _DISCARD_CAP = 64 * 1024 * 1024
-_KEYED_PREFIXES = ("/v1/", "/debug/", "/docs", "/redoc", "/openapi.json")
+_KEYED_PREFIXES = ("/v1/", "/debug/", "/cluster/", "/docs", "/redoc", "/openapi.json")
 _DRAINING = "the server is shutting down; no new requests are accepted"
 
 

@@ -72,6 +72,7 @@ def build_app(
     app.get("/version")(api.version)
     app.get("/metrics")(api.prometheus)
     app.get("/v1/models")(api.models)
+    app.get("/cluster/status")(api.cluster_status)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
     if config.debug_endpoints:
@@ -114,6 +115,11 @@ class _Api:
         counters["caching"] = self.client.router.summary()
         counters["length_prediction"] = self.client.predictions.summary()
         return {"instances": await self.client.instance_stats(), "controller": counters}
+
+    async def cluster_status(self) -> dict[str, Any]:
+        """Nodes, instances, roles and load (`pdserve cluster status`); asks no instance,
+        so it answers while they are busy or dying."""
+        return self.client.status()
 
     async def prometheus(self) -> Response:
         stats = None

@@ -40,6 +40,10 @@ class ServingBackend(Protocol):
 
     async def stats(self, check_integrity: bool = False, timeout: float = 10.0) -> EngineStats: ...
 
+    def status(self) -> dict[str, object]:
+        """Nodes, instances, roles and load, from the front end's own records."""
+        ...
+
     async def instance_stats(self, timeout: float = 5.0) -> list[dict[str, object]]:
         """Per instance: name, role, liveness (and, for a cluster, load and counters)."""
         ...

@@ -22,11 +22,14 @@ import uvicorn
 
 from pdserve.cluster.config import ClusterConfig, DecodePolicy, Routing
 from pdserve.cluster.controller import Cluster, instance_configs
+from pdserve.cluster.instance import Launcher
+from pdserve.cluster.placement import counts, in_launch_order, read_placement
 from pdserve.config import (
     CacheConfig,
     DecodeAdmission,
     EngineConfig,
     PrefillPolicy,
+    Role,
     SchedulerConfig,
     TransferConfig,
     TransferMode,
@@ -75,7 +78,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         transfer=TransferConfig(
             mode=TransferMode(args.transfer_mode),
-            transport=args.kv_transport,
+            transport=args.kv_transport or ("auto" if args.ray else "shm"),
             timeout_s=args.kv_transfer_timeout,
             lease_s=args.kv_lease,
             verify_checksum=args.kv_verify_checksum,
@@ -88,13 +91,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
-    """The instances to run: by default one engine (no --prefill/--decode/--colocated)."""
-    disaggregated = bool(args.prefill or args.decode)
-    colocated = args.colocated if args.colocated is not None else (0 if disaggregated else 1)
+    """The instances to run: by default one engine (no --prefill/--decode/--colocated);
+    with --placement, the instances it names (flags given too must agree with it)."""
+    placement = read_placement(args.placement) if args.placement else []
+    flags = bool(args.prefill or args.decode or args.colocated is not None)
+    if placement and not flags:
+        n = counts(placement)
+        prefill, decode, colocated = n[Role.PREFILL], n[Role.DECODE], n[Role.COLOCATED]
+    else:
+        disaggregated = bool(args.prefill or args.decode)
+        prefill, decode = args.prefill, args.decode
+        colocated = args.colocated if args.colocated is not None else (0 if disaggregated else 1)
     return ClusterConfig(
-        num_prefill=args.prefill,
-        num_decode=args.decode,
+        num_prefill=prefill,
+        num_decode=decode,
         num_colocated=colocated,
+        placement=tuple(in_launch_order(placement)),
+        restart_dead=args.ray_restart,
         decode_policy=DecodePolicy(args.decode_policy),
         instance_timeout_s=args.instance_timeout,
         max_migrations=args.max_migrations,
@@ -130,9 +143,24 @@ async def start_backend(args: argparse.Namespace, config: EngineConfig) -> Servi
                 f"pdserve: instance {cfg.instance_name}: {cfg.threads} CPU threads",
                 file=sys.stderr,
             )
-    backend = await Cluster.start(config, cluster)
+    launcher = await asyncio.to_thread(ray_launcher, args, cluster, config) if args.ray else None
+    backend = await Cluster.start(config, cluster, launcher=launcher)
     print(weights_line(backend.weights), file=sys.stderr)
+    if launcher is not None:
+        for inst in backend.instances:
+            print(f"pdserve: instance {inst.name} on Ray node {inst.node}", file=sys.stderr)
     return backend
+
+
+def ray_launcher(
+    args: argparse.Namespace, cluster: ClusterConfig, config: EngineConfig
+) -> Launcher:
+    """Join the Ray cluster and check the instances fit its nodes (cluster/ray_launch.py)."""
+    try:
+        from pdserve.cluster import ray_launch
+    except ImportError as e:
+        raise ValueError(f"--ray needs Ray: pip install 'pdserve[ray]' ({e})") from None
+    return ray_launch.make_launcher(args.ray_address, cluster, instance_configs(cluster, config))
 
 
 def weights_line(weights: WeightsInfo) -> str:
@@ -165,6 +193,12 @@ async def serve(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             name = "--" + flag.replace("_", "-")
             raise ValueError(f"{name} must be greater than 0, got {getattr(args, flag)}")
+    if not args.ray:
+        for flag in ("ray_address", "placement", "ray_restart"):
+            if getattr(args, flag) not in (None, False):
+                raise ValueError(f"--{flag.replace('_', '-')} needs --ray")
+    elif args.engine_cpus is not None:
+        raise ValueError("--engine-cpus cannot be combined with --ray (Ray places the instances)")
     config = engine_config(args)
     name = args.served_model_name or served_name(args.model)
     _log_to_stderr()

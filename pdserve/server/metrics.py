@@ -133,6 +133,14 @@ class _FaultCollector(Collector):
         for role, count in sorted(f.instance_failures.items()):
             by_role.add_metric([role], count)
         yield by_role
+        restarts = CounterMetricFamily(
+            "pdserve_instance_restarts",
+            "Failed instances started again (--ray-restart), by role",
+            labels=["role"],
+        )
+        for role, count in sorted(f.instance_restarts.items()):
+            restarts.add_metric([role], count)
+        yield restarts
 
 
 class _CacheCollector(Collector):

@@ -73,6 +73,9 @@ class FaultyTransport(Transport):
     def create_region(self, name: str, layout: KVLayout) -> Region:
         return self.inner.create_region(name, layout)
 
+    def routes(self) -> dict[str, int]:
+        return self.inner.routes()
+
     def fetch(self, remote: RegionHandle, plan: TransferPlan, local: torch.Tensor) -> None:
         t0 = self._before("fetch from", remote)
         self.inner.fetch(remote, plan, local)

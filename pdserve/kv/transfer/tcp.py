@@ -137,6 +137,11 @@ class TcpTransport(Transport):
 
     def create_region(self, name: str, layout: KVLayout) -> Region:
         tensor = torch.zeros(layout.shape, dtype=torch_dtype(layout))
+        return self.serve_region(name, tensor, layout)
+
+    def serve_region(self, name: str, tensor: torch.Tensor, layout: KVLayout) -> Region:
+        """Serve `tensor` (a pool of `layout`, allocated elsewhere: another transport's
+        shared memory) as the region `name`, as if this transport had created it."""
         with self._lock:
             if self._closed:
                 raise TransferError(f"tcp transport {self.address} is closed")

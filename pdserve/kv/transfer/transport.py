@@ -64,6 +64,11 @@ class Transport(ABC):
         """Release the regions this transport created, stop its threads, close its
         connections. Idempotent; fetch/flush afterwards raise TransferError."""
 
+    def routes(self) -> dict[str, int]:
+        """Transfers sent per route so far: a transport that picks one per peer (auto)
+        counts them; one with a single route returns {}."""
+        return {}
+
     def __enter__(self) -> Self:
         return self
 

@@ -1,0 +1,372 @@
+"""Instances as Ray actors on the nodes of a Ray cluster: `pdserve serve --ray` (docs/deploy.md).
+
+Ray is on the control path only. It places each instance's process on a node with the
+resources the instance needs (one actor per instance, its CPUs / GPUs / memory as the
+actor's resource request, pinned to a node when a placement names one), and it tells
+when that process or its node is gone. Everything else is the embedded launch's:
+`Instance` (cluster/instance.py) talks to the engine over ZeroMQ - TCP sockets the front
+end binds on its node's address, which the actor is given - and KV moves between
+instances through the auto transport (kv/transfer/auto.py): shared memory between two
+instances on one node, TCP between nodes.
+
+An actor's `run` is the engine's whole life (`run_engine_process`, as in a spawned
+child); the `ObjectRef` of that call is what liveness reads: pending while the engine
+runs, a value (its exit code) once it returned, a `RayActorError` once Ray saw the actor
+or its node die. Heartbeat silence is still watched by `Instance` as for any instance,
+so a node that vanishes is seen by whichever comes first.
+
+Why no placement group: an instance is one process, and one actor's resource request
+is already granted on a single node, all or nothing; a placement group would add a
+reservation step and nothing else until an instance spans processes.
+
+The actors are owned by the server's Ray driver: if the server exits, Ray ends them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.instance import EngineProcess
+from pdserve.cluster.placement import PlacedInstance
+from pdserve.config import EngineConfig
+from pdserve.errors import EngineDeadError
+from pdserve.model.loader import resolve_model
+
+_GIB = 1 << 30
+RUNTIME_BYTES = _GIB // 2  # an engine process beyond its weights and KV: torch, buffers
+
+
+@dataclass(frozen=True)
+class RayNode:
+    """One alive node of the Ray cluster, as `pdserve cluster status` shows it."""
+
+    node_id: str
+    address: str  # the node's IP
+    cpus: float
+    gpus: float
+    memory_bytes: float
+    head: bool  # the Ray head node
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one instance asks Ray for (`instance_resources`)."""
+
+    cpus: int
+    gpus: int
+    memory_bytes: int
+
+
+def connect(address: str | None) -> None:
+    """Join the Ray cluster at `address` ("auto", "host:port", "ray://..."), or start a
+    local one-node cluster when None and RAY_ADDRESS is unset."""
+    if not ray.is_initialized():
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            namespace="pdserve",
+        )
+
+
+HEAD_RESOURCE = "node:__internal_head__"  # what Ray puts in the head node's resources
+
+
+def nodes() -> list[RayNode]:
+    """The alive nodes in placement order (a placement's node index): the head node
+    first, then the others by node id."""
+    found = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources", {})
+        found.append(
+            RayNode(
+                node_id=n["NodeID"],
+                address=n["NodeManagerAddress"],
+                cpus=res.get("CPU", 0.0),
+                gpus=res.get("GPU", 0.0),
+                memory_bytes=res.get("memory", 0.0),
+                head=HEAD_RESOURCE in res,
+            )
+        )
+    return sorted(found, key=lambda n: (not n.head, n.node_id))
+
+
+def driver_address() -> str:
+    """The address this node is reached at by the others (where the front end binds)."""
+    return ray.util.get_node_ip_address()
+
+
+def instance_resources(config: EngineConfig) -> Resources:
+    """An instance's request: its threads as CPUs, one GPU on a CUDA engine, and memory
+    for its KV budget, its weights (the model file's size; fp32 from a 4-bit file is up to
+    8x that) and the runtime. Ray uses it to choose nodes; it is not a limit."""
+    weights = resolve_model(config.model)
+    size = sum(f.stat().st_size for f in ([weights] if weights.is_file() else weights.iterdir()))
+    if config.quantization == "none" and weights.suffix == ".gguf":
+        size *= 8
+    kv = int(config.cache.kv_cache_memory_gib * _GIB)
+    return Resources(
+        cpus=config.threads,
+        gpus=1 if config.device.startswith("cuda") else 0,
+        memory_bytes=kv + size + RUNTIME_BYTES,
+    )
+
+
+def check_fits(requests: list[tuple[str, Resources, RayNode | None]], found: list[RayNode]) -> None:
+    """ValueError naming the instance, its request and the node when a pinned instance
+    cannot fit its node, or an unpinned one fits no node: refused before anything starts
+    (Ray would otherwise leave the actor pending forever)."""
+    for name, res, node in requests:
+        candidates = [node] if node is not None else found
+        if not any(_fits(res, n) for n in candidates):
+            where = f"node {node.node_id[:12]} ({node.address})" if node else "any node"
+            raise ValueError(
+                f"instance {name} needs {res.cpus} CPUs, {res.gpus} GPUs and "
+                f"{res.memory_bytes / _GIB:.1f} GiB of memory: more than {where} of the Ray "
+                f"cluster has ({_describe(candidates)})"
+            )
+
+
+def _fits(res: Resources, node: RayNode) -> bool:
+    return res.cpus <= node.cpus and res.gpus <= node.gpus and res.memory_bytes <= node.memory_bytes
+
+
+def _describe(found: list[RayNode]) -> str:
+    return "; ".join(
+        f"{n.node_id[:12]}: {n.cpus:g} CPUs, {n.gpus:g} GPUs, {n.memory_bytes / _GIB:.1f} GiB"
+        for n in found
+    )
+
+
+def nodes_of(placement: list[PlacedInstance], found: list[RayNode]) -> list[RayNode]:
+    """The Ray node of each placed instance; ValueError if the placement names a node index
+    the cluster does not have."""
+    needed = max(p.node for p in placement) + 1
+    if needed > len(found):
+        raise ValueError(
+            f"the placement uses {needed} nodes, the Ray cluster has {len(found)} alive "
+            f"({_describe(found)})"
+        )
+    return [found[p.node] for p in placement]
+
+
+class EngineActor:
+    """The Ray actor an instance's engine runs in (one process, one engine)."""
+
+    def where(self) -> tuple[str, str, int]:
+        """(node id, node IP, pid) of this actor's process."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def run(self, config: EngineConfig, input_addr: str, output_addr: str, report: bool) -> int:
+        """The engine's life, as in a spawned child; returns its exit code."""
+        from pdserve.engine.engine_process import run_engine_process
+
+        try:
+            run_engine_process(config, input_addr, output_addr, report)
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 1
+        return 0
+
+
+_RemoteEngineActor = ray.remote(EngineActor)
+_actor_ids = itertools.count()
+
+
+class RayLauncher:
+    """Makes `RayEngineProcess`es: the `Launcher` of `serve --ray` (cluster/instance.py)."""
+
+    kind = "ray"
+
+    def __init__(self, bind_host: str, start_timeout_s: float = 300.0) -> None:
+        self.bind_host: str | None = bind_host
+        self.start_timeout_s = start_timeout_s
+        self.pinned: dict[str, RayNode] = {}  # instance name -> the node it is pinned to
+        self._started: set[str] = set()  # instance names given a process so far
+
+    def process(
+        self, config: EngineConfig, input_addr: str, output_addr: str, report: bool
+    ) -> EngineProcess:
+        name = config.instance_name
+        restart = name in self._started
+        self._started.add(name)
+        return RayEngineProcess(
+            config,
+            input_addr,
+            output_addr,
+            report,
+            self.pinned.get(name),
+            self.start_timeout_s,
+            soft=restart,
+        )
+
+    def nodes(self) -> list[dict[str, object]]:
+        """Every node Ray knows, dead ones included (a node that died stays listed)."""
+        rows: list[dict[str, object]] = []
+        for n in ray.nodes():
+            res = n.get("Resources", {})
+            rows.append(
+                {
+                    "node": n["NodeID"],
+                    "address": n["NodeManagerAddress"],
+                    "alive": bool(n.get("Alive")),
+                    "cpus": res.get("CPU", 0.0),
+                    "gpus": res.get("GPU", 0.0),
+                }
+            )
+        return rows
+
+
+class RayEngineProcess:
+    """An instance's engine in a Ray actor: what `Instance` needs of a process."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_addr: str,
+        output_addr: str,
+        report: bool,
+        node: RayNode | None,
+        start_timeout_s: float,
+        soft: bool = False,
+    ) -> None:
+        """`node`: the node it must run on; `soft`: only preferably (a restart: its node
+        may be the one that died, and Ray may not have noticed yet)."""
+        self.config = config
+        self._soft = soft
+        self._addrs = (input_addr, output_addr, report)
+        self._pinned = node
+        self._start_timeout_s = start_timeout_s
+        self._actor: Any = None  # the actor's handle, once created
+        self._run: Any = None  # the ObjectRef of its `run`, once started
+        self._node = ""
+        self._pid: int | None = None
+        self._lock = threading.Lock()
+        self._exit: tuple[int | None, str] | None = None  # (exit code, reason) once ended
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @property
+    def node(self) -> str:
+        return self._node
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._ended()[0] if self._done() else None
+
+    def start(self) -> None:
+        """Create the actor (blocking until Ray placed it), then start the engine in it
+        with this node's identity for the auto transport. EngineDeadError if Ray cannot
+        place it within the start timeout."""
+        res = instance_resources(self.config)
+        strategy = (
+            NodeAffinitySchedulingStrategy(self._pinned.node_id, soft=self._soft)
+            if self._pinned is not None
+            else "DEFAULT"
+        )
+        actor: Any = _RemoteEngineActor.options(
+            # the front end's pid and a count: a restarted instance gets a new actor
+            name=f"pdserve-{self.config.instance_name}-{os.getpid()}-{next(_actor_ids)}",
+            num_cpus=res.cpus,
+            num_gpus=res.gpus,
+            memory=res.memory_bytes,
+            max_restarts=0,
+            scheduling_strategy=strategy,
+        ).remote()
+        self._actor = actor
+        try:
+            node, address, self._pid = ray.get(actor.where.remote(), timeout=self._start_timeout_s)
+        except GetTimeoutError:
+            self.kill()
+            raise EngineDeadError(
+                f"Ray placed no actor for {self.config.instance_name} within "
+                f"{self._start_timeout_s:g} s (it asked for {res.cpus} CPUs, {res.gpus} GPUs, "
+                f"{res.memory_bytes / _GIB:.1f} GiB)"
+            ) from None
+        except RayActorError as e:
+            raise EngineDeadError(f"the Ray actor died before starting: {_first_line(e)}") from None
+        self._node = node
+        transfer = dataclasses.replace(self.config.transfer, node=node, host=address)
+        config = dataclasses.replace(self.config, transfer=transfer, cpus=None)
+        self._run = actor.run.remote(config, *self._addrs)
+
+    def is_alive(self) -> bool:
+        return self._run is not None and not self._done()
+
+    def kill(self) -> None:
+        if self._actor is not None:
+            # Raises when it is already gone (its node died): nothing left to kill.
+            with contextlib.suppress(Exception):
+                ray.kill(self._actor, no_restart=True)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._run is not None:
+            ray.wait([self._run], timeout=timeout, fetch_local=False)
+            if self._done():
+                self.kill()  # the engine returned; the idle actor would hold its resources
+
+    def exit_reason(self) -> str:
+        return self._ended()[1]
+
+    def _done(self) -> bool:
+        if self._run is None:
+            return False
+        ready, _ = ray.wait([self._run], timeout=0, fetch_local=False)
+        return bool(ready)
+
+    def _ended(self) -> tuple[int | None, str]:
+        with self._lock:
+            if self._exit is None:
+                try:
+                    code = ray.get(self._run, timeout=5)
+                    self._exit = (code, f"process exited (exit code {code})")
+                except RayActorError as e:
+                    self._exit = (None, f"Ray: {_first_line(e)}")
+            return self._exit
+
+
+def _first_line(e: BaseException) -> str:
+    """The line of Ray's (long) message that says why, else its first."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    why = [line for line in lines if "because" in line]
+    return (why or lines or [type(e).__name__])[0]
+
+
+def make_launcher(
+    address: str | None, cluster: ClusterConfig, configs: list[EngineConfig]
+) -> RayLauncher:
+    """Join the Ray cluster, pin each instance to its placement's node (if any) and check
+    that every instance fits a node; the launcher `Cluster.start` then uses."""
+    connect(address)
+    found = nodes()
+    pinned: list[RayNode | None] = [None] * len(configs)
+    if cluster.placement:
+        if any(c.device.startswith("cuda") for c in configs) and any(
+            p.devices > 1 for p in cluster.placement
+        ):
+            raise ValueError("placement: an instance holds one GPU (tensor parallelism is not in)")
+        pinned = list(nodes_of(list(cluster.placement), found))
+    check_fits(
+        [(c.instance_name, instance_resources(c), n) for c, n in zip(configs, pinned, strict=True)],
+        found,
+    )
+    launcher = RayLauncher(driver_address())
+    launcher.pinned = {
+        c.instance_name: n for c, n in zip(configs, pinned, strict=True) if n is not None
+    }
+    return launcher

@@ -1,0 +1,345 @@
+"""Instances placed and supervised by Ray across nodes (`serve --ray`, docs/deploy.md).
+
+A real two-node Ray cluster on this machine (Ray's own `cluster_utils.Cluster`: a head
+node and a worker node, each with its own raylet and 2 logical CPUs: room for two
+servers' instances at once) serves the shipped model
+with the prefill instance on the head and the decode instance on the worker. Its
+greedy outputs must be exactly those of the single-host server (`--prefill 1 --decode 1`
+without Ray) and its KV must have crossed between the nodes over TCP (the auto
+transport's route counters); a placement written by `pdserve plan` from this machine's
+profile starts as written; and killing the worker node's raylet under 16 concurrent
+streams loses none of them. The module's tests share the cluster and run in order (the
+last one kills the worker node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.streams import Outcome, Streams
+from ray.cluster_utils import Cluster
+from test_disagg_server import PROMPTS, complete, mixed_prompts, row_of, stop, wait_clean, wait_dead
+from test_server import Server
+
+STREAMS = 16
+STREAM_TOKENS = 64
+_OBJECT_STORE = 80 << 20  # per node: Ray's minimum is 75 MiB; pdserve moves nothing through it
+
+
+def stream_bodies() -> list[dict]:
+    return [
+        {
+            "prompt": p,
+            "max_tokens": STREAM_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        }
+        for p in mixed_prompts(STREAMS + 7)[7:]
+    ]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[tuple[Cluster, str, str]]:
+    """(cluster, head node id, worker node id). Node death is noticed by Ray within ~3 s
+    (health checks every 1 s, 3 misses)."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "object_store_memory": _OBJECT_STORE,
+            "include_dashboard": False,
+            "_system_config": {
+                "health_check_initial_delay_ms": 0,
+                "health_check_period_ms": 1000,
+                "health_check_failure_threshold": 3,
+            },
+        },
+    )
+    worker = cluster.add_node(num_cpus=2, object_store_memory=_OBJECT_STORE)
+    cluster.wait_for_nodes()
+    yield cluster, cluster.head_node.node_id, worker.node_id
+    cluster.shutdown()
+
+
+def ray_server(cluster: Cluster, *args: str) -> Server:
+    return Server(
+        "--ray",
+        "--ray-address",
+        cluster.address,
+        "--kv-cache-memory-gib",
+        "0.25",
+        "--enable-debug-endpoints",
+        *args,
+    )
+
+
+def write_placement(path: Path, *instances: tuple[str, int], devices: int = 1) -> Path:
+    doc = {"instances": [{"role": r, "node": n, "devices": devices} for r, n in instances]}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[str], list[Outcome]]:
+    """The single-host server's answers (no Ray, same topology): the batch of PROMPTS,
+    and the 16 streams."""
+    server = Server("--prefill", "1", "--decode", "1", "--kv-cache-memory-gib", "0.25")
+    try:
+        texts = complete(server, PROMPTS, 16)
+        streams = Streams(server.url, stream_bodies()).results()
+    finally:
+        stop(server)
+    for out in streams:
+        assert out.status == 200 and out.error is None and out.finish_reason == "length", out
+    return texts, streams
+
+
+@pytest.fixture(scope="module")
+def pd_server(
+    ray_cluster: tuple[Cluster, str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """Prefill on the head node (0), decode on the worker node (1); dead instances are
+    started again (--ray-restart)."""
+    cluster, _, _ = ray_cluster
+    path = write_placement(tmp_path_factory.mktemp("ray") / "p.json", ("prefill", 0), ("decode", 1))
+    server = ray_server(
+        cluster, "--placement", str(path), "--instance-timeout", "5", "--ray-restart"
+    )
+    yield server
+    stop(server)
+
+
+def status(server: Server) -> dict:
+    code, reply = server.get("/cluster/status")
+    assert code == 200, reply
+    return reply
+
+
+def routes(server: Server) -> dict[str, tuple[int, int]]:
+    """Per live instance: (KV transfers it sent through shm, over tcp)."""
+    code, reply = server.get("/debug/cluster")
+    assert code == 200, reply
+    return {
+        r["name"]: (r["stats"]["kv_routes_shm"], r["stats"]["kv_routes_tcp"])
+        for r in reply["instances"]
+        if r["alive"]
+    }
+
+
+def test_prefill_and_decode_on_two_nodes_equal_the_single_host_server(
+    reference: tuple[list[str], list[Outcome]],
+    ray_cluster: tuple[Cluster, str, str],
+    pd_server: Server,
+) -> None:
+    _, head, worker = ray_cluster
+    view = status(pd_server)
+    assert view["launcher"] == "ray"
+    placed = {i["name"]: (i["role"], i["node"], i["alive"]) for i in view["instances"]}
+    assert placed == {"prefill-0": ("prefill", head, True), "decode-0": ("decode", worker, True)}
+    nodes = {n["node"]: (n["alive"], n["instances"]) for n in view["nodes"]}
+    assert nodes == {head: (True, ["prefill-0"]), worker: (True, ["decode-0"])}
+
+    assert complete(pd_server, PROMPTS, 16) == reference[0]
+    # Each prompt's KV was pulled by the decode instance from the other node, over TCP;
+    # nothing went through shared memory (no two instances share a node).
+    moved = routes(pd_server)
+    assert moved["decode-0"] == (0, len(PROMPTS)), moved
+    assert moved["prefill-0"][0] == 0, moved
+    wait_clean(pd_server)
+
+
+def test_cluster_status_command_prints_nodes_and_instances(
+    ray_cluster: tuple[Cluster, str, str], pd_server: Server
+) -> None:
+    _, head, worker = ray_cluster
+    cmd = [sys.executable, "-m", "pdserve.cli", "cluster", "status", "--url", pd_server.url]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "launcher: ray"
+    rows = {
+        line.split()[0]: line.split() for line in lines if line.startswith(("prefill", "decode"))
+    }
+    assert rows["prefill-0"][1:4] == ["prefill", head[:12], "alive"]
+    assert rows["decode-0"][1:4] == ["decode", worker[:12], "alive"]
+    assert any(line.startswith(head[:12]) and line.rstrip().endswith("prefill-0") for line in lines)
+    js = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, timeout=60).stdout)
+    assert [(i["name"], i["node"]) for i in js["instances"]] == [
+        ("prefill-0", head),
+        ("decode-0", worker),
+    ]
+    gone = subprocess.run(
+        [*cmd[:-1], "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60
+    )
+    assert gone.returncode == 1
+    assert gone.stderr.startswith("pdserve: error: cannot read http://127.0.0.1:9/cluster/status")
+
+
+def test_a_planned_placement_starts_as_written(
+    ray_cluster: tuple[Cluster, str, str],
+    reference: tuple[list[str], list[Outcome]],
+    tmp_path: Path,
+) -> None:
+    """`pdserve profile` on this machine, `pdserve plan` for 2 nodes x 1 device, and the
+    plan's placement started on the two Ray nodes: the controller runs exactly its
+    instances, roles and nodes, and answers as the single-host server."""
+    cluster, head, worker = ray_cluster
+    profile = tmp_path / "profile.json"
+    run = [sys.executable, "-m", "pdserve.cli"]
+    subprocess.run(
+        [*run, "profile", "--quick", "--repeats", "1", "--threads", "1", "--output", str(profile)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    plan = tmp_path / "plan.json"
+    # The lowest rate whose plan needs both nodes (the profile's speed varies run to run).
+    for rate in ("0.3", "0.45", "0.6", "0.8"):
+        argv = [
+            *run, "plan", "--hardware", str(profile), "--nodes", "2", "--devices-per-node", "1",
+            "--ttft", "2", "--tpot", "0.2", "--rate", rate, "--workers", "1",
+            "--num-requests", "100", "--no-plot", "--output", str(plan),
+        ]  # fmt: skip
+        if subprocess.run(argv, capture_output=True, timeout=600).returncode != 0:
+            continue  # beyond this cluster
+        written = json.loads(plan.read_text())["placement"]["instances"]
+        if len(written) == 2:
+            break
+    assert sorted(p["node"] for p in written) == [0, 1], written
+    server = ray_server(cluster, "--placement", str(plan))
+    try:
+        ids = [head, worker]
+        want = sorted((p["role"], ids[p["node"]]) for p in written)
+        got = sorted((i["role"], i["node"]) for i in status(server)["instances"])
+        assert got == want, (written, status(server))
+        assert complete(server, PROMPTS[:8], 16) == reference[0][:8]
+    finally:
+        stop(server)
+
+
+@pytest.mark.parametrize(
+    ("placement", "devices", "message"),
+    [
+        (
+            [("prefill", 0), ("decode", 2)],
+            1,
+            "the placement uses 3 nodes, the Ray cluster has 2 alive",
+        ),
+        ([("prefill", 0)], 1, "disaggregated serving needs prefill and decode instances"),
+        ([("colocated", 1)], 3, "instance engine needs 3 CPUs, 0 GPUs and"),
+    ],
+)
+def test_a_placement_the_cluster_cannot_hold_exits_2(
+    ray_cluster: tuple[Cluster, str, str],
+    tmp_path: Path,
+    placement: list[tuple[str, int]],
+    devices: int,
+    message: str,
+) -> None:
+    cluster, _, _ = ray_cluster
+    path = write_placement(tmp_path / "p.json", *placement, devices=devices)
+    args = ["--ray", "--ray-address", cluster.address, "--placement", str(path)]
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--port", "9", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("pdserve: error: "), out.stderr
+    assert "Traceback" not in out.stderr
+    assert message in last, last
+
+
+def test_placement_and_ray_flags_need_ray(tmp_path: Path) -> None:
+    path = write_placement(tmp_path / "p.json", ("colocated", 0))
+    for flag, value in (("--placement", str(path)), ("--ray-address", "auto")):
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "serve", flag, value],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2
+        assert out.stderr.strip().splitlines()[-1] == f"pdserve: error: {flag} needs --ray"
+
+
+def wait_restarted(server: Server, name: str, old_pid: int, timeout: float = 180.0) -> dict:
+    """The status row of `name` once a new process (not `old_pid`) serves it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        row = next(i for i in status(server)["instances"] if i["name"] == name)
+        if row["alive"] and row["pid"] != old_pid:
+            return row
+        assert time.monotonic() < deadline, f"{name} was not restarted: {row}"
+        time.sleep(0.5)
+
+
+def test_a_killed_instance_is_restarted_empty_and_serves(
+    ray_cluster: tuple[Cluster, str, str],
+    pd_server: Server,
+    reference: tuple[list[str], list[Outcome]],
+) -> None:
+    """--ray-restart: decode-0's actor process SIGKILLed while idle; Ray reports the
+    actor dead, a new actor takes its place on the same (living) node and rejoins empty;
+    the cluster then answers as before."""
+    _, _, worker = ray_cluster
+    before = next(i for i in status(pd_server)["instances"] if i["name"] == "decode-0")
+    os.kill(before["pid"], signal.SIGKILL)
+    reason = wait_dead(pd_server, "decode-0")
+    assert reason is not None and reason.startswith(("Ray: ", "sent nothing for ")), reason
+    row = wait_restarted(pd_server, "decode-0", before["pid"])
+    assert (row["node"], row["running"] or 0, row["assigned_requests"]) == (worker, 0, 0), row
+    assert complete(pd_server, PROMPTS, 16) == reference[0]
+    _, reply = pd_server.get("/debug/cluster")
+    assert reply["controller"]["instance_failures"] == {"decode": 1}
+    assert reply["controller"]["instance_restarts"] == {"decode": 1}
+    wait_clean(pd_server)
+
+
+def test_killing_the_worker_node_loses_no_stream(
+    ray_cluster: tuple[Cluster, str, str],
+    pd_server: Server,
+    reference: tuple[list[str], list[Outcome]],
+) -> None:
+    """The worker node's raylet SIGKILLed once every stream has 8 tokens: the decode
+    instance on it is seen dead (by Ray or by its silence), its requests move to the
+    head node's prefill instance, which runs them whole; every stream ends with the
+    single-host server's text. With --ray-restart, decode-0 then starts again on the
+    head node, the only one left."""
+    cluster, head, worker = ray_cluster
+    _, reply = pd_server.get("/debug/cluster")
+    failures = reply["controller"]["instance_failures"].get("decode", 0)
+    streams = Streams(pd_server.url, stream_bodies())
+    streams.wait_tokens(8)
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == worker)
+    assert row_of(pd_server, "decode-0")["assigned_requests"] > 0
+    node.kill_raylet()
+    reason = wait_dead(pd_server, "decode-0")
+    assert reason is not None, "the decode instance on the killed node was never marked dead"
+    results = streams.results()
+    for i, (got, want) in enumerate(zip(results, reference[1], strict=True)):
+        assert (got.status, got.error, got.finish_reason) == (200, None, "length"), (i, got)
+        assert got.text == want.text, (i, got.text, want.text)
+    wait_clean(pd_server, every_role=False)
+    deadline = time.monotonic() + 30
+    while next(n for n in status(pd_server)["nodes"] if n["node"] == worker)["alive"]:
+        assert time.monotonic() < deadline, "Ray never reported the worker node dead"
+        time.sleep(0.5)
+    _, reply = pd_server.get("/debug/cluster")
+    assert reply["controller"]["instance_failures"] == {"decode": failures + 1}
+    assert reply["controller"]["failed"] == 0
+    row = wait_restarted(pd_server, "decode-0", -1)
+    assert row["node"] == head, row
+    assert complete(pd_server, PROMPTS[:8], 16) == reference[0][:8]
+    cluster.remove_node(node, allow_graceful=False)
