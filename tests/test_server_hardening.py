@@ -473,6 +473,7 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     assert row == {
         "name": "engine",
         "role": "colocated",
+        "node": "local",
         "pid": engine.pid,
         "alive": True,
         "dead_reason": None,
@@ -491,6 +492,7 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     idle += ("num_transferring", "num_reserved", "num_replicas", "num_replica_blocks")
     idle += ("num_replicating", "num_replicated_tokens", "num_offers", "num_prefix_fetches")
     idle += ("num_preemptions", "num_admission_waits")  # its pool never ran short
+    idle += ("kv_routes_shm", "kv_routes_tcp")  # a lone engine moves no KV
     assert stats == {**dict.fromkeys(idle, 0), "integrity_error": None}
 
 
