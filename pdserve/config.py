@@ -119,8 +119,9 @@ class TransferConfig:
     transport: str = "shm"
     # Address the TCP transport listens on.
     host: str = "127.0.0.1"
-    # auto: the node this instance runs on (a Ray node id); set by the launcher.
-    node: str = ""
+    # auto: the node this instance runs on (a Ray node id, set by the Ray launcher; one host
+    # without Ray is the one node "local").
+    node: str = "local"
     # A transfer that has not finished after this long fails (the request is retried or fails).
     timeout_s: float = 30.0
     # Pull mode: how long a prefill instance keeps KV that no decode instance has claimed.

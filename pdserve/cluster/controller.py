@@ -209,7 +209,8 @@ class Cluster:
     ) -> None:
         self.config = config
         self.engine = engine
-        self.launcher = launcher  # None: children of this process (cluster/instance.py)
+        # Where the instances' processes run: children of this process by default.
+        self.launcher: Launcher = launcher or LocalLauncher()
         self.mode = engine.transfer.mode
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = 0
@@ -1101,8 +1102,7 @@ class Cluster:
         nodes and which instances run on each, every instance's role, liveness and load
         (its last load report and what the front end assigned it). `pdserve cluster
         status` prints it."""
-        launcher = self.launcher or LocalLauncher()
-        nodes = launcher.nodes()
+        nodes = self.launcher.nodes()
         for row in nodes:
             row["instances"] = [i.name for i in self.instances if i.node == row["node"]]
         instances = []
@@ -1117,7 +1117,7 @@ class Cluster:
                     "blocks": report.num_blocks if report else None,
                 }
             )
-        return {"launcher": launcher.kind, "nodes": nodes, "instances": instances}
+        return {"launcher": self.launcher.kind, "nodes": nodes, "instances": instances}
 
     async def instance_stats(self, timeout: float = 5.0) -> list[dict[str, object]]:
         """Per instance: role, liveness, assigned load, last report and counters."""

@@ -37,7 +37,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.config import EngineConfig, Role
+from pdserve.config import EngineConfig, Role, TransferConfig
 from pdserve.errors import EngineDeadError
 from pdserve.kv.layout import KVLayout
 from pdserve.protocol.core import (
@@ -54,7 +54,8 @@ from pdserve.protocol.wire import EngineInput, EngineMessage, Handlers, encode_i
 
 _POLL_MS = 200  # while waiting for the handshake: how often to check the process
 _ids = itertools.count()
-LOCAL_NODE = "local"  # the node name of instances started by `LocalLauncher`
+# The node name of instances started by `LocalLauncher`: the one node of their transfers.
+LOCAL_NODE = TransferConfig.node
 
 
 class EngineProcess(Protocol):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.config import ClusterConfig
@@ -50,10 +50,11 @@ RUNTIME_BYTES = _GIB // 2  # an engine process beyond its weights and KV: torch,
 
 @dataclass(frozen=True)
 class RayNode:
-    """One alive node of the Ray cluster, as `pdserve cluster status` shows it."""
+    """One node of the Ray cluster, as Ray reports it."""
 
     node_id: str
     address: str  # the node's IP
+    alive: bool
     cpus: float
     gpus: float
     memory_bytes: float
@@ -84,25 +85,29 @@ def connect(address: str | None) -> None:
 HEAD_RESOURCE = "node:__internal_head__"  # what Ray puts in the head node's resources
 
 
-def nodes() -> list[RayNode]:
-    """The alive nodes in placement order (a placement's node index): the head node
-    first, then the others by node id."""
+def all_nodes() -> list[RayNode]:
+    """Every node Ray knows, dead ones included (the one reading of `ray.nodes()`)."""
     found = []
     for n in ray.nodes():
-        if not n.get("Alive"):
-            continue
         res = n.get("Resources", {})
         found.append(
             RayNode(
                 node_id=n["NodeID"],
                 address=n["NodeManagerAddress"],
+                alive=bool(n.get("Alive")),
                 cpus=res.get("CPU", 0.0),
                 gpus=res.get("GPU", 0.0),
                 memory_bytes=res.get("memory", 0.0),
                 head=HEAD_RESOURCE in res,
             )
         )
-    return sorted(found, key=lambda n: (not n.head, n.node_id))
+    return found
+
+
+def nodes() -> list[RayNode]:
+    """The alive nodes in placement order (a placement's node index): the head node
+    first, then the others by node id."""
+    return sorted((n for n in all_nodes() if n.alive), key=lambda n: (not n.head, n.node_id))
 
 
 def driver_address() -> str:
@@ -215,19 +220,11 @@ class RayLauncher:
 
     def nodes(self) -> list[dict[str, object]]:
         """Every node Ray knows, dead ones included (a node that died stays listed)."""
-        rows: list[dict[str, object]] = []
-        for n in ray.nodes():
-            res = n.get("Resources", {})
-            rows.append(
-                {
-                    "node": n["NodeID"],
-                    "address": n["NodeManagerAddress"],
-                    "alive": bool(n.get("Alive")),
-                    "cpus": res.get("CPU", 0.0),
-                    "gpus": res.get("GPU", 0.0),
-                }
-            )
-        return rows
+        keys = ("node", "address", "alive", "cpus", "gpus")
+        return [
+            dict(zip(keys, (n.node_id, n.address, n.alive, n.cpus, n.gpus), strict=True))
+            for n in all_nodes()
+        ]
 
 
 class RayEngineProcess:
@@ -335,7 +332,7 @@ class RayEngineProcess:
                 try:
                     code = ray.get(self._run, timeout=5)
                     self._exit = (code, f"process exited (exit code {code})")
-                except RayActorError as e:
+                except RayError as e:  # the actor or its node died; or `run` raised
                     self._exit = (None, f"Ray: {_first_line(e)}")
             return self._exit
 

@@ -37,7 +37,7 @@ def open_link(config: EngineConfig, layout: KVLayout) -> TransferLink:
         timeout_s=t.timeout_s,
         verify_checksum=t.verify_checksum,
         faults=fault_config(t),
-        node=t.node or "local",
+        node=t.node,
     )
     worker = TransferWorker(num_threads=1, name=f"{config.instance_name}-kv")
     region = transport.create_region(config.instance_name, layout)
