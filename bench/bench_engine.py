@@ -119,7 +119,7 @@ def weight_bytes(model: CausalLM) -> int:
     ops = model.projection_ops()
     total = 4 * h * (2 * cfg.num_hidden_layers + 1)  # the norms
     for op, (n, k) in zip(ops, shapes, strict=True):
-        total += op.weight.nbytes if isinstance(op, QuantLinear) else 4 * n * k
+        total += op.nbytes if isinstance(op, QuantLinear) else 4 * n * k
     return total
 
 

@@ -43,7 +43,8 @@ def add_quantization_flag(p: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         default=EngineConfig.quantization,
-        help="how weights are held: gguf = a GGUF file's Q8_0/Q4_0/Q4_1 blocks read directly "
+        help="how weights are held: gguf = a GGUF file's blocks (Q8_0, Q4_0/1, Q5_0/1, Q4_K, "
+        "Q5_K, Q6_K) read directly "
         "by the compiled kernels; q8_0/q4_0 = quantize a HF model's fp weights at load; "
         "none = fp32; auto = gguf where the file and this install allow it, else none "
         "(default: %(default)s)",

@@ -16,19 +16,28 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers.tiny_models import quantize_blocks
 
 from pdserve.model.default import default_model_path
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantLinear
 
 SHAPES = [(1, 576, 576), (3, 130, 96), (7, 5, 64), (70, 33, 160), (1, 7, 32), (131, 64, 1536)]
+K_SHAPES = [(1, 576, 512), (3, 130, 256), (70, 33, 768), (131, 64, 1536)]  # K: 256 per block
+ALL_SHAPES = [(t, s) for t in QuantType for s in (K_SHAPES if t.block_values == 256 else SHAPES)]
 
 
-def reference_weight(qw: QuantWeight) -> torch.Tensor:
-    """gguf-py's dequantization of the same blocks (llama.cpp's reference code)."""
-    n, k = qw.shape
-    w = gguf.quants.dequantize(qw.to_blocks(), qw.qtype.ggml)
-    return torch.from_numpy(np.ascontiguousarray(w).reshape(n, k))
+def reference(raw: np.ndarray, qtype: QuantType, k: int) -> torch.Tensor:
+    """gguf-py's dequantization of GGUF bytes (llama.cpp's reference code)."""
+    w = gguf.quants.dequantize(raw, qtype.ggml)
+    return torch.from_numpy(np.ascontiguousarray(w).reshape(-1, k))
+
+
+def quantized(w: torch.Tensor, qtype: QuantType) -> tuple[QuantWeight, torch.Tensor]:
+    """w in `qtype` (the file's bytes as llama.cpp's converter, or tests/helpers/kquants.py
+    for the K formats, would write them), and gguf-py's dequantization of those bytes."""
+    raw = quantize_blocks(w.numpy(), qtype.name)
+    return QuantWeight.from_blocks(qtype, raw, w.shape[1]), reference(raw, qtype, w.shape[1])
 
 
 def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -38,23 +47,21 @@ def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return n * u / (1 - n * u) * (x.double().abs() @ w.double().abs().T)
 
 
-def check(x: torch.Tensor, qw: QuantWeight) -> None:
+def check(x: torch.Tensor, qw: QuantWeight, w: torch.Tensor) -> None:
     y = QuantLinear(qw, None)(x)
-    w = reference_weight(qw)
     err = (y.double() - x.double() @ w.double().T).abs()
     bound = error_bound(x, w)
     assert bool((err <= bound).all()), float((err - bound).max())
 
 
-@pytest.mark.parametrize("qtype", list(QuantType))
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("qtype", "shape"), ALL_SHAPES)
 def test_random_blocks_within_the_bound(qtype: QuantType, shape: tuple[int, int, int]) -> None:
     m, n, k = shape
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
-    qw = QuantWeight.quantize(w, qtype)
-    assert torch.equal(qw.dequantize(), reference_weight(qw))
-    check(torch.randn(m, k, generator=gen) * 3, qw)
+    qw, ref = quantized(w, qtype)
+    assert torch.equal(qw.dequantize(), ref)
+    check(torch.randn(m, k, generator=gen) * 3, qw, ref)
 
 
 @pytest.mark.parametrize("qtype", list(QuantType))
@@ -63,10 +70,10 @@ def test_the_weights_are_read_as_their_exact_fp32_values(qtype: QuantType) -> No
     values bit for bit, through the few-rows path (registers, 3 rows) and the many-rows
     path (a per-thread buffer, all 96 rows)."""
     gen = torch.Generator().manual_seed(11)
-    qw = QuantWeight.quantize(torch.randn(37, 96, generator=gen) * 5, qtype)
-    w = reference_weight(qw)
+    k = qtype.block_values * 3
+    qw, w = quantized(torch.randn(37, k, generator=gen) * 5, qtype)
     op = QuantLinear(qw, None)
-    eye = torch.eye(96)
+    eye = torch.eye(k)
     assert torch.equal(op(eye[:3]), w.T[:3])
     assert torch.equal(op(eye), w.T)
 
@@ -76,18 +83,19 @@ def shipped_tensors() -> dict[str, gguf.ReaderTensor]:
     return {t.name: t for t in reader.tensors}
 
 
-def from_gguf(t: gguf.ReaderTensor, rows: int | None = None) -> QuantWeight:
+def from_gguf(t: gguf.ReaderTensor, rows: int | None = None) -> tuple[QuantWeight, torch.Tensor]:
     qtype = QuantType.from_ggml(t.tensor_type)
     assert qtype is not None
     k = int(t.shape[0])
-    raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)
-    return QuantWeight.from_blocks(qtype, raw[:rows], k)
+    raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)[:rows]
+    return QuantWeight.from_blocks(qtype, raw, k), reference(raw, qtype, k)
 
 
 @pytest.mark.slow
 def test_the_shipped_models_tensors_within_the_bound() -> None:
     """Q4_1 projections (K 576 and 1536), the Q8_0 embedding (first 4096 rows) and a
-    real tensor requantized to Q4_0 and Q8_0; activations of a real hidden-state scale."""
+    real tensor (K 1536) requantized to every other format; activations of a real
+    hidden-state scale."""
     tensors = shipped_tensors()
     gen = torch.Generator().manual_seed(0)
     cases = [
@@ -95,12 +103,12 @@ def test_the_shipped_models_tensors_within_the_bound() -> None:
         from_gguf(tensors["blk.3.ffn_down.weight"]),
         from_gguf(tensors["token_embd.weight"], rows=4096),
     ]
-    assert [c.qtype for c in cases] == [QuantType.Q4_1, QuantType.Q4_1, QuantType.Q8_0]
-    real = reference_weight(from_gguf(tensors["blk.5.ffn_up.weight"]))
-    cases += [QuantWeight.quantize(real, t) for t in (QuantType.Q4_0, QuantType.Q8_0)]
-    for qw in cases:
+    assert [c[0].qtype for c in cases] == [QuantType.Q4_1, QuantType.Q4_1, QuantType.Q8_0]
+    real = from_gguf(tensors["blk.5.ffn_down.weight"])[1]
+    cases += [quantized(real, t) for t in QuantType if t not in (QuantType.Q4_1,)]
+    for qw, w in cases:
         for m in (1, 5, 67):
-            check(torch.randn(m, qw.shape[1], generator=gen), qw)
+            check(torch.randn(m, qw.shape[1], generator=gen), qw, w)
 
 
 @pytest.mark.parametrize("qtype", list(QuantType))
@@ -108,9 +116,9 @@ def test_every_row_is_computed_the_same_whatever_the_batch_and_threads(qtype: Qu
     """Batch invariance (the kernel's contract): a row's output is bit-identical alone,
     in any batch, at any position, on 1 or 2 threads."""
     gen = torch.Generator().manual_seed(7)
-    qw = QuantWeight.quantize(torch.randn(203, 320, generator=gen), qtype)
+    qw, _ = quantized(torch.randn(203, 512, generator=gen), qtype)
     op = QuantLinear(qw, None)
-    x = torch.randn(150, 320, generator=gen)
+    x = torch.randn(150, 512, generator=gen)
     batch = op(x)
     assert torch.equal(torch.cat([op(x[i : i + 1]) for i in range(150)]), batch)
     assert torch.equal(torch.cat([op(x[i : i + 7]) for i in range(0, 150, 7)]), batch)
@@ -121,6 +129,27 @@ def test_every_row_is_computed_the_same_whatever_the_batch_and_threads(qtype: Qu
         assert torch.equal(op(x), batch)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_one_op_over_weights_of_several_formats() -> None:
+    """A fused q/k/v whose v is Q6_K and q/k Q4_K (llama.cpp's Q4_K_M mixes): one kernel
+    call per run of a format, each writing its columns - the same bits as each part
+    alone, residual add and RMSNorm prologue included."""
+    gen = torch.Generator().manual_seed(5)
+    parts = [quantized(torch.randn(n, 256, generator=gen), t) for n, t in
+             ((64, QuantType.Q4_K), (32, QuantType.Q4_K), (32, QuantType.Q6_K))]  # fmt: skip
+    op = QuantLinear([p[0] for p in parts], None)
+    assert op.formats == ["Q4_K", "Q6_K"] and [w.shape for w in op.weights] == [
+        (96, 256),
+        (32, 256),
+    ]
+    assert torch.equal(op.dequantize(), torch.cat([p[1] for p in parts]))
+    x, norm = torch.randn(9, 256, generator=gen), torch.randn(256, generator=gen)
+    h = torch.randn(9, 128, generator=gen)
+    alone = [QuantLinear(p[0], None) for p in parts]
+    assert torch.equal(op(x), torch.cat([a(x) for a in alone], dim=1))
+    want = h + torch.cat([a.run(x, norm=norm, eps=1e-5) for a in alone], dim=1)
+    assert torch.equal(op.run(x, norm=norm, eps=1e-5, into=h.clone()), want)
 
 
 def test_bias_strided_input_and_empty_batch() -> None:
@@ -147,3 +176,9 @@ def test_bad_shapes_and_blocks_are_refused_with_the_numbers() -> None:
         QuantWeight.from_blocks(QuantType.Q4_0, np.zeros(35, np.uint8), 64)
     with pytest.raises(ValueError, match=r"cannot fuse Q8_0 \[\*, 64\] with Q4_1 \[\*, 64\]"):
         QuantWeight.cat([qw, QuantWeight.quantize(torch.randn(8, 64), QuantType.Q4_1)])
+    with pytest.raises(ValueError, match=r"row length 288 is not a multiple of 256 \(Q6_K\)"):
+        QuantWeight.from_blocks(QuantType.Q6_K, np.zeros(210, np.uint8), 288)
+    with pytest.raises(ValueError, match="gguf-py cannot quantize to Q4_K"):
+        QuantWeight.quantize(torch.randn(8, 256), QuantType.Q4_K)
+    with pytest.raises(ValueError, match="Q5_0 blocks are repacked at load; no file bytes kept"):
+        QuantWeight.quantize(torch.randn(8, 64), QuantType.Q5_0).to_blocks()

@@ -35,10 +35,11 @@ def fp_model(path: Path) -> CausalLM:
     return model
 
 
-def assert_same_weights(quant: CausalLM, fp: CausalLM, qtype: QuantType) -> None:
+def assert_same_weights(quant: CausalLM, fp: CausalLM, qtype: QuantType | None) -> None:
+    """Every op quantized (all in `qtype` unless None) and reading exactly the fp weights."""
     for q, f in zip(quant.projection_ops(), fp.projection_ops(), strict=True):
-        assert isinstance(q, QuantLinear) and q.weight.qtype == qtype
-        assert torch.equal(q.weight.dequantize(), f.weight)  # type: ignore[attr-defined]
+        assert isinstance(q, QuantLinear) and (qtype is None or q.formats == [qtype.name])
+        assert torch.equal(q.dequantize(), f.weight)  # type: ignore[attr-defined]
         if f.bias is None:  # type: ignore[attr-defined]
             assert q.bias is None
         else:
@@ -47,13 +48,18 @@ def assert_same_weights(quant: CausalLM, fp: CausalLM, qtype: QuantType) -> None
     assert torch.equal(quant.embed_tokens[ids], fp.embed_tokens[ids])
 
 
+# Rows of 256 values for the K formats (hidden 256, 4 heads of 64, intermediate 512).
+K_DIMS = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 512}
+
+
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
 @pytest.mark.parametrize("qtype", list(QuantType))
 def test_a_quantized_gguf_is_served_from_its_own_blocks(
     tmp_path: Path, arch: str, qtype: QuantType
 ) -> None:
     """Llama (q/k rows permuted in the file) and Qwen2 (q/k/v biases), untied head."""
-    path = make_tiny_gguf(tmp_path, arch, quant=qtype.name)
+    dims = K_DIMS if qtype.block_values == 256 else {}
+    path = make_tiny_gguf(tmp_path, arch, quant=qtype.name, **dims)
     model = load_model(EngineConfig(model=str(path), quantization="gguf", num_threads=1))
     assert model.quantization == Quantization("gguf")
     assert model.weight_formats == [qtype.name]
@@ -72,23 +78,54 @@ def test_hf_weights_quantized_at_load(tmp_path: Path, qtype: QuantType) -> None:
     fp = fp_model(folder)
     assert model.weight_formats == sorted({qtype.name, "Q8_0"})
     head = model.lm_head_op
-    assert isinstance(head, QuantLinear) and head.weight.qtype == QuantType.Q8_0
+    assert isinstance(head, QuantLinear) and head.formats == ["Q8_0"]
     want = QuantWeight.quantize(fp.lm_head_op.weight, QuantType.Q8_0)  # type: ignore[attr-defined]
-    assert (head.weight.to_blocks() == want.to_blocks()).all()
+    assert (head.weights[0].to_blocks() == want.to_blocks()).all()
     for q, f in zip(model.projection_ops()[1:], fp.projection_ops()[1:], strict=True):
-        assert isinstance(q, QuantLinear) and q.weight.qtype == qtype
+        assert isinstance(q, QuantLinear) and q.formats == [qtype.name]
         want = QuantWeight.quantize(f.weight, qtype)  # type: ignore[attr-defined]
-        assert (q.weight.to_blocks() == want.to_blocks()).all()
+        assert (q.weights[0].to_blocks() == want.to_blocks()).all()
+
+
+# llama.cpp's Q4_K_M: Q4_K, with Q6_K for the LM head and for v and down in some layers.
+Q4_K_M = {"output.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"}
+
+
+def greedy_text(path: Path, quantization: str, prompt: str) -> tuple[Engine, str]:
+    engine = Engine.from_config(EngineConfig(model=str(path), quantization=quantization))
+    engine.add_request(
+        engine.tokenizer.encode(prompt), SamplingParams(max_tokens=16, temperature=0)
+    )
+    text = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            text = out.text
+    return engine, text
+
+
+def test_a_q4_k_m_mix_is_served_in_its_own_formats_with_the_fp32_text(tmp_path: Path) -> None:
+    """q/k in Q4_K beside a Q6_K v (one op, two kernel calls), every layer on the
+    compiled path, the same weights as the fp32 load and the same greedy text."""
+    path = make_tiny_gguf(tmp_path, quant="Q4_K", quant_overrides=Q4_K_M, **K_DIMS)
+    assert resolve_quantization("auto", path) == Quantization("gguf")
+    engine, text = greedy_text(path, "auto", "the cat sat on the")
+    model = engine.core.model
+    assert model.weight_formats == ["Q4_K", "Q6_K"] and model.fused
+    qkv = model.projection_ops()[1]
+    assert isinstance(qkv, QuantLinear) and [w.qtype.name for w in qkv.weights] == ["Q4_K", "Q6_K"]
+    assert_same_weights(model, fp_model(path), None)
+    _, fp_text = greedy_text(path, "none", "the cat sat on the")
+    assert text and text == fp_text
 
 
 def test_auto_falls_back_on_a_type_the_kernels_do_not_read_and_gguf_refuses_it(
     tmp_path: Path,
 ) -> None:
-    path = make_tiny_gguf(tmp_path, quant="Q4_1", quant_overrides={"blk.1.attn_v.weight": "Q5_0"})
+    path = make_tiny_gguf(tmp_path, quant="Q4_1", quant_overrides={"blk.1.attn_v.weight": "MXFP4"})
     why = (
         "tensor 'blk.1.attn_v.weight' (model.layers.1.self_attn.v_proj.weight) has GGUF type "
-        "Q5_0, which the kernels do not read (they read Q8_0, Q4_0, Q4_1); serve it with "
-        "--quantization none"
+        "MXFP4, which the kernels do not read (they read Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
+        "Q5_K, Q6_K); serve it with --quantization none"
     )
     assert resolve_quantization("auto", path) == Quantization("none", why)
     with pytest.raises(ValueError) as info:

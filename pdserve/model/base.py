@@ -193,8 +193,8 @@ class CausalLM(nn.Module):
     def _op(self, names: list[str], bias: torch.Tensor | None, pack: bool) -> Linear:
         parts = [self._parts[n] for n in names]
         quant = [p for p in parts if isinstance(p, QuantWeight)]
-        if len(quant) == len(parts) and len({q.qtype for q in quant}) == 1:
-            return QuantLinear(QuantWeight.cat(quant), bias)
+        if len(quant) == len(parts):
+            return QuantLinear(quant, bias)
         fp = [p.dequantize(self.dtype) if isinstance(p, QuantWeight) else p for p in parts]
         return PackedLinear(torch.cat(fp).to(self.dtype), bias, pack)
 
@@ -213,7 +213,8 @@ class CausalLM(nn.Module):
         names where they read full-precision weights; sorted, each once."""
         dtype = str(self.dtype).removeprefix("torch.")
         ops = self.projection_ops()
-        return sorted({o.weight.qtype.name if isinstance(o, QuantLinear) else dtype for o in ops})
+        names = {f for o in ops for f in (o.formats if isinstance(o, QuantLinear) else [dtype])}
+        return sorted(names)
 
     def _release_packed_originals(self) -> None:
         """Free the row-major copies of weights that now live packed (halves memory)."""

@@ -247,11 +247,14 @@ def tensor_types(path: Path, names: Iterable[str]) -> dict[str, gguf.GGMLQuantiz
 def _blocks(t: gguf.ReaderTensor, qtype: QuantType, path: Path) -> QuantWeight:
     k, rows = int(t.shape[0]), int(np.prod(t.shape[1:]))
     raw = np.asarray(t.data)
-    want = rows * k // 32 * qtype.block_bytes
-    if k % 32 or raw.size != want:
+    label = f"{path}: tensor {t.name!r} ({qtype.name}, shape {[int(n) for n in t.shape]})"
+    per = qtype.block_values
+    if k % per:
+        raise ModelLoadError(f"{label}: rows of {k} values are not whole {per}-value blocks")
+    want = rows * k // per * qtype.block_bytes
+    if raw.size != want:
         raise ModelLoadError(
-            f"{path}: tensor {t.name!r} ({qtype.name}, shape {[int(n) for n in t.shape]}) "
-            f"holds {raw.size} bytes, expected {want}: the file is truncated or corrupt"
+            f"{label} holds {raw.size} bytes, expected {want}: the file is truncated or corrupt"
         )
     return QuantWeight.from_blocks(qtype, raw, k)
 

@@ -1,11 +1,11 @@
 /* Quantized matrix products for pdserve: y[M,N] = x[M,K] @ W[N,K]^T with W in a GGUF
- * block format (Q8_0, Q4_0, Q4_1), read as it is, never expanded to fp32 in memory.
+ * block format, held in one of five layouts (below), never expanded to fp32 in memory.
  *
  * The method: each weight block is dequantized in registers (or, for a GEMM, into a
  * per-thread buffer of a few columns that every row of a pass then reads from L1) to the
- * exact fp32 values gguf-py's dequantization gives - Q8_0 q*d, Q4_0 (q-8)*d, Q4_1 q*d+m:
- * q*d is exact in fp32 (a small integer times an fp16), so one rounding at most, the
- * same as numpy's - and multiplied by the fp32 activations with FMAs. So the result is
+ * exact fp32 values gguf-py's dequantization gives - q*d, (q-8)*d or q*d+m: q*d is
+ * exact in fp32 (a small integer times a scale of at most 18 significant bits), so one
+ * rounding at most, the same as numpy's - and multiplied by the fp32 activations with FMAs. So the result is
  * the fp32 product with the dequantized weights (what `--quantization none` computes)
  * up to the order of the sums: no activation rounding at all. (llama.cpp rounds
  * activations to int8 to use integer dot products; on SmolLM2 that moved logits by ~0.2
@@ -22,12 +22,17 @@
  * quantized layer is row-invariant. The file is built with -ffp-contract=off so the
  * compiler cannot fuse differently in different tiles; the FMAs are the explicit ones.
  *
- * Weight layout (made in Python, pdserve/quant/formats.py), row n of N:
- *   qs: Q8_0 int8 [N][K]; Q4_0/Q4_1 uint8 [N][K/2], GGUF's nibble order per block
- *       (byte j holds value j in its low nibble and value j+16 in its high nibble);
- *   d:  [N][K/32] block scales; m: [N][K/32] block minimums (Q4_1 only): the file's fp16
- *       values held as fp32 (converted once at load; an fp16 conversion per block was
- *       ~1/5 of a GEMV's instructions).
+ * Weight layouts (made in Python from the file's blocks, pdserve/quant/formats.py),
+ * row n of N, blocks of 32 values along K:
+ *   I8    int8 q [N][K], scale d [N][K/32]: q*d              (Q8_0; Q5_0 as q-16)
+ *   Q4    nibbles [N][K/2], d [N][K/32]: (q-8)*d             (Q4_0)
+ *   Q4M   nibbles [N][K/2], d and minimum m [N][K/32]: q*d+m (Q4_1; Q4_K as d*sc, -dmin*m)
+ *   I8_16 int8 q [N][K], d [N][K/16], a scale per 16: q*d    (Q6_K as q-32, d*sc)
+ *   U8M   uint8 q [N][K], d and m [N][K/32]: q*d+m           (Q5_1; Q5_K as d*sc, -dmin*m)
+ * Nibbles are in GGUF's order per block (byte j holds value j in its low nibble and value
+ * j+16 in its high one). Scales and minimums are fp32 (the file's fp16 converted once at
+ * load - an fp16 conversion per block was ~1/5 of a GEMV's instructions - or the K
+ * formats' products, exact in fp32).
  *
  * Threads: OpenMP over output columns. pdserve imports torch before this module, so
  * the libgomp.so.1 already loaded (torch's) is the one used: one thread pool, sized by
@@ -46,13 +51,13 @@
 #define QK 32
 #define FEW_ROWS 4 /* below this many rows, weights are dequantized straight into registers */
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum { I8 = 0, Q4 = 1, Q4M = 2, I8_16 = 3, U8M = 4 }; /* the layouts; formats.Layout */
 
 typedef struct {
-    int type;
+    int type; /* the layout */
     const uint8_t *qs;
-    const float *d; /* block scales, as fp32 (converted once at load from the file's fp16) */
-    const float *m; /* Q4_1's block minimums, likewise; else NULL */
+    const float *d; /* block scales (I8_16: two per block of 32) */
+    const float *m; /* block minimums (Q4M, U8M); else NULL */
     int64_t N, K, B;   /* B = K / 32 blocks per row */
 } QWeight;
 
@@ -104,27 +109,33 @@ KERNEL static void prologue_rows(const Prologue *pre, const float *x, int64_t ld
 
 /* ---- dequantization --------------------------------------------------------------------- */
 
-/* Block b of weight row n as 4 x 8 floats (values 0-7, 8-15, 16-23, 24-31). */
+/* Block b of weight row n (values 32b .. 32b+31) as 4 x 8 floats. */
 INLINE void weight_block(const QWeight *w, int64_t n, int64_t b, const int T, __m256 v[4]) {
-    const __m256 d = _mm256_broadcast_ss(w->d + n * w->B + b);
-    if (T == Q8_0) {
-        const int8_t *p = (const int8_t *)w->qs + n * w->K + b * QK;
+    if (T == I8 || T == I8_16 || T == U8M) {
+        const uint8_t *p = w->qs + n * w->K + b * QK;
+        const float *ds = T == I8_16 ? w->d + (n * w->B + b) * 2 : w->d + n * w->B + b;
+        const __m256 d0 = _mm256_broadcast_ss(ds), d1 = _mm256_broadcast_ss(ds + (T == I8_16));
+        const __m256 c = T == U8M ? _mm256_broadcast_ss(w->m + n * w->B + b) : _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
-            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i)));
-            v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+            const __m128i raw = _mm_loadl_epi64((const __m128i *)(p + 8 * i));
+            const __m256 q = _mm256_cvtepi32_ps(T == U8M ? _mm256_cvtepu8_epi32(raw)
+                                                         : _mm256_cvtepi8_epi32(raw));
+            /* q*d is exact; U8M adds m with one rounding, as numpy's d*q + m does. */
+            v[i] = T == U8M ? _mm256_fmadd_ps(q, d0, c) : _mm256_mul_ps(q, i < 2 ? d0 : d1);
         }
         return;
     }
+    const __m256 d = _mm256_broadcast_ss(w->d + n * w->B + b);
     const uint8_t *p = w->qs + n * (w->K / 2) + b * (QK / 2);
     const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
     const __m256i low = _mm256_set1_epi32(0x0F);
     const __m256i q[4] = {_mm256_and_si256(b0, low), _mm256_and_si256(b1, low),
                           _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
-    /* Q4_0: q*d - 8d = (q-8)*d exactly (-8d is exact, and so is the result: a 4-bit
-     * integer times an fp16); Q4_1: q*d + m, one rounding (q*d is exact). */
-    const __m256 c = T == Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), d)
-                               : _mm256_broadcast_ss(w->m + n * w->B + b);
+    /* Q4: q*d - 8d = (q-8)*d exactly (-8d is exact, and so is the result: a 4-bit
+     * integer times an fp16); Q4M: q*d + m, one rounding (q*d is exact). */
+    const __m256 c = T == Q4 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), d)
+                             : _mm256_broadcast_ss(w->m + n * w->B + b);
     for (int i = 0; i < 4; i++) v[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), d, c);
 }
 
@@ -161,18 +172,18 @@ INLINE void tile_direct(const QWeight *w, const float *x, int64_t ldx, int64_t m
         for (int j = 0; j < RN; j++) acc[i][j] = _mm256_setzero_ps();
     /* The next tile's weights, a line per block ahead of need (the hardware prefetcher
      * did not keep up with the 4 interleaved row streams of a tile). */
-    const int64_t row_bytes = T == Q8_0 ? w->K : w->K / 2;
+    const int has_m = T == Q4M || T == U8M, scales = T == I8_16 ? 2 : 1;
+    const int64_t row_bytes = T == Q4 || T == Q4M ? w->K / 2 : w->K;
     const char *next_qs = (const char *)(w->qs + (n0 + RN) * row_bytes);
-    const char *next_d = (const char *)(w->d + (n0 + RN) * w->B);
-    const char *next_m = T == Q4_1 ? (const char *)(w->m + (n0 + RN) * w->B) : NULL;
-    const int64_t qs_lines = RN * row_bytes / 64, sc_lines = (RN * w->B * 4 + 63) / 64;
+    const char *next_d = (const char *)(w->d + (n0 + RN) * w->B * scales);
+    const char *next_m = has_m ? (const char *)(w->m + (n0 + RN) * w->B) : NULL;
+    const int64_t qs_lines = RN * row_bytes / 64;
+    const int64_t d_lines = (RN * w->B * scales * 4 + 63) / 64, m_lines = (RN * w->B * 4 + 63) / 64;
     for (int64_t b = 0; b < w->B; b++) {
         for (int64_t l = b * qs_lines / w->B; l < (b + 1) * qs_lines / w->B; l++)
             _mm_prefetch(next_qs + 64 * l, _MM_HINT_T0);
-        if (b < sc_lines) {
-            _mm_prefetch(next_d + 64 * b, _MM_HINT_T0);
-            if (T == Q4_1) _mm_prefetch(next_m + 64 * b, _MM_HINT_T0);
-        }
+        if (b < d_lines) _mm_prefetch(next_d + 64 * b, _MM_HINT_T0);
+        if (has_m && b < m_lines) _mm_prefetch(next_m + 64 * b, _MM_HINT_T0);
         for (int j = 0; j < RN; j++) {
             __m256 v[4];
             weight_block(w, n0 + j, b, T, v);
@@ -250,17 +261,21 @@ KERNEL static void rows_direct(const QWeight *w, const float *x, int64_t ldx, in
         }                                            \
     } while (0)
     switch (w->type) {
-        case Q8_0: DIRECT_ROWS(Q8_0); break;
-        case Q4_0: DIRECT_ROWS(Q4_0); break;
-        default: DIRECT_ROWS(Q4_1); break;
+        case I8: DIRECT_ROWS(I8); break;
+        case Q4: DIRECT_ROWS(Q4); break;
+        case Q4M: DIRECT_ROWS(Q4M); break;
+        case I8_16: DIRECT_ROWS(I8_16); break;
+        default: DIRECT_ROWS(U8M); break;
     }
 }
 
 KERNEL static void dequantize_any(const QWeight *w, int64_t n, int rn, float *buf) {
     switch (w->type) {
-        case Q8_0: dequantize_columns(w, n, rn, buf, Q8_0); break;
-        case Q4_0: dequantize_columns(w, n, rn, buf, Q4_0); break;
-        default: dequantize_columns(w, n, rn, buf, Q4_1); break;
+        case I8: dequantize_columns(w, n, rn, buf, I8); break;
+        case Q4: dequantize_columns(w, n, rn, buf, Q4); break;
+        case Q4M: dequantize_columns(w, n, rn, buf, Q4M); break;
+        case I8_16: dequantize_columns(w, n, rn, buf, I8_16); break;
+        default: dequantize_columns(w, n, rn, buf, U8M); break;
     }
 }
 
@@ -376,10 +391,11 @@ static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, A
 
 #define PTR(T, a) ((T)(intptr_t)(a).i)
 
-/* qlinear(type, x, ldx, M, K, qs, d, m, N, y, ldy, threads, pre, pre_w, eps, accumulate):
+/* qlinear(layout, x, ldx, M, K, qs, d, m, N, y, ldy, threads, pre, pre_w, eps, accumulate):
  * y[M,N] = P(x)[M,K] @ W^T, or y += that with `accumulate`; P is the prologue `pre`
  * (PRE_NONE, PRE_RMSNORM with weight pre_w and eps, PRE_SWIGLU over rows of 2K).
- * Pointers are addresses (torch's data_ptr()); d and m are fp32; m is 0 except for Q4_1. The caller checks
+ * Pointers are addresses (torch's data_ptr()); d and m are fp32; m is 0 except for the
+ * layouts with minimums (Q4M, U8M). The caller checks
  * shapes, dtypes, contiguity and lifetimes (pdserve/quant/linear.py). K is a multiple
  * of 32. */
 static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -390,9 +406,9 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
     const int type = (int)v[0].i;
     const int64_t ldx = v[2].i, M = v[3].i, K = v[4].i, N = v[8].i, ldy = v[10].i;
     const Prologue pre = {(int)v[12].i, PTR(const float *, v[13]), (float)v[14].f};
-    if (type < Q8_0 || type > Q4_1 || K % QK != 0 || M < 0 || N <= 0 || pre.kind < PRE_NONE ||
-        pre.kind > PRE_SWIGLU || (type == Q4_1 && v[7].i == 0)) {
-        PyErr_SetString(PyExc_ValueError, "qlinear: bad type, shape, minimums or prologue");
+    if (type < I8 || type > U8M || K % QK != 0 || M < 0 || N <= 0 || pre.kind < PRE_NONE ||
+        pre.kind > PRE_SWIGLU || ((type == Q4M || type == U8M) && v[7].i == 0)) {
+        PyErr_SetString(PyExc_ValueError, "qlinear: bad layout, shape, minimums or prologue");
         return NULL;
     }
     if (M == 0) Py_RETURN_NONE;
@@ -447,7 +463,7 @@ static PyObject *py_rope_write_kv(PyObject *self, PyObject *const *args, Py_ssiz
 
 static PyMethodDef methods[] = {
     {"qlinear", (PyCFunction)(void (*)(void))py_qlinear, METH_FASTCALL,
-     "qlinear(type, x, ldx, M, K, qs, d, m, N, y, ldy, threads, pre, pre_w, eps, accumulate):"
+     "qlinear(layout, x, ldx, M, K, qs, d, m, N, y, ldy, threads, pre, pre_w, eps, accumulate):"
      " y (+)= P(x) @ W^T, W in GGUF blocks"},
     {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
      "paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, bs, rows, tables, ldt, out, ldo,"

@@ -1,4 +1,4 @@
-"""y = x @ W.T + bias with W in a GGUF block format, by the compiled kernel.
+"""y = x @ W.T + bias with W in GGUF block formats, by the compiled kernel.
 
 The weights are dequantized in registers to their exact fp32 values and multiplied by
 the fp32 activations (pdserve/quant/README.md); each output element is computed the same
@@ -6,6 +6,10 @@ way whatever the batch (see `_kernels.c`).
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -16,28 +20,68 @@ from pdserve.quant.kernels import kernels, unavailable_reason
 PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One kernel call: output columns [n0, n0 + n) from a weight in one layout."""
+
+    weight: QuantWeight
+    n0: int
+    scales: torch.Tensor  # fp32 (the kernel reads fp32; the fp16 ones are converted once)
+    mins: torch.Tensor | None
+
+
 class QuantLinear:
     """Same call as model.linear.PackedLinear: x [T, K] fp32 -> [T, N] fp32.
 
-    Contract: holds the weight's tensors (and so their memory) for its whole life; the
+    The weight is one or more `QuantWeight`s stacked by rows (a fused q/k/v whose v is
+    in another format, as llama.cpp's Q4_K_M files have it); runs of one format are
+    concatenated, and each run is one kernel call writing its own output columns.
+
+    Contract: holds the weights' tensors (and so their memory) for its whole life; the
     kernel reads them by address, so they are never resized or moved in place."""
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: QuantWeight | Sequence[QuantWeight], bias: torch.Tensor | None
+    ) -> None:
         mod = kernels()
         if mod is None:
             raise RuntimeError(f"quantized linear layers need the kernels: {unavailable_reason()}")
         self._qlinear = mod.qlinear
-        self.weight = weight
-        self.out_features, self.in_features = weight.shape
+        weights = [weight] if isinstance(weight, QuantWeight) else list(weight)
+        runs = [QuantWeight.cat(list(g)) for _, g in itertools.groupby(weights, lambda w: w.qtype)]
+        self.in_features = runs[0].shape[1]
+        if any(r.shape[1] != self.in_features for r in runs):
+            raise ValueError(f"row lengths differ: {[r.shape[1] for r in runs]}")
+        self._parts: list[_Part] = []
+        n0 = 0
+        for r in runs:
+            mins = r.m.to(torch.float32) if r.m is not None else None
+            self._parts.append(_Part(r, n0, r.d.to(torch.float32), mins))
+            n0 += r.shape[0]
+        self.out_features = n0
         self.bias = bias.detach().to(torch.float32).clone() if bias is not None else None
-        self._type = int(weight.qtype)
-        self._qs = weight.qs.data_ptr()
-        # The kernel reads the scales (and Q4_1's minimums) as fp32: converted here once
-        # instead of once per block per call (+4 bytes per block to hold, and to read).
-        self._scales = weight.d.to(torch.float32)
-        self._mins = weight.m.to(torch.float32) if weight.m is not None else None
-        self._d = self._scales.data_ptr()
-        self._m = self._mins.data_ptr() if self._mins is not None else 0
+
+    @property
+    def weights(self) -> list[QuantWeight]:
+        """The runs of one format, in output order."""
+        return [p.weight for p in self._parts]
+
+    @property
+    def formats(self) -> list[str]:
+        return sorted({p.weight.qtype.name for p in self._parts})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernels read per product: values, fp32 scales and minimums."""
+        total = 0
+        for p in self._parts:
+            extra = 0 if p.mins is None else p.mins.numel() * 4
+            total += p.weight.qs.numel() + p.scales.numel() * 4 + extra
+        return total
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [N, K] weight this op multiplies by."""
+        return torch.cat([p.weight.dequantize() for p in self._parts])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x)
@@ -84,12 +128,15 @@ class QuantLinear:
             ):
                 raise ValueError(f"into: expected a contiguous fp32 [{t}, {self.out_features}]")
             y = into
-        self._qlinear(
-            self._type, x.data_ptr(), x.stride(0), t, self.in_features,
-            self._qs, self._d, self._m, self.out_features,
-            y.data_ptr(), self.out_features, torch.get_num_threads(),
-            pre, pre_w, float(eps), into is not None,
-        )  # fmt: skip
+        threads = torch.get_num_threads()
+        for p in self._parts:
+            self._qlinear(
+                int(p.weight.qtype.layout), x.data_ptr(), x.stride(0), t, self.in_features,
+                p.weight.qs.data_ptr(), p.scales.data_ptr(),
+                0 if p.mins is None else p.mins.data_ptr(), p.weight.shape[0],
+                y.data_ptr() + 4 * p.n0, self.out_features, threads,
+                pre, pre_w, float(eps), into is not None,
+            )  # fmt: skip
         if self.bias is not None:
             y += self.bias
         return y

@@ -31,6 +31,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from helpers.kquants import quantize_k
+
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "LlamaForCausalLM": LlamaConfig,
@@ -264,8 +266,16 @@ def _write_tensors(
             writer.add_tensor(gname, np.ascontiguousarray(data))
             continue
         ggml = gguf.GGMLQuantizationType[qtype]
-        blocks = gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), ggml)
+        blocks = quantize_blocks(np.ascontiguousarray(data, dtype=np.float32), qtype)
         writer.add_tensor(gname, blocks, raw_shape=blocks.shape, raw_dtype=ggml)
+
+
+def quantize_blocks(weight: np.ndarray, qtype: str) -> np.ndarray:
+    """GGUF bytes of an fp32 [N, K] weight in the GGML type `qtype`: gguf-py's quantizer
+    (llama.cpp's reference) for the 32-value formats, `kquants` for the K formats."""
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+        return quantize_k(weight, qtype)
+    return gguf.quants.quantize(weight, gguf.GGMLQuantizationType[qtype])
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
