@@ -52,6 +52,7 @@ def assert_same_weights(quant: CausalLM, fp: CausalLM, qtype: QuantType | None) 
 K_DIMS = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 512}
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
 @pytest.mark.parametrize("qtype", list(QuantType))
 def test_a_quantized_gguf_is_served_from_its_own_blocks(
@@ -67,6 +68,7 @@ def test_a_quantized_gguf_is_served_from_its_own_blocks(
     assert_same_weights(model, fp_model(path), qtype)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("qtype", [QuantType.Q8_0, QuantType.Q4_0])
 def test_hf_weights_quantized_at_load(tmp_path: Path, qtype: QuantType) -> None:
     """Projections in the asked format; embeddings and LM head (tied here) in Q8_0."""
@@ -103,6 +105,7 @@ def greedy_text(path: Path, quantization: str, prompt: str) -> tuple[Engine, str
     return engine, text
 
 
+@pytest.mark.kernels
 def test_a_q4_k_m_mix_is_served_in_its_own_formats_with_the_fp32_text(tmp_path: Path) -> None:
     """q/k in Q4_K beside a Q6_K v (one op, two kernel calls), every layer on the
     compiled path, the same weights as the fp32 load and the same greedy text."""
@@ -118,6 +121,7 @@ def test_a_q4_k_m_mix_is_served_in_its_own_formats_with_the_fp32_text(tmp_path: 
     assert text and text == fp_text
 
 
+@pytest.mark.kernels
 def test_auto_falls_back_on_a_type_the_kernels_do_not_read_and_gguf_refuses_it(
     tmp_path: Path,
 ) -> None:
@@ -133,6 +137,7 @@ def test_auto_falls_back_on_a_type_the_kernels_do_not_read_and_gguf_refuses_it(
     assert str(info.value) == f"--quantization gguf: {why}"
 
 
+@pytest.mark.kernels
 def test_each_value_fits_its_kind_of_file(tmp_path: Path) -> None:
     gguf_file = make_tiny_gguf(tmp_path)  # F32
     folder = make_tiny_model(tmp_path, "LlamaForCausalLM")

@@ -374,6 +374,7 @@ def weights_card(s: Server, key: str | None = None) -> tuple[tuple[str, list[str
     return (card["quantization"], card["weight_formats"]), metrics
 
 
+@pytest.mark.kernels
 def test_the_model_card_and_metrics_say_how_the_weights_are_held(server: Server) -> None:
     """The default load (--quantization auto) of the shipped Q4_1 GGUF: its blocks as they
     are, Q4_1 projections and the Q8_0 tied embedding / LM head, read by the kernels."""
@@ -441,6 +442,7 @@ def test_killed_engine_mid_stream_ends_the_stream_with_an_error_event() -> None:
         s.stop()
 
 
+@pytest.mark.kernels
 def test_64_concurrent_streams_and_16_disconnects_leave_the_pool_clean() -> None:
     import asyncio
 
