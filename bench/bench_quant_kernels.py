@@ -1,9 +1,12 @@
 """The quantized product alone against oneDNN's fp32 one, same weights, one run.
 
     .venv/bin/python bench/bench_quant_kernels.py [--threads 2] [--repeats 40]
+        [--formats Q4_1,Q8_0]
 
 For the shipped model's two projection shapes (gate/up: N 3072 x K 576; down: 576 x
-1536), Q4_1 and Q8_0 blocks, M = 1, 8, 64, 256 activation rows: the median time of
+1536; the K formats, whose rows are 256-value blocks, down only), each format asked
+(default Q4_1 and Q8_0; any of pdserve.quant's: random blocks with small fp16 scales),
+M = 1, 8, 64, 256 activation rows: the median time of
 `QuantLinear` (pdserve/quant) and of `PackedLinear` (oneDNN's packed fp32 inner
 product, what `--quantization none` runs) on the dequantized copy of the same weights,
 alternating. Weights stay hot in cache here, so a GEMV reads as compute; in a model
@@ -17,6 +20,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from pdserve.model.linear import PackedLinear
@@ -25,6 +29,19 @@ from pdserve.quant.linear import QuantLinear
 
 SHAPES = ((3072, 576), (576, 1536))
 ROWS = (1, 8, 64, 256)
+
+
+# Where each format's fp16 scale fields sit in its block (the rest is values and 6-bit
+# scales: any bytes are valid there).
+SCALE_FIELDS = {"Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+
+
+def random_blocks(qtype: QuantType, n: int, k: int, rng: np.random.Generator) -> QuantWeight:
+    raw = rng.integers(0, 256, size=(n, k // qtype.block_values, qtype.block_bytes), dtype=np.uint8)
+    for at in SCALE_FIELDS.get(qtype.name, (0,)):
+        scales = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
+        raw[..., at : at + 2] = scales[..., None].view(np.uint8)
+    return QuantWeight.from_blocks(qtype, raw.reshape(n, -1), k)
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -42,15 +59,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--formats", default="Q4_1,Q8_0", help="comma-separated GGUF formats")
     args = ap.parse_args()
+    formats = [QuantType.parse(f) for f in args.formats.split(",")]
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
     print(f"threads={args.threads}; GMAC/s = M*N*K multiply-adds per second")
     print("| shape N x K | format | M | blocks GMAC/s | fp32 oneDNN GMAC/s | blocks / fp32 |")
     print("|---|---|---:|---:|---:|---:|")
     for n, k in SHAPES:
-        for qtype in (QuantType.Q4_1, QuantType.Q8_0):
-            qw = QuantWeight.quantize(torch.randn(n, k, generator=gen), qtype)
+        for qtype in formats:
+            if k % qtype.block_values:
+                continue
+            qw = random_blocks(qtype, n, k, rng)
             quant, fp32 = QuantLinear(qw, None), PackedLinear(qw.dequantize(), None, pack=True)
             for m in ROWS:
                 x = torch.randn(m, k, generator=gen)

@@ -22,6 +22,8 @@ from pdserve.model.default import default_model_path
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantLinear
 
+pytestmark = pytest.mark.kernels
+
 SHAPES = [(1, 576, 576), (3, 130, 96), (7, 5, 64), (70, 33, 160), (1, 7, 32), (131, 64, 1536)]
 K_SHAPES = [(1, 576, 512), (3, 130, 256), (70, 33, 768), (131, 64, 1536)]  # K: 256 per block
 ALL_SHAPES = [(t, s) for t in QuantType for s in (K_SHAPES if t.block_values == 256 else SHAPES)]

@@ -22,6 +22,8 @@ from pdserve.model.layers import apply_rope
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantLinear
 
+pytestmark = pytest.mark.kernels
+
 BS = 4  # small blocks: many block boundaries inside each context
 
 
