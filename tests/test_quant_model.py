@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from helpers.tiny_models import make_tiny_gguf, make_tiny_model
@@ -20,6 +22,7 @@ from helpers.tiny_models import make_tiny_gguf, make_tiny_model
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine, load_model
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import ModelLoadError
 from pdserve.model.base import CausalLM
 from pdserve.model.loader import Quantization, iter_weights, load_config, resolve_quantization
 from pdserve.model.registry import build_model
@@ -169,6 +172,40 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         text=True,
         timeout=300,
         env={**os.environ, **(env or {})},
+    )
+
+
+def nan_scale(path: Path, tensor: str, row: int, block: int) -> None:
+    """Write an fp16 NaN over the scale of one Q4_1 block of `tensor` in the file."""
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == tensor)
+    per_row = int(t.shape[0]) // 32
+    with path.open("r+b") as f:
+        f.seek(int(t.data_offset) + (row * per_row + block) * QuantType.Q4_1.block_bytes)
+        f.write(np.array([np.nan], np.float16).tobytes())
+
+
+def load_error(path: Path, quantization: Quantization) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        list(iter_weights(path, quantization=quantization))
+    return str(info.value)
+
+
+@pytest.mark.kernels
+def test_a_non_finite_block_scale_is_a_load_error_naming_its_place(tmp_path: Path) -> None:
+    path = make_tiny_gguf(tmp_path, quant="Q4_1")
+    nan_scale(path, "blk.0.attn_q.weight", row=3, block=1)
+    assert load_error(path, Quantization("gguf")) == (
+        f"{path}: tensor 'blk.0.attn_q.weight' (Q4_1, shape [64, 64]): the block scale of "
+        "row 3, values 32-63, is nan: the file is corrupt"
+    )
+
+
+def test_a_non_finite_weight_is_a_load_error_when_dequantized_too(tmp_path: Path) -> None:
+    path = make_tiny_gguf(tmp_path, quant="Q4_1")
+    nan_scale(path, "blk.1.ffn_down.weight", row=5, block=3)
+    assert load_error(path, Quantization()) == (
+        f"{path}: tensor 'blk.1.ffn_down.weight' (Q4_1): the value of row 5, column 96, is "
+        "nan: the file is corrupt"
     )
 
 

@@ -22,7 +22,7 @@ import torch
 
 from pdserve.errors import ModelLoadError
 from pdserve.model.config import ModelConfig
-from pdserve.quant.formats import QuantType, QuantWeight
+from pdserve.quant.formats import BLOCK, QuantType, QuantWeight
 
 # GGUF `general.architecture` -> HF architecture. Mistral models converted by llama.cpp
 # are `llama` GGUFs: same tensors, same permutation.
@@ -256,7 +256,24 @@ def _blocks(t: gguf.ReaderTensor, qtype: QuantType, path: Path) -> QuantWeight:
         raise ModelLoadError(
             f"{label} holds {raw.size} bytes, expected {want}: the file is truncated or corrupt"
         )
-    return QuantWeight.from_blocks(qtype, raw, k)
+    weight = QuantWeight.from_blocks(qtype, raw, k)
+    per = BLOCK // qtype.layout.scales_per_block
+    for what, values in (("scale", weight.d), ("minimum", weight.m)):
+        if values is not None:
+            _check_finite(f"{label}: the block {what} of", values.numpy(), per, "values")
+    return weight
+
+
+def _check_finite(label: str, values: npt.NDArray[Any], per: int, unit: str) -> None:
+    """Refuse NaN or infinity in a [rows, n] array (a corrupt file), naming the first
+    one's place: entry j of a row covers `unit`s j*per .. (j+1)*per - 1 of it."""
+    bad = ~np.isfinite(values)
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        place = f"{unit} {col}" if per == 1 else f"{unit} {col * per}-{(col + 1) * per - 1}"
+        raise ModelLoadError(
+            f"{label} row {row}, {place}, is {values[row, col]}: the file is corrupt"
+        )
 
 
 def _dequantize(t: gguf.ReaderTensor, path: Path) -> torch.Tensor:
@@ -268,6 +285,8 @@ def _dequantize(t: gguf.ReaderTensor, path: Path) -> torch.Tensor:
             "which gguf cannot dequantize"
         ) from e
     weights = weights.reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
+    label = f"{path}: tensor {t.name!r} ({t.tensor_type.name}): the value of"
+    _check_finite(label, weights.reshape(-1, weights.shape[-1]), 1, "column")
     if not weights.flags.writeable:  # F32 tensors are views of the read-only file map
         weights = weights.copy()
     return torch.from_numpy(weights)
