@@ -113,14 +113,18 @@ def test_the_shipped_models_tensors_within_the_bound() -> None:
             check(torch.randn(m, qw.shape[1], generator=gen), qw, w)
 
 
+@pytest.mark.parametrize("k", [512, 1536])
 @pytest.mark.parametrize("qtype", list(QuantType))
-def test_every_row_is_computed_the_same_whatever_the_batch_and_threads(qtype: QuantType) -> None:
+def test_every_row_is_computed_the_same_whatever_the_batch_and_threads(
+    qtype: QuantType, k: int
+) -> None:
     """Batch invariance (the kernel's contract): a row's output is bit-identical alone,
-    in any batch, at any position, on 1 or 2 threads."""
+    in any batch, at any position, on 1 or 2 threads (K = 1536: the many-rows path
+    goes by blocks of k, its partial sums spilled between them)."""
     gen = torch.Generator().manual_seed(7)
-    qw, _ = quantized(torch.randn(203, 512, generator=gen), qtype)
+    qw, _ = quantized(torch.randn(203, k, generator=gen), qtype)
     op = QuantLinear(qw, None)
-    x = torch.randn(150, 512, generator=gen)
+    x = torch.randn(150, k, generator=gen)
     batch = op(x)
     assert torch.equal(torch.cat([op(x[i : i + 1]) for i in range(150)]), batch)
     assert torch.equal(torch.cat([op(x[i : i + 7]) for i in range(0, 150, 7)]), batch)
