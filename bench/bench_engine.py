@@ -10,8 +10,9 @@ weights requantized at load), against HF transformers in fp32:
 * decode step time (ms) at batch 1 / 8 / 32 / 64 with ~256 tokens of context;
 * the machine's floors: memory bandwidth (large tensor copy), fp32 matmul rate
   (large square matmul), and from them the decode-step floor (the bytes of weights
-  that setting reads / bandwidth) and the prefill floor (FLOPs / fp32 matmul rate;
-  the int8 kernels of a quantized setting are not bound by it).
+  that setting reads / bandwidth: values and the fp32 scales the kernels read) and
+  the prefill floor (FLOPs / fp32 matmul rate; the quantized kernels compute in fp32
+  too).
 
 Each figure is the median over `--repeats` runs; ours and HF's runs alternate so
 machine drift hits both. Reported as ratios; absolute times are for context only.
