@@ -206,13 +206,15 @@ def test_a_planned_placement_starts_as_written(
     def make_plan(rate: float) -> subprocess.CompletedProcess[bytes]:
         argv = [
             *run, "plan", "--hardware", str(profile), "--nodes", "2", "--devices-per-node", "1",
-            "--ttft", "2", "--tpot", "0.2", "--rate", f"{rate:.4f}", "--workers", "1",
+            "--ttft", "5", "--tpot", "0.5", "--rate", f"{rate:.4f}", "--workers", "1",
             "--num-requests", "100", "--no-plot", "--output", str(plan),
         ]  # fmt: skip
         return subprocess.run(argv, capture_output=True, timeout=600)
 
     # A rate that needs both nodes, from the plan's own per-device goodput (the profile's
-    # speed varies from run to run on this shared machine).
+    # speed varies from run to run on this shared machine). SLOs loose enough for the
+    # fp32 fallback's profile too (kernels off, 1 thread: the workload's longest prompts
+    # take over 2 s to prefill, so TTFT 2 s is met by no placement).
     assert make_plan(0.01).returncode == 0
     per_device = json.loads(plan.read_text())["chosen"]["per_device_goodput"]
     written: list[dict] = []
