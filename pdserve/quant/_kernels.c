@@ -10,7 +10,7 @@
  * up to the order of the sums: no activation rounding at all. (llama.cpp rounds
  * activations to int8 to use integer dot products; on SmolLM2 that moved logits by ~0.2
  * and flipped near-tied greedy tokens. An int16 variant kept fp32's accuracy but ran a
- * GEMM at ~60% of oneDNN's fp32 rate; this one at 63-85% (bench/bench_quant_kernels.py;
+ * GEMM at ~60% of oneDNN's fp32 rate; this one at 64-88% (bench/bench_quant_kernels.py;
  * pdserve/quant/README.md).)
  *
  * Contract - batch invariance: every output element y[m, n] is computed by the same
