@@ -119,8 +119,8 @@ def test_every_row_is_computed_the_same_whatever_the_batch_and_threads(
     qtype: QuantType, k: int
 ) -> None:
     """Batch invariance (the kernel's contract): a row's output is bit-identical alone,
-    in any batch, at any position, on 1 or 2 threads (K = 1536: the many-rows path
-    goes by blocks of k, its partial sums spilled between them)."""
+    in any batch, at any position, on 1 or 2 threads (K = 1536: the down projection's
+    row length, longer than a pass keeps in L1)."""
     gen = torch.Generator().manual_seed(7)
     qw, _ = quantized(torch.randn(203, k, generator=gen), qtype)
     op = QuantLinear(qw, None)

@@ -117,12 +117,14 @@ def driver_address() -> str:
 
 def instance_resources(config: EngineConfig) -> Resources:
     """An instance's request: its threads as CPUs, one GPU on a CUDA engine, and memory
-    for its KV budget, its weights (the model file's size; fp32 from a 4-bit file is up to
-    8x that) and the runtime. Ray uses it to choose nodes; it is not a limit."""
+    for its KV budget, its weights and the runtime. Ray uses it to choose nodes; it is
+    not a limit. Weights: the model file's size, times 8 for fp32 from a GGUF (4-bit
+    blocks dequantized), times 2 for a GGUF's blocks as the kernels hold them (5/6-bit
+    values widened to bytes and fp32 scales: up to 1.8x the file, pdserve/quant)."""
     weights = resolve_model(config.model)
     size = sum(f.stat().st_size for f in ([weights] if weights.is_file() else weights.iterdir()))
-    if config.quantization == "none" and weights.suffix == ".gguf":
-        size *= 8
+    if weights.suffix == ".gguf":
+        size *= 8 if config.quantization == "none" else 2
     kv = int(config.cache.kv_cache_memory_gib * _GIB)
     return Resources(
         cpus=config.threads,

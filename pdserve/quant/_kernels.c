@@ -197,18 +197,15 @@ INLINE void tile_direct(const QWeight *w, const float *x, int64_t ldx, int64_t m
     store_tile(acc, y, ldy, m0, n0, accumulate, RM, RN);
 }
 
-/* Many rows: RM rows x RN columns from the dequantized columns in buf [RN][K], over
- * k in [k0, k1): the accumulators start at zero (k0 = 0) or from `spill`, and end in
- * `spill` (k1 < K) or as the outputs. Stored and reloaded, a lane's partial sum is the
- * same float, so these are the FMAs of tile_direct in the same order: the same bits. */
-INLINE void tile_buffered(const float *buf, int64_t K, int64_t k0, int64_t k1, const float *x,
-                          int64_t ldx, int64_t m0, int64_t n0, float *y, int64_t ldy,
-                          int accumulate, float *spill, const int RM, const int RN) {
+/* Many rows: RM rows x RN columns from the dequantized columns in buf [RN][K]. The same
+ * FMAs in the same order as tile_direct, so the two give the same bits. */
+INLINE void tile_buffered(const float *buf, int64_t K, const float *x, int64_t ldx, int64_t m0,
+                          int64_t n0, float *y, int64_t ldy, int accumulate, const int RM,
+                          const int RN) {
     __m256 acc[4][4];
     for (int i = 0; i < RM; i++)
-        for (int j = 0; j < RN; j++)
-            acc[i][j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(spill + (i * 3 + j) * 8);
-    for (int64_t k = k0; k < k1; k += 8) {
+        for (int j = 0; j < RN; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
         __m256 v[3];
         for (int j = 0; j < RN; j++) v[j] = _mm256_loadu_ps(buf + j * K + k);
         for (int i = 0; i < RM; i++) {
@@ -216,51 +213,28 @@ INLINE void tile_buffered(const float *buf, int64_t K, int64_t k0, int64_t k1, c
             for (int j = 0; j < RN; j++) acc[i][j] = _mm256_fmadd_ps(v[j], xv, acc[i][j]);
         }
     }
-    if (k1 < K) {
-        for (int i = 0; i < RM; i++)
-            for (int j = 0; j < RN; j++) _mm256_storeu_ps(spill + (i * 3 + j) * 8, acc[i][j]);
-        return;
-    }
     store_tile(acc, y, ldy, m0, n0, accumulate, RM, RN);
 }
 
-/* Above K = KB_ABOVE a pass's rows go by in blocks of KB k values, so that the block's
- * slice of the buffer stays in L1 while the rows' activations stream from L2 (at K =
- * 1536 the whole buffer and a row tile's activations, 18 + 24 KB, do not fit L1
- * together; blocked, the product ran 1.11-1.25x faster at M = 8-256; at K = 576 blocking
- * cost 5-10%). Each row tile's accumulators wait in `spill` between blocks: 4 x 3
- * vectors, 384 bytes. */
-#define KB 256
-#define KB_ABOVE 1024
-#define SPILL_FLOATS (((256 + 3) / 4) * 4 * 3 * 8) /* a pass's row tiles (<= 256 rows) */
-
-/* Rows [m0, m1) against the RN (<= 3) columns in buf over [k0, k1): tiles of 4 rows,
- * then the rest. */
-#define ROW_TILES(RN)                                                                        \
-    do {                                                                                     \
-        int64_t m = m0;                                                                      \
-        for (; m + 4 <= m1; m += 4)                                                          \
-            tile_buffered(buf, K, k0, k1, x, ldx, m, n, y, ldy, acc, spill + (m - m0) * 24, 4, \
-                          RN);                                                               \
-        float *sp = spill + (m - m0) * 24;                                                   \
-        switch (m1 - m) {                                                                    \
-            case 3: tile_buffered(buf, K, k0, k1, x, ldx, m, n, y, ldy, acc, sp, 3, RN); break; \
-            case 2: tile_buffered(buf, K, k0, k1, x, ldx, m, n, y, ldy, acc, sp, 2, RN); break; \
-            case 1: tile_buffered(buf, K, k0, k1, x, ldx, m, n, y, ldy, acc, sp, 1, RN); break; \
-        }                                                                                    \
+/* Rows [m0, m1) against the RN (<= 3) columns in buf: tiles of 4 rows, then the rest. */
+#define ROW_TILES(RN)                                                                         \
+    do {                                                                                      \
+        int64_t m = m0;                                                                       \
+        for (; m + 4 <= m1; m += 4) tile_buffered(buf, K, x, ldx, m, n, y, ldy, acc, 4, RN); \
+        switch (m1 - m) {                                                                     \
+            case 3: tile_buffered(buf, K, x, ldx, m, n, y, ldy, acc, 3, RN); break;           \
+            case 2: tile_buffered(buf, K, x, ldx, m, n, y, ldy, acc, 2, RN); break;           \
+            case 1: tile_buffered(buf, K, x, ldx, m, n, y, ldy, acc, 1, RN); break;           \
+        }                                                                                     \
     } while (0)
 
 KERNEL static void rows_buffered(const float *buf, int64_t K, const float *x, int64_t ldx,
                                  int64_t m0, int64_t m1, int64_t n, int rn, float *y,
-                                 int64_t ldy, int acc, float *spill) {
-    const int64_t kb = K > KB_ABOVE ? KB : K;
-    for (int64_t k0 = 0; k0 < K; k0 += kb) {
-        const int64_t k1 = k0 + kb < K ? k0 + kb : K;
-        switch (rn) {
-            case 3: ROW_TILES(3); break;
-            case 2: ROW_TILES(2); break;
-            default: ROW_TILES(1); break;
-        }
+                                 int64_t ldy, int acc) {
+    switch (rn) {
+        case 3: ROW_TILES(3); break;
+        case 2: ROW_TILES(2); break;
+        default: ROW_TILES(1); break;
     }
 }
 
@@ -328,10 +302,9 @@ KERNEL static void gemv(const QWeight *w, const float *x, int64_t ldx, int64_t M
     }
 }
 
-/* Many rows: 3 columns per tile dequantized into a per-thread buffer (12 KB at K = 1024),
- * then read by the rows of a pass, KB values of k at a time; passes of rows sized so
- * that they stay in L2 while every column goes by. bufs: threads x (3K + SPILL_FLOATS)
- * floats, each thread's buffer then its spill. */
+/* Many rows: 3 columns per tile dequantized into a per-thread buffer (12 KB at K = 1024,
+ * in L1), then read by the rows of a pass; passes of rows sized so that they stay in
+ * L2 while every column goes by. bufs: threads x 3K floats. */
 KERNEL static void gemm(const QWeight *w, const float *x, int64_t ldx, int64_t M, float *y,
                         int64_t ldy, int acc, int threads, float *bufs) {
     const int64_t K = w->K, tiles = (w->N + 2) / 3;
@@ -340,11 +313,10 @@ KERNEL static void gemm(const QWeight *w, const float *x, int64_t ldx, int64_t M
 #pragma omp parallel num_threads(threads)
     {
 #ifdef _OPENMP
-        float *buf = bufs + (int64_t)omp_get_thread_num() * (3 * K + SPILL_FLOATS);
+        float *buf = bufs + (int64_t)omp_get_thread_num() * 3 * K;
 #else
         float *buf = bufs;
 #endif
-        float *spill = buf + 3 * K;
         for (int64_t m0 = 0; m0 < M; m0 += pass) {
             const int64_t m1 = m0 + pass < M ? m0 + pass : M;
 #pragma omp for schedule(dynamic, chunk_of(tiles, threads, 4))
@@ -352,7 +324,7 @@ KERNEL static void gemm(const QWeight *w, const float *x, int64_t ldx, int64_t M
                 const int64_t n = t * 3;
                 const int rn = n + 3 <= w->N ? 3 : (int)(w->N - n);
                 dequantize_any(w, n, rn, buf);
-                rows_buffered(buf, K, x, ldx, m0, m1, n, rn, y, ldy, acc, spill);
+                rows_buffered(buf, K, x, ldx, m0, m1, n, rn, y, ldy, acc);
             }
         }
     }
@@ -372,8 +344,7 @@ static int qlinear(const QWeight *w, const Prologue *pre, const float *x, int64_
     int rc = 0;
     if (M < FEW_ROWS) {
         gemv(w, x, ldx, M, y, ldy, acc, threads);
-    } else if ((bufs = aligned_alloc(
-                    64, (size_t)((threads * (3 * w->K + SPILL_FLOATS) * 4 + 63) / 64 * 64)))) {
+    } else if ((bufs = aligned_alloc(64, (size_t)((threads * 3 * w->K * 4 + 63) / 64 * 64)))) {
         gemm(w, x, ldx, M, y, ldy, acc, threads, bufs);
     } else {
         rc = -1;

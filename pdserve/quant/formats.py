@@ -188,8 +188,11 @@ class QuantWeight:
 
     @staticmethod
     def cat(parts: Sequence[QuantWeight]) -> QuantWeight:
-        """Row-wise concatenation (a fused q/k/v or gate/up); one format, one K."""
+        """Row-wise concatenation (a fused q/k/v or gate/up); one format, one K. A single
+        part is returned as it is (no copy: a tied embedding and LM head share it)."""
         first = parts[0]
+        if len(parts) == 1:
+            return first
         for p in parts[1:]:
             if p.qtype != first.qtype or p.shape[1] != first.shape[1]:
                 raise ValueError(

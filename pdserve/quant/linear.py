@@ -22,11 +22,13 @@ PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
 
 @dataclass(frozen=True)
 class _Part:
-    """One kernel call: output columns [n0, n0 + n) from a weight in one layout."""
+    """One kernel call: output columns n0 .. n0 + (the weight's rows) - 1 from a weight
+    in one format, its scales and minimums as fp32 (what the kernel reads: converted
+    once here, not once per block per call)."""
 
     weight: QuantWeight
     n0: int
-    scales: torch.Tensor  # fp32 (the kernel reads fp32; the fp16 ones are converted once)
+    scales: torch.Tensor
     mins: torch.Tensor | None
 
 
