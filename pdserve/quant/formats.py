@@ -129,11 +129,6 @@ class QuantWeight:
         per_byte = 2 if self.qtype.layout.nibbles else 1
         return self.qs.shape[0], self.qs.shape[1] * per_byte
 
-    @property
-    def nbytes(self) -> int:
-        extra = 0 if self.m is None else self.m.numel() * self.m.element_size()
-        return self.qs.numel() + self.d.numel() * self.d.element_size() + extra
-
     @classmethod
     def from_blocks(cls, qtype: QuantType, raw: npt.NDArray[np.uint8], k: int) -> QuantWeight:
         """From GGUF bytes: `raw` holds N rows of k/block_values blocks each (any shape, C
