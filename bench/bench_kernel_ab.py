@@ -2,7 +2,7 @@
 
     git show REV:pdserve/quant/_kernels.c > /tmp/a/_kernels.c   # and _attention.c, _kernels.h
     .venv/bin/python bench/bench_kernel_ab.py --build /tmp/a --build pdserve/quant \\
-        [--formats Q4_1,Q8_0] [--rows 8,64,256]
+        [--formats Q4_1,Q8_0] [--rows 8,64,256] [--attention]
 
 Each `--build` folder's C files are compiled (the flags of setup.py) into a private
 `_kernels.so` and loaded under its own name; the same `QuantLinear` then calls each
@@ -10,6 +10,13 @@ build's `qlinear` in turn (alternating, so the machine's drift hits both) and th
 outputs are asserted bit-identical - a kernel change that keeps the contract
 (pdserve/quant/README.md) gives the same bits. Prints each build's GMAC/s (medians) and
 B's time over A's as a speed-up, for the shipped model's projection shapes.
+
+`--attention` times `paged_attention` instead (the compiled attention, `_attention.c`)
+in SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, 16-token blocks): decode
+steps of 1, 8 and 32 sequences at 256 tokens of context over 30 layers' caches, their
+blocks scattered over the pool as in a server that has run a while (so the KV comes
+from memory, as in a decode step), and one 512-token prefill chunk; outputs asserted
+bit-identical, and the KV bytes read per second.
 """
 
 from __future__ import annotations
@@ -60,12 +67,78 @@ def load(name: str, so: Path) -> ModuleType:
     return module
 
 
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+
+
+def attention_case(batch: int, context: int, chunk: int, rng: torch.Generator) -> dict:
+    """Caches of LAYERS layers and the per-row ranges of a step: `batch` sequences of
+    `context` tokens decoding one row each, or (chunk > 0) one sequence's last `chunk`
+    prompt rows."""
+    blocks_per_seq = -(-context // BLOCK)
+    n_blocks = batch * blocks_per_seq
+    order = torch.randperm(n_blocks, generator=rng).to(torch.int32)
+    tables = order.view(batch, blocks_per_seq).contiguous()
+    q_rows = chunk if chunk else batch
+    rows = torch.zeros(q_rows, 3, dtype=torch.int32)
+    if chunk:
+        rows[:, 2] = torch.arange(context - chunk + 1, context + 1, dtype=torch.int32)
+    else:
+        rows[:, 0] = torch.arange(batch, dtype=torch.int32)
+        rows[:, 2] = context
+    shape = (n_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape, generator=rng), torch.randn(shape, generator=rng))
+              for _ in range(LAYERS)]  # fmt: skip
+    q = torch.randn(q_rows, HEADS * HEAD_DIM, generator=rng)
+    kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * 4
+    return {"caches": caches, "q": q, "rows": rows, "tables": tables, "bytes": kv_bytes}
+
+
+def attention_step(mod: ModuleType, case: dict, threads: int) -> list[torch.Tensor]:
+    """One call per layer, as a model step makes them; the outputs."""
+    q, rows, tables = case["q"], case["rows"], case["tables"]
+    outs = []
+    for kc, vc in case["caches"]:
+        out = torch.empty_like(q)
+        mod.paged_attention(
+            q.data_ptr(), q.stride(0), q.shape[0], HEADS, KV_HEADS, HEAD_DIM, kc.data_ptr(),
+            vc.data_ptr(), BLOCK, rows.data_ptr(), tables.data_ptr(), tables.stride(0),
+            out.data_ptr(), out.stride(0), HEAD_DIM**-0.5, threads,
+        )  # fmt: skip
+        outs.append(out)
+    return outs
+
+
+def attention_ab(mods: list[ModuleType], threads: int) -> None:
+    rng = torch.Generator().manual_seed(0)
+    print("| case | A ms | B ms | A KV GB/s | B KV GB/s | B vs A |")
+    print("|---|---:|---:|---:|---:|---:|")
+    cases = [(f"decode b={b}, ctx 256", b, 256, 0) for b in (1, 8, 32)]
+    cases.append(("prefill chunk 512, ctx 512", 1, 512, 512))
+    for name, batch, context, chunk in cases:
+        case = attention_case(batch, context, chunk, rng)
+        times: list[list[float]] = [[], []]
+        outs: list[list[torch.Tensor]] = []
+        for _ in range(15):
+            outs = []
+            for i, mod in enumerate(mods):
+                t = time.perf_counter()
+                outs.append(attention_step(mod, case, threads))
+                times[i].append(time.perf_counter() - t)
+        for a, b in zip(*outs, strict=True):
+            assert torch.equal(a, b), f"{name}: bits differ"
+        ta, tb = (statistics.median(t) for t in times)
+        gb = case["bytes"] / 1e9
+        print(f"| {name} | {ta * 1e3:.2f} | {tb * 1e3:.2f} | {gb / ta:.1f} | {gb / tb:.1f} "
+              f"| {ta / tb:.2f}x |")  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--build", action="append", type=Path, required=True, help="A, then B")
     ap.add_argument("--formats", default="Q4_1,Q8_0")
     ap.add_argument("--rows", default="8,64,256")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attention", action="store_true", help="time paged_attention instead")
     args = ap.parse_args()
     if len(args.build) != 2:
         ap.error("give --build twice: A, then B")
@@ -73,6 +146,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         pairs = zip("ab", args.build, strict=True)
         mods = [load(f"{lab}._kernels", build(f, Path(tmp) / lab)) for lab, f in pairs]
+        if args.attention:
+            attention_ab(mods, args.threads)
+            return 0
         rng = np.random.default_rng(0)
         print("| shape N x K | format | M | A GMAC/s | B GMAC/s | B vs A |")
         print("|---|---|---:|---:|---:|---:|")

@@ -100,16 +100,25 @@ def test_sliding_window() -> None:
     torch.testing.assert_close(case.compiled(), case.reference(), atol=2e-6, rtol=1e-5)
 
 
-def test_each_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads() -> None:
+# Eight decodes, contexts on and around block edges: a step of decodes, where each row's
+# KV heads are one work item (a lone decode splits them between the threads).
+DECODES = [(c, 1) for c in (0, 5, 15, 16, 17, 31, 40, 63)]
+
+
+@pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_each_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads(
+    seqs: list[tuple[int, int]],
+) -> None:
     """Row t of a prefill chunk, recomputed as a decode (one query row over the same
-    keys), gives the same bits; so does a 1-thread run."""
-    case = Case(MIXED, 9, 3, 64)
+    keys), gives the same bits; a decode in a step of eight gives its bits alone; so
+    does a 1-thread run."""
+    case = Case(seqs, 9, 3, 64)
     batch = case.compiled()
     assert torch.equal(case.compiled(threads=1), batch)
     row = 0
     for spec in case.specs:
         for i in range(spec.query_len):
-            alone = Case(MIXED, 9, 3, 64)  # same seed: same cache and qkv
+            alone = Case(seqs, 9, 3, 64)  # same seed: same cache and qkv
             # The rows before this one are already in the cache; this row is a decode.
             before = [SeqSpec(spec.num_cached, i, spec.block_table)] if i else []
             if before:

@@ -18,6 +18,13 @@ from pdserve.model.config import ModelConfig, RopeScaling
 from pdserve.model.linear import Linear, PackedLinear
 from pdserve.quant.linear import QuantLinear
 
+# What a fused layer's step reads (DecoderLayer._fused_plan): qkv, o, gate/up and down
+# ops, the two RMSNorms' weights and eps, query heads, attention scale.
+FusedPlan = tuple[
+    QuantLinear, QuantLinear, QuantLinear, QuantLinear, torch.Tensor, float, torch.Tensor,
+    float, int, float,
+]  # fmt: skip
+
 
 def _param(*shape: int, dtype: torch.dtype, materialize: bool = True) -> nn.Parameter:
     """A frozen parameter of zeros; with `materialize` False an empty placeholder (a
@@ -208,15 +215,23 @@ class DecoderLayer(nn.Module):
         bits alone or in any batch), which recovery's recompute relies on.
 
         Updates `h` (contiguous fp32 [T, hidden]) in place and returns it."""
+        plan = self.__dict__.get("_fused_plan") or self._fused_plan()
+        qkv_op, o_op, gate_up_op, down_op, n1_w, n1_eps, n2_w, n2_eps, heads, scale = plan
+        qkv = qkv_op.run(h, norm=n1_w, eps=n1_eps)
+        o = row_attention(
+            qkv, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1], meta, heads, scale
+        )
+        o_op.run(o, into=h)
+        gate_up = gate_up_op.run(h, norm=n2_w, eps=n2_eps)
+        return down_op.run(gate_up, swiglu=True, into=h)
+
+    def _fused_plan(self) -> FusedPlan:
+        """What `forward_fused` reads, gathered once into a plain attribute (each
+        nn.Module attribute lookup costs ~0.5 us, ten per layer per step). The ops and
+        norm weights are the layer's own objects: built at finalize, never replaced."""
         ops = self.fused_ops()
         assert ops is not None
-        qkv_op, o_op, gate_up_op, down_op = ops
         a, n1, n2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        qkv = qkv_op.run(h, norm=n1.weight, eps=n1.eps)
-        o = row_attention(
-            qkv, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1], meta,
-            a.num_heads, a.scale,
-        )  # fmt: skip
-        o_op.run(o, into=h)
-        gate_up = gate_up_op.run(h, norm=n2.weight, eps=n2.eps)
-        return down_op.run(gate_up, swiglu=True, into=h)
+        plan: FusedPlan = (*ops, n1.weight, n1.eps, n2.weight, n2.eps, a.num_heads, a.scale)
+        self.__dict__["_fused_plan"] = plan
+        return plan

@@ -21,7 +21,9 @@
  * fixed horizontal sum; computed 8 keys at a time), their max, p = exp(s - max) and its sum (8 lanes in key order, then
  * one horizontal sum), and out = (sum_j p_j v_j) / sum with the keys in order: exact
  * softmax in three passes, no online rescaling, so nothing depends on a block size.
- * Rows of one sequence are attended in blocks that share each key load (see ROWS). */
+ * Rows of one sequence are attended in blocks that share each key load (see ROWS); a
+ * decode row takes all its KV heads at once, so each key is read in one piece (see
+ * paged_attention). */
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -32,8 +34,10 @@
 
 /* Keys [j0, j1) of KV head g in runs that are contiguous in the cache (one block, or
  * what of it the range covers): f(i, key) for key i (0-based from j0) at address key, in
- * order. The block arithmetic is done once per run, not once per key (an integer
- * division per key cost more than the key's dot product). */
+ * order; heads g + 1 ... of the same key follow at key + D .... The block arithmetic is
+ * done once per run, not once per key (an integer division per key cost more than the
+ * key's dot product). (Prefetching a block or two ahead in software measured no gain:
+ * bench_kernel_ab.py --attention.) */
 #define FOR_EACH_KEY(a, cache, table, g, j0, j1, i, key, BODY)                              \
     do {                                                                                  \
         const int64_t stride_ = (a)->Hkv * (a)->D;                                        \
@@ -87,15 +91,20 @@ typedef struct {
 } RowBlock;
 
 typedef struct {
+    int64_t block, g, ng; /* a row block's KV heads [g, g + ng) */
+} Item;
+
+typedef struct {
     const Attn *a;
     const int32_t *table;
-    int64_t g, G, D;
+    int64_t g, ng, G, D; /* KV heads [g, g + ng): query heads [g G, (g + ng) G) */
+    int64_t nh;          /* ng * G */
     int64_t t0, R;       /* the block's rows */
     int64_t start[ROWS], n[ROWS];
     int64_t lo, hi;      /* the union of the rows' key ranges */
     int64_t stride;      /* floats between one (row, head)'s scores and the next */
-    float *s;            /* scores, then probabilities: [R][G][stride] */
-    float *acc;          /* [R][G][D] running sums of p * v */
+    float *s;            /* scores, then probabilities: [R][nh][stride] */
+    float *acc;          /* [R][nh][D] running sums of p * v */
 } Block;
 
 /* q.k for 8 keys at once, as 8 lanes: each lane is exactly dot(q, k_m) (the same FMA
@@ -122,8 +131,8 @@ INLINE __m256 dot8(const float *q, const float *const k[8], const int64_t D) {
                          _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Scores of keys j0 .. j0 + cnt - 1 (addresses k; padded to 8 with valid addresses) for
- * every (row, head) of the block whose range holds them. */
+/* Scores of keys j0 .. j0 + cnt - 1 (addresses k of KV head b->g; padded to 8 with valid
+ * addresses) for every (row, head) of the block whose range holds them. */
 INLINE void score_group(Block *b, const float *const k[8], int64_t j0, int64_t cnt,
                         const int64_t DV) {
     const Attn *a = b->a;
@@ -132,18 +141,24 @@ INLINE void score_group(Block *b, const float *const k[8], int64_t j0, int64_t c
     const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32((int)j0),
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256i live = tail_mask(cnt);
-    for (int64_t r = 0; r < b->R; r++) {
-        const int64_t start = b->start[r], end = start + b->n[r];
-        if (j0 >= end || j0 + cnt <= start) continue;
-        /* lanes with start <= j < end */
-        const __m256i in = _mm256_andnot_si256(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32((int)start), lane),
-            _mm256_cmpgt_epi32(_mm256_set1_epi32((int)end), lane));
-        const __m256i mask = _mm256_and_si256(in, live);
-        const float *q = a->q + (b->t0 + r) * a->ldq + b->g * G * D;
-        float *s = b->s + r * G * b->stride + (j0 - start);
-        for (int64_t h = 0; h < G; h++)
-            _mm256_maskstore_ps(s + h * b->stride, mask, _mm256_mul_ps(dot8(q + h * D, k, D), scale));
+    for (int64_t kv = 0; kv < b->ng; kv++) {
+        const float *kh[8]; /* KV head g + kv of the 8 keys */
+        for (int m = 0; m < 8; m++) kh[m] = k[m] + kv * D;
+        for (int64_t r = 0; r < b->R; r++) {
+            const int64_t start = b->start[r], end = start + b->n[r];
+            if (j0 >= end || j0 + cnt <= start) continue;
+            /* lanes with start <= j < end */
+            const __m256i in = _mm256_andnot_si256(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32((int)start), lane),
+                _mm256_cmpgt_epi32(_mm256_set1_epi32((int)end), lane));
+            const __m256i mask = _mm256_and_si256(in, live);
+            const float *q = a->q + (b->t0 + r) * a->ldq + b->g * G * D;
+            float *s = b->s + r * b->nh * b->stride + (j0 - start);
+            for (int64_t h = kv * G; h < (kv + 1) * G; h++) {
+                const __m256 dot = dot8(q + h * D, kh, D);
+                _mm256_maskstore_ps(s + h * b->stride, mask, _mm256_mul_ps(dot, scale));
+            }
+        }
     }
 }
 
@@ -174,30 +189,30 @@ INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV) {
         const int64_t lo = j0 > b->start[r] ? j0 : b->start[r];
         const int64_t end = b->start[r] + b->n[r], hi = j1 < end ? j1 : end;
         if (lo >= hi) continue;
-        for (int64_t h = 0; h < G; h++) {
-            const float *p = b->s + (r * G + h) * b->stride + (lo - b->start[r]);
-            float *out = b->acc + (r * G + h) * D;
+        for (int64_t h = 0, off = 0; h < b->nh; h++, off += h % G == 0 ? D : 0) {
+            const float *p = b->s + (r * b->nh + h) * b->stride + (lo - b->start[r]);
+            float *out = b->acc + (r * b->nh + h) * D;
             __m256 acc[32];
             for (int64_t i = 0; i < D / 8; i++) acc[i] = _mm256_loadu_ps(out + 8 * i);
             FOR_EACH_KEY(a, a->vc, b->table, b->g, lo, hi, j, v, {
                 const __m256 pj = _mm256_broadcast_ss(p + j);
                 for (int64_t i = 0; i < D / 8; i++)
-                    acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + off + 8 * i), acc[i]);
             });
             for (int64_t i = 0; i < D / 8; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
         }
     }
 }
 
-/* One row block, one KV head. scratch: ROWS * G * (longest + D) floats. */
-INLINE void attend(const Attn *a, RowBlock rb, int64_t g, float *scratch, int64_t longest,
-                   const int64_t DV) {
-    Block b = {.a = a, .g = g, .G = a->H / a->Hkv, .D = DV ? DV : a->D, .t0 = rb.first,
-               .R = rb.count, .stride = longest};
-    const int64_t D = b.D, G = b.G;
+/* One row block, KV heads [g, g + ng). scratch: ROWS * H * (longest + D) floats. */
+INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scratch,
+                   int64_t longest, const int64_t DV) {
+    Block b = {.a = a, .g = g, .ng = ng, .G = a->H / a->Hkv, .D = DV ? DV : a->D,
+               .t0 = rb.first, .R = rb.count, .stride = longest};
+    const int64_t D = b.D, NH = b.nh = ng * b.G;
     b.table = a->tables + (int64_t)a->rows[3 * rb.first] * a->ldt;
     b.s = scratch;
-    b.acc = scratch + ROWS * G * longest;
+    b.acc = scratch + ROWS * a->H * longest;
     b.lo = INT64_MAX;
     b.hi = 0;
     for (int64_t r = 0; r < b.R; r++) {
@@ -209,37 +224,37 @@ INLINE void attend(const Attn *a, RowBlock rb, int64_t g, float *scratch, int64_
             b.hi = row[2] > b.hi ? row[2] : b.hi;
         }
     }
-    memset(b.acc, 0, sizeof(float) * (size_t)(b.R * G * D));
+    memset(b.acc, 0, sizeof(float) * (size_t)(b.R * NH * D));
     if (b.lo < b.hi) {
         block_scores(&b, DV);
         for (int64_t r = 0; r < b.R; r++)
-            for (int64_t h = 0; h < G; h++)
-                if (b.n[r] > 0) b.s[(r * G + h) * b.stride + longest - 1] =
-                    softmax_numerator(b.s + (r * G + h) * b.stride, b.n[r]);
+            for (int64_t h = 0; h < NH; h++)
+                if (b.n[r] > 0) b.s[(r * NH + h) * b.stride + longest - 1] =
+                    softmax_numerator(b.s + (r * NH + h) * b.stride, b.n[r]);
         for (int64_t j = b.lo; j < b.hi; j += KEY_TILE)
             block_values(&b, j, j + KEY_TILE < b.hi ? j + KEY_TILE : b.hi, DV);
     }
     for (int64_t r = 0; r < b.R; r++) {
-        for (int64_t h = 0; h < G; h++) {
-            float *out = a->out + (b.t0 + r) * a->ldo + (g * G + h) * D;
-            const float *acc = b.acc + (r * G + h) * D;
+        for (int64_t h = 0; h < NH; h++) {
+            float *out = a->out + (b.t0 + r) * a->ldo + (g * b.G + h) * D;
+            const float *acc = b.acc + (r * NH + h) * D;
             if (b.n[r] == 0) {
                 memset(out, 0, sizeof(float) * (size_t)D);
                 continue;
             }
-            const __m256 t = _mm256_set1_ps(b.s[(r * G + h) * b.stride + longest - 1]);
+            const __m256 t = _mm256_set1_ps(b.s[(r * NH + h) * b.stride + longest - 1]);
             for (int64_t i = 0; i < D / 8; i++)
                 _mm256_storeu_ps(out + 8 * i, _mm256_div_ps(_mm256_loadu_ps(acc + 8 * i), t));
         }
     }
 }
 
-KERNEL static void attend_any(const Attn *a, RowBlock rb, int64_t g, float *scratch,
-                              int64_t longest) {
+KERNEL static void attend_any(const Attn *a, RowBlock rb, int64_t g, int64_t ng,
+                              float *scratch, int64_t longest) {
     switch (a->D) {
-        case 64: attend(a, rb, g, scratch, longest, 64); break;
-        case 128: attend(a, rb, g, scratch, longest, 128); break;
-        default: attend(a, rb, g, scratch, longest, 0); break;
+        case 64: attend(a, rb, g, ng, scratch, longest, 64); break;
+        case 128: attend(a, rb, g, ng, scratch, longest, 128); break;
+        default: attend(a, rb, g, ng, scratch, longest, 0); break;
     }
 }
 
@@ -258,7 +273,6 @@ static int64_t row_blocks(const Attn *a, int64_t T, RowBlock *out) {
 /* Returns 0, or -1 when the scratch could not be allocated (nothing written then). */
 KERNEL int paged_attention(const Attn *a, int64_t T, int threads) {
     if (a->D % 8 != 0 || a->D > 256 || a->H % a->Hkv != 0) return -2;
-    const int64_t G = a->H / a->Hkv;
     int64_t longest = 1, work = 0;
     for (int64_t t = 0; t < T; t++) {
         const int64_t n = a->rows[3 * t + 2] - a->rows[3 * t + 1];
@@ -267,24 +281,42 @@ KERNEL int paged_attention(const Attn *a, int64_t T, int threads) {
     }
     longest += 1; /* the last slot of each (row, head) holds its softmax sum */
     if (work * a->H * a->D < 65536) threads = 1; /* a fork costs more than the work */
-    const int64_t per_thread = ROWS * G * (longest + a->D);
+    const int64_t per_thread = ROWS * a->H * (longest + a->D);
     float *scratch = malloc(sizeof(float) * (size_t)per_thread * (size_t)threads);
     RowBlock *blocks = malloc(sizeof(RowBlock) * (size_t)(T > 0 ? T : 1));
-    if (scratch == NULL || blocks == NULL) {
+    Item *items = malloc(sizeof(Item) * (size_t)(T > 0 ? T : 1) * (size_t)a->Hkv);
+    if (scratch == NULL || blocks == NULL || items == NULL) {
         free(scratch);
         free(blocks);
+        free(items);
         return -1;
     }
-    const int64_t items = row_blocks(a, T, blocks) * a->Hkv;
+    /* Work items: a row block and a range of its KV heads. A one-row block (a decode)
+     * takes all its heads, so each key's K and V (Hkv * D floats) are read in one
+     * contiguous piece instead of D of every Hkv * D floats per head (1.1-1.2x on decode
+     * steps of 8-32 sequences, bench/bench_kernel_ab.py --attention); unless there are
+     * fewer such blocks than two per thread, when the heads are split to give every
+     * thread work. A block of several rows (a prefill chunk) is split by head: its rows
+     * share each key load already, and its scores for all heads would not stay in L2.
+     * Which item computes a (row, head) changes none of its float operations. */
+    const int64_t nb = row_blocks(a, T, blocks);
+    const int whole = threads == 1 || nb >= 2 * threads;
+    int64_t n_items = 0;
+    for (int64_t i = 0; i < nb; i++) {
+        const int64_t split = whole && blocks[i].count == 1 ? 1 : a->Hkv;
+        for (int64_t k = 0; k < split; k++)
+            items[n_items++] = (Item){i, k * (a->Hkv / split), a->Hkv / split};
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t i = 0; i < items; i++) {
+    for (int64_t i = 0; i < n_items; i++) {
 #ifdef _OPENMP
         float *s = scratch + (int64_t)omp_get_thread_num() * per_thread;
 #else
         float *s = scratch;
 #endif
-        attend_any(a, blocks[i / a->Hkv], i % a->Hkv, s, longest);
+        attend_any(a, blocks[items[i].block], items[i].g, items[i].ng, s, longest);
     }
+    free(items);
     free(blocks);
     free(scratch);
     return 0;

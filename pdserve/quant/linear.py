@@ -62,6 +62,16 @@ class QuantLinear:
             n0 += r.shape[0]
         self.out_features = n0
         self.bias = bias.detach().to(torch.float32).clone() if bias is not None else None
+        # Each part's kernel arguments that never change (layout, addresses of values,
+        # scales and minimums, rows, byte offset of its first output column): a decode
+        # step makes ~120 of these calls, so the per-call Python is kept to the minimum.
+        self._calls = [
+            (
+                int(p.weight.qtype.layout), p.weight.qs.data_ptr(), p.scales.data_ptr(),
+                0 if p.mins is None else p.mins.data_ptr(), p.weight.shape[0], 4 * p.n0,
+            )
+            for p in self._parts
+        ]  # fmt: skip
 
     @property
     def weights(self) -> list[QuantWeight]:
@@ -130,14 +140,12 @@ class QuantLinear:
             ):
                 raise ValueError(f"into: expected a contiguous fp32 [{t}, {self.out_features}]")
             y = into
-        threads = torch.get_num_threads()
-        for p in self._parts:
+        threads, xp, ldx, yp = torch.get_num_threads(), x.data_ptr(), x.stride(0), y.data_ptr()
+        k, n, eps, acc = self.in_features, self.out_features, float(eps), into is not None
+        for layout, qs, scales, mins, rows, offset in self._calls:
             self._qlinear(
-                int(p.weight.qtype.layout), x.data_ptr(), x.stride(0), t, self.in_features,
-                p.weight.qs.data_ptr(), p.scales.data_ptr(),
-                0 if p.mins is None else p.mins.data_ptr(), p.weight.shape[0],
-                y.data_ptr() + 4 * p.n0, self.out_features, threads,
-                pre, pre_w, float(eps), into is not None,
+                layout, xp, ldx, t, k, qs, scales, mins, rows, yp + offset, n, threads,
+                pre, pre_w, eps, acc,
             )  # fmt: skip
         if self.bias is not None:
             y += self.bias
