@@ -151,6 +151,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="token budget of one engine step (prefill chunks and decodes together)",
     )
     p.add_argument(
+        "--max-prefill-tokens-with-decodes",
+        type=int,
+        default=128,
+        help="while requests are decoding, a step takes at most this many prompt tokens "
+        "(keeps their time between tokens near a decode step's; default 128; 0: no cap)",
+    )
+    p.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,

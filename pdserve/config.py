@@ -77,9 +77,18 @@ class SchedulerConfig:
     # Which waiting request may join the running batch (engine/admission.py): decode
     # instances apply it to prefilled requests, colocated ones to prompts.
     decode_admission: DecodeAdmission = DecodeAdmission.GREEDY
+    # While requests are decoding, a step takes at most this many prompt tokens, so
+    # their time between tokens stays near a decode step's instead of a 512-token
+    # prefill's (Sarathi-Serve's stall-free batching); with nothing decoding a prompt
+    # gets the whole budget (a prefill instance never decodes: its chunks are
+    # unchanged). None: no cap. 128 by measurement on the chatbot workload
+    # (docs/benchmarks.md, "The step budget under load").
+    max_prefill_tokens_with_decodes: int | None = 128
 
     def __post_init__(self) -> None:
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_prefill_tokens_with_decodes is not None:
+            _at_least("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes, 1)
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("prefill_sched_batch", self.prefill_sched_batch, 1)
         if self.max_waiting_requests is not None:

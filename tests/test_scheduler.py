@@ -4,6 +4,8 @@ step the way the engine core does after sampling."""
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.config import PreemptionMode, SchedulerConfig
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -18,13 +20,15 @@ def make(
     seqs: int = 8,
     mode: PreemptionMode = PreemptionMode.SWAP,
     prefix: bool = False,
+    prompt_cap: int | None = None,
 ) -> Scheduler:
     kv = KVManager(
         KVCacheConfig(
             block_size=4, num_blocks=num_blocks, num_host_blocks=host, enable_prefix_cache=prefix
         )
     )
-    return Scheduler(SchedulerConfig(budget, seqs, mode), kv)
+    config = SchedulerConfig(budget, seqs, mode, max_prefill_tokens_with_decodes=prompt_cap)
+    return Scheduler(config, kv)
 
 
 def req(rid: str, n: int, max_tokens: int = 8, first: int = 0) -> Request:
@@ -57,6 +61,38 @@ def test_chunked_prefill_with_decodes_riding_along() -> None:
     assert plan(step(s)) == [("a", 1), ("b", 1)]  # b's last prompt token: it samples
     assert (len(a.output_token_ids), len(b.output_token_ids)) == (4, 1)
     assert s.kv.block_table("b") and s.kv.num_computed_tokens("b") == 14
+
+
+def test_prompt_tokens_are_capped_while_anything_decodes() -> None:
+    """With a decode running, prompts share `max_prefill_tokens_with_decodes` (8) of the
+    step's 64 tokens; with nothing decoding, a prompt takes the whole budget."""
+    s = make(budget=64, num_blocks=64, prompt_cap=8)
+    a = req("a", 40, max_tokens=30)
+    s.add(a)
+    assert plan(step(s)) == [("a", 40)]  # nothing decodes: the whole prompt at once
+    s.add(req("b", 12, first=100))
+    s.add(req("c", 12, first=200))
+    assert plan(step(s)) == [("a", 1), ("b", 8)]  # c waits: no prompt tokens left
+    assert [r.request_id for r in s.waiting] == ["c"]
+    assert plan(step(s)) == [("a", 1), ("b", 4), ("c", 4)]  # b's last 4, c's first 4
+    assert plan(step(s)) == [("a", 1), ("b", 1), ("c", 8)]  # b decodes; c finishes
+    assert plan(step(s)) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_without_the_cap_prompts_take_the_whole_budget_beside_decodes() -> None:
+    s = make(budget=64, num_blocks=64, prompt_cap=None)
+    s.add(req("a", 4, max_tokens=30))
+    assert plan(step(s)) == [("a", 4)]
+    s.add(req("b", 40, first=100))
+    assert plan(step(s)) == [("a", 1), ("b", 40)]
+
+
+def test_the_cap_never_exceeds_the_step_budget() -> None:
+    s = make(budget=6, num_blocks=32, prompt_cap=100)
+    s.add(req("a", 3, max_tokens=30))
+    assert plan(step(s)) == [("a", 3)]
+    s.add(req("b", 14, first=100))
+    assert plan(step(s)) == [("a", 1), ("b", 5)]
 
 
 def test_fcfs_admission_does_not_overtake() -> None:
@@ -119,3 +155,10 @@ def test_finish_and_abort_release_everything() -> None:
     s.finish(b, RequestStatus.FINISHED_ABORTED)  # still waiting: nothing to free
     assert not s.has_unfinished()
     assert s.kv.num_used_blocks == 0 and s.kv.num_free_blocks == 16
+
+
+def test_a_prompt_cap_below_one_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"max_prefill_tokens_with_decodes must be an integer >= 1, got 0"
+    ):
+        SchedulerConfig(max_prefill_tokens_with_decodes=0)

@@ -14,6 +14,12 @@ engine/prefill_queue.py decides: fcfs by default, sjf / ljf per scheduling batch
 3. waiting requests are admitted while budget, sequence slots and blocks remain.
    Admission stops at the first one that does not fit (no overtaking: FCFS).
 
+Prompt tokens (chunks of waiting, resumed or partly prefilled requests: every request
+not yet past its prompt) have a budget of their own while any running request is
+decoding: `max_prefill_tokens_with_decodes`, within the step's budget. A decode's time
+between tokens is then a decode step plus at most that much prefill, not a whole
+512-token chunk (Sarathi-Serve); a step with nothing decoding gives prompts everything.
+
 The scheduler never touches block ids: it asks `KVManager` and forwards the swap
 plans it returns to the model runner, which executes copies before the forward pass.
 """
@@ -113,30 +119,40 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        budget, preempted = self._schedule_running(out, budget)
+        budget = _Budget(self.config.max_num_batched_tokens, self._prompt_budget())
+        preempted = self._schedule_running(out, budget)
         if not preempted:
-            budget = self._schedule_swapped(out, budget)
+            self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
-        """Give running requests their tokens, oldest first. Returns (budget left,
-        whether anything was preempted)."""
+    def _prompt_budget(self) -> int:
+        """Prompt tokens this step may take: the cap while anything decodes."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap is not None and any(_is_decoding(r) for r in self.running):
+            return cap
+        return self.config.max_num_batched_tokens
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> bool:
+        """Give running requests their tokens, oldest first. Returns whether anything
+        was preempted."""
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.total > 0:
             req = self.running[i]
-            num_new = min(req.num_pending_tokens, budget)
+            num_new = budget.grant(req, req.num_pending_tokens)
+            if num_new == 0:  # a prompt chunk, and no prompt budget left this step
+                i += 1
+                continue
             fits, evicted_any = self._make_room(req, num_new, out)
             preempted |= evicted_any
             if not fits:
                 break  # req itself was the newest and got preempted
             out.seqs.append(ScheduledSeq(req, num_new))
-            budget -= num_new
+            budget.spend(req, num_new)
             i += 1
-        return budget, preempted
+        return preempted
 
     def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> tuple[bool, bool]:
         """Allocate for `req`, preempting the newest running requests until it fits.
@@ -152,28 +168,27 @@ class Scheduler:
                 return False, True
         return True, preempted
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.swapped and budget.total > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
-            if not self.kv.can_swap_in(req.request_id):
+            num_new = budget.grant(req, req.num_pending_tokens)
+            if num_new == 0 or not self.kv.can_swap_in(req.request_id):
                 break
             out.swap_in.append(self.kv.swap_in(req.request_id))
             self.swapped.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            num_new = min(req.num_pending_tokens, budget)
             if not self._allocate(req, num_new):
                 break  # holds its blocks; continues next step
             out.seqs.append(ScheduledSeq(req, num_new))
-            budget -= num_new
-        return budget
+            budget.spend(req, num_new)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.waiting and budget.prompt > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             assert req is not None
             cached = self.kv.match_prefix(req.all_token_ids).num_cached_tokens
-            num_new = min(req.num_tokens - cached, budget)
+            num_new = min(req.num_tokens - cached, budget.prompt)
             alloc = self.kv.allocate(req.request_id, req.all_token_ids, num_new)
             if alloc is None:
                 break
@@ -186,7 +201,7 @@ class Scheduler:
                 req.times.first_scheduled = time.monotonic()
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, num_new))
-            budget -= num_new
+            budget.spend(req, num_new)
 
     def _uncached_tokens(self, req: Request) -> int:
         """The tokens a waiting request's prefill computes (its size for sjf / ljf)."""
@@ -218,3 +233,27 @@ class Scheduler:
         req = seq.request
         req.num_computed_tokens += seq.num_new_tokens
         self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+
+
+def _is_decoding(req: Request) -> bool:
+    """Past its prompt: each step computes one generated token."""
+    return req.num_computed_tokens >= len(req.prompt_token_ids)
+
+
+class _Budget:
+    """One step's token budget: `total` for everything, `prompt` (<= total) for the
+    tokens of requests not yet past their prompt."""
+
+    def __init__(self, total: int, prompt: int) -> None:
+        self.total = total
+        self.prompt = min(prompt, total)
+
+    def grant(self, req: Request, wanted: int) -> int:
+        """Tokens `req` may compute this step (0: none)."""
+        return min(wanted, self.total if _is_decoding(req) else self.prompt)
+
+    def spend(self, req: Request, n: int) -> None:
+        self.total -= n
+        if not _is_decoding(req):
+            self.prompt -= n
+        self.prompt = min(self.prompt, self.total)
