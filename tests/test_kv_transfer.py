@@ -8,11 +8,15 @@ process (multiprocessing spawn).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -602,6 +606,53 @@ def test_shm_close_unlinks_segments_and_is_idempotent() -> None:
     assert not any(os.path.exists(segment_path(s)) for s in mine)
     with pytest.raises(TransferError, match="closed"):
         me.fetch(region.handle, stream_in(a, [0], a, [0], 0, 4), local)
+
+
+_OWNER = """
+import sys, time
+from pdserve.kv.layout import KVLayout
+from pdserve.kv.transfer.shm import SharedMemoryTransport
+t = SharedMemoryTransport()
+r = t.create_region(sys.argv[1], KVLayout(2, 4, 4, 2, 8, "float32"))
+print(r.handle.address, flush=True)
+time.sleep(60)
+"""
+
+
+def _segment_owner(name: str) -> subprocess.Popen[str]:
+    """A process (its own process group) that created a segment and holds it."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _OWNER, name], stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def test_segments_of_dead_owners_are_removed_by_the_next_transport() -> None:
+    """An owner killed with its whole process group (its resource tracker too, as Ray
+    does with a lost node's workers) leaves its segment behind; the next transport to
+    create a region unlinks it, and leaves a live owner's segment alone."""
+    dead, alive = _segment_owner("decode-0"), _segment_owner("decode-1")
+    try:
+        dead_seg, alive_seg = (p.stdout.readline().strip() for p in (dead, alive))  # type: ignore[union-attr]
+        os.killpg(dead.pid, signal.SIGKILL)
+        dead.wait(timeout=30)
+        time.sleep(0.5)
+        assert os.path.exists(segment_path(dead_seg))  # leaked: nobody left to unlink it
+        t = SharedMemoryTransport()
+        t.create_region("prefill", layout())
+        assert not os.path.exists(segment_path(dead_seg))
+        assert os.path.exists(segment_path(alive_seg))
+        t.close()
+    finally:
+        for p in (dead, alive):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=30)
+    # the live owner's tracker unlinks its segment once the owner is gone
+    deadline = time.monotonic() + 10
+    while os.path.exists(segment_path(alive_seg)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(segment_path(alive_seg))
 
 
 def test_close_is_idempotent_for_every_transport() -> None:

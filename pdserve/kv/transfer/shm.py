@@ -10,9 +10,14 @@ pool, with no intermediate buffer. Dtypes may differ (the copy casts).
 Ownership: the creating transport owns a segment and unlinks it in `close` (it is also
 registered with multiprocessing's resource tracker, which unlinks it should the process die
 first). Peers map segments without registering them, so a peer exiting never unlinks a
-segment it does not own. Mappings are never unmapped explicitly: a mapping goes away when
-the last tensor over it is dropped, so a `Region.tensor` still held after `close` (or a copy
-still running) stays valid.
+segment it does not own. When the owner and its tracker die together (a process group
+killed at once, as Ray does with a lost node's workers) nobody is left to unlink it, so
+a transport creating its first region removes every segment whose owner - the pid in
+its name - no longer exists (`remove_stale_segments`; a whole KV pool of /dev/shm, which is
+memory, per lost instance before). This assumes the processes sharing /dev/shm share a
+pid namespace, as one host's pdserve processes (and Ray's) do. Mappings are never
+unmapped explicitly: a mapping goes away when the last tensor over it is dropped, so a
+`Region.tensor` still held after `close` (or a copy still running) stays valid.
 
 Host memory only: a CUDA pool cannot be placed in a /dev/shm segment. The GPU analogue
 would be CUDA IPC (`cudaIpcGetMemHandle` / `cudaIpcOpenMemHandle`, what
@@ -53,6 +58,23 @@ def segment_path(segment: str) -> str:
     return os.path.join(SHM_DIR, segment)
 
 
+_OWNER = re.compile(re.escape(SEGMENT_PREFIX) + r"(\d+)-")
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink the pdserve segments whose creating process is gone; returns their names.
+    A segment of a live process (or of a pid reused since) is left alone."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        owner = _OWNER.match(name)
+        if owner is None or os.path.exists(f"/proc/{owner.group(1)}"):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment_path(name))
+            removed.append(name)
+    return removed
+
+
 def _map(fd: int, layout: KVLayout) -> torch.Tensor:
     mapping = mmap.mmap(fd, layout.nbytes, flags=_MAP_FLAGS)
     # The tensor keeps `mapping` alive; it is unmapped when the last tensor over it goes.
@@ -82,6 +104,8 @@ class SharedMemoryTransport(Transport):
                 raise TransferError("shm transport is closed")
             if name in self._names:
                 raise ValueError(f"shm transport already has a region {name!r}")
+            if not self._owned:
+                remove_stale_segments()
             tensor = self._create_segment(segment, layout)
             self._owned[segment] = tensor
             self._names.add(name)
