@@ -153,9 +153,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-prefill-tokens-with-decodes",
         type=int,
-        default=128,
+        default=None,
         help="while requests are decoding, a step takes at most this many prompt tokens "
-        "(keeps their time between tokens near a decode step's; default 128; 0: no cap)",
+        "(keeps their time between tokens near a decode step's; default 128 on CPU, no "
+        "cap on other devices; 0: no cap)",
     )
     p.add_argument(
         "--max-queued-requests",

@@ -58,6 +58,9 @@ class PreemptionMode(StrEnum):
     RECOMPUTE = "recompute"  # drop its KV; re-prefill prompt + generated tokens later
 
 
+CPU_PREFILL_TOKENS_WITH_DECODES = 128  # SchedulerConfig.max_prefill_tokens_with_decodes on CPU
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     # Token budget of one step: prefill chunks and decodes together (Sarathi-style).
@@ -81,14 +84,23 @@ class SchedulerConfig:
     # their time between tokens stays near a decode step's instead of a 512-token
     # prefill's (Sarathi-Serve's stall-free batching); with nothing decoding a prompt
     # gets the whole budget (a prefill instance never decodes: its chunks are
-    # unchanged). None: no cap. 128 by measurement on the chatbot workload
-    # (docs/benchmarks.md, "The step budget under load").
-    max_prefill_tokens_with_decodes: int | None = 128
+    # unchanged). 0: no cap. None: the device's default, `CPU_PREFILL_TOKENS_WITH_DECODES`
+    # on CPU (chosen by measurement on the chatbot workload: docs/benchmarks.md, "The
+    # step budget under load"), no cap elsewhere (an accelerator prefills 512 tokens in
+    # milliseconds; not measured here).
+    max_prefill_tokens_with_decodes: int | None = None
+
+    def prompt_cap(self, device: str) -> int | None:
+        """Prompt tokens a step may take beside decodes on `device` (None: no cap)."""
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is None:
+            return CPU_PREFILL_TOKENS_WITH_DECODES if device == "cpu" else None
+        return cap or None
 
     def __post_init__(self) -> None:
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_prefill_tokens_with_decodes is not None:
-            _at_least("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes, 1)
+            _at_least("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes, 0)
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("prefill_sched_batch", self.prefill_sched_batch, 1)
         if self.max_waiting_requests is not None:

@@ -180,10 +180,10 @@ def test_colocated_chunked_steps_mix_prompts_and_decodes() -> None:
 
 
 def test_colocated_prompt_cap_while_decoding() -> None:
-    """The engine's max_prefill_tokens_with_decodes: beside a decode, a step takes at
-    most 20 prompt tokens; with nothing decoding, the whole budget."""
+    """The engine's prompt cap (max_prefill_tokens_with_decodes): beside a decode, a step
+    takes at most 20 prompt tokens; with nothing decoding, the whole budget."""
     c = cost(base=1.0, prompt_token=0.01, decode_token=0.1)
-    inst = InstanceSpec(c, 10_000, 64, 100, chunked=True, max_prefill_tokens_with_decodes=20)
+    inst = InstanceSpec(c, 10_000, 64, 100, chunked=True, prompt_cap=20)
     r = simulate(ColocatedSystem((inst,)), wl([0.0, 4.0], [150, 50], [3, 2]))
     # A: 100 (2.0), 50 (1.5) -> 3.5 (nothing decodes: no cap); decode (1.1) -> 4.6;
     # A decode + B's first 20 (1.3) -> 5.9 = A's finish; B's last 30 alone (1.3) -> 7.2;
@@ -193,8 +193,8 @@ def test_colocated_prompt_cap_while_decoding() -> None:
 
 
 def test_a_prompt_cap_below_one_is_refused() -> None:
-    with pytest.raises(PlanInputError, match="max_prefill_tokens_with_decodes must be >= 1"):
-        InstanceSpec(cost(), 100, max_prefill_tokens_with_decodes=0)
+    with pytest.raises(PlanInputError, match=r"prompt_cap must be >= 1 \(or None\), got 0"):
+        InstanceSpec(cost(), 100, prompt_cap=0)
 
 
 def test_colocated_decodes_under_the_knee_ride_along() -> None:

@@ -20,7 +20,7 @@ def make(
     seqs: int = 8,
     mode: PreemptionMode = PreemptionMode.SWAP,
     prefix: bool = False,
-    prompt_cap: int | None = None,
+    prompt_cap: int = 0,
 ) -> Scheduler:
     kv = KVManager(
         KVCacheConfig(
@@ -80,7 +80,7 @@ def test_prompt_tokens_are_capped_while_anything_decodes() -> None:
 
 
 def test_without_the_cap_prompts_take_the_whole_budget_beside_decodes() -> None:
-    s = make(budget=64, num_blocks=64, prompt_cap=None)
+    s = make(budget=64, num_blocks=64, prompt_cap=0)
     s.add(req("a", 4, max_tokens=30))
     assert plan(step(s)) == [("a", 4)]
     s.add(req("b", 40, first=100))
@@ -157,8 +157,15 @@ def test_finish_and_abort_release_everything() -> None:
     assert s.kv.num_used_blocks == 0 and s.kv.num_free_blocks == 16
 
 
-def test_a_prompt_cap_below_one_is_refused() -> None:
+def test_the_prompt_cap_by_default_is_128_on_cpu_and_none_elsewhere() -> None:
+    assert SchedulerConfig().prompt_cap("cpu") == 128
+    assert SchedulerConfig().prompt_cap("cuda:0") is None
+    assert SchedulerConfig(max_prefill_tokens_with_decodes=0).prompt_cap("cpu") is None
+    assert SchedulerConfig(max_prefill_tokens_with_decodes=64).prompt_cap("cuda") == 64
+
+
+def test_a_negative_prompt_cap_is_refused() -> None:
     with pytest.raises(
-        ValueError, match=r"max_prefill_tokens_with_decodes must be an integer >= 1, got 0"
+        ValueError, match=r"max_prefill_tokens_with_decodes must be an integer >= 0, got -1"
     ):
-        SchedulerConfig(max_prefill_tokens_with_decodes=0)
+        SchedulerConfig(max_prefill_tokens_with_decodes=-1)

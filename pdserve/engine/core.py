@@ -117,7 +117,7 @@ class EngineCore:
             config.device,
             device_tensor=self.link.region.tensor if self.link is not None else None,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.device)
         self.runner = ModelRunner(model, cache, self.kv)
         self.requests: dict[str, Request] = {}
         # Output-length prediction at each prompt's first token. `prompt_state_sink`

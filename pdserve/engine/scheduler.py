@@ -16,9 +16,10 @@ engine/prefill_queue.py decides: fcfs by default, sjf / ljf per scheduling batch
 
 Prompt tokens (chunks of waiting, resumed or partly prefilled requests: every request
 not yet past its prompt) have a budget of their own while any running request is
-decoding: `max_prefill_tokens_with_decodes`, within the step's budget. A decode's time
-between tokens is then a decode step plus at most that much prefill, not a whole
-512-token chunk (Sarathi-Serve); a step with nothing decoding gives prompts everything.
+decoding: `SchedulerConfig.prompt_cap` (128 on CPU by default), within the step's
+budget. A decode's time between tokens is then a decode step plus at most that much
+prefill, not a whole 512-token chunk (Sarathi-Serve); a step with nothing decoding
+gives prompts everything.
 
 The scheduler never touches block ids: it asks `KVManager` and forwards the swap
 plans it returns to the model runner, which executes copies before the forward pass.
@@ -63,9 +64,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, device: str = "cpu") -> None:
         self.config = config
         self.kv = kv
+        self.prompt_cap = config.prompt_cap(device)
         self.waiting = PrefillQueue(
             config.prefill_policy, config.prefill_sched_batch, self._uncached_tokens
         )
@@ -129,7 +131,7 @@ class Scheduler:
 
     def _prompt_budget(self) -> int:
         """Prompt tokens this step may take: the cap while anything decodes."""
-        cap = self.config.max_prefill_tokens_with_decodes
+        cap = self.prompt_cap
         if cap is not None and any(_is_decoding(r) for r in self.running):
             return cap
         return self.config.max_num_batched_tokens

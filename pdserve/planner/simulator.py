@@ -23,8 +23,8 @@ Semantics (each mirrors an engine; tests pin them down exactly):
   Sarathi-style) each step gives every decoding request 1 token, continues the
   prompt in progress, then admits waiting prompts FCFS while the token budget, the
   batch slots and the KV reservation allow (admission stops at the first that does
-  not fit); while anything decodes, prompts take at most
-  `max_prefill_tokens_with_decodes` tokens of a step (when set). Without `chunked`
+  not fit); while anything decodes, prompts take at most `prompt_cap` tokens of a
+  step (when set: the engine's `max_prefill_tokens_with_decodes`). Without `chunked`
   (vLLM before chunked prefill) a step is either a
   prefill-only batch of whole admitted prompts or a decode step of everything
   running.
@@ -73,15 +73,14 @@ class InstanceSpec:
     max_batch_tokens: int = 512
     chunked: bool = True
     # Colocated, chunked: prompt tokens a step takes while anything decodes (the engine's
-    # `max_prefill_tokens_with_decodes`); None: the whole budget.
-    max_prefill_tokens_with_decodes: int | None = None
+    # `SchedulerConfig.prompt_cap(device)`); None: the whole budget.
+    prompt_cap: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_batch_tokens < 1:
             raise PlanInputError("max_batch_size and max_batch_tokens must be >= 1")
-        cap = self.max_prefill_tokens_with_decodes
-        if cap is not None and cap < 1:
-            raise PlanInputError("max_prefill_tokens_with_decodes must be >= 1 (or None)")
+        if self.prompt_cap is not None and self.prompt_cap < 1:
+            raise PlanInputError(f"prompt_cap must be >= 1 (or None), got {self.prompt_cap}")
 
 
 @dataclass(frozen=True)
@@ -546,7 +545,7 @@ class _Colocated(_Decoder):
     def _prompt_step(self) -> None:
         chunked = self.spec.chunked
         budget = self.spec.max_batch_tokens - (self.batch if chunked else 0)
-        cap = self.spec.max_prefill_tokens_with_decodes
+        cap = self.spec.prompt_cap
         if chunked and self.batch and cap is not None:
             budget = min(budget, cap)
         tokens = units = seqs = 0

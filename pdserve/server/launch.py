@@ -66,7 +66,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cpus=args.engine_cpus,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
-            max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes or None,
+            max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
             max_num_seqs=args.max_num_seqs,
             max_waiting_requests=args.max_queued_requests,
             prefill_policy=PrefillPolicy(args.prefill_policy),
