@@ -14,7 +14,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     ext_modules.append(
         Extension(
             "pdserve.quant._kernels",
-            sources=["pdserve/quant/_kernels.c", "pdserve/quant/_attention.c"],
+            sources=["pdserve/quant/_kernels.c", "pdserve/quant/_attention.c", "pdserve/quant/_int8.c"],
             depends=["pdserve/quant/_kernels.h"],
             # -ffp-contract=off: the kernel's FMAs are explicit, so every tile shape
             # rounds the same way (batch invariance, see the file's header).

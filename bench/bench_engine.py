@@ -1,11 +1,12 @@
 """Engine speed vs HF transformers and the machine's floors, side by side in one run.
 
     .venv/bin/python bench/bench_engine.py [--model PATH] [--repeats 3] [--json out.json]
-        [--quantization none,gguf,q8_0]
+        [--quantization none,gguf,q8_0,gguf+int8]
 
 Measures on the same weights, dtype and thread count, for each --quantization (none:
 fp32 dequantized from the file; gguf: the file's own blocks; q8_0 / q4_0: the fp32
-weights requantized at load), against HF transformers in fp32:
+weights requantized at load; a "+int8" suffix: those weights with `--activations int8`),
+against HF transformers in fp32:
 * prefill throughput (tokens/s) at prompt lengths 128 / 512 / 2048, batch 1;
 * decode step time (ms) at batch 1 / 8 / 32 / 64 with ~256 tokens of context;
 * the machine's floors: memory bandwidth (large tensor copy), fp32 matmul rate
@@ -37,7 +38,13 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import iter_weights, load_config, quantize_weights, resolve_model
+from pdserve.model.loader import (
+    Quantization,
+    iter_weights,
+    load_config,
+    quantize_weights,
+    resolve_model,
+)
 from pdserve.model.registry import build_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.quant.formats import QuantType
@@ -222,15 +229,21 @@ def hf_decode(model: torch.nn.Module, batch: int) -> float:
 # ---- main -------------------------------------------------------------------------
 
 
-def make_engine(cfg: EngineConfig, quantization: str) -> Engine:
+def make_engine(cfg: EngineConfig, setting: str) -> Engine:
     """none / gguf: as `pdserve serve --quantization` loads the file; q8_0 / q4_0: the
     file's fp32 weights requantized at load (what `--quantization q8_0` does for a HF
-    folder), so every setting serves the same model."""
+    folder), so every setting serves the same model. A "+int8" suffix: the same weights
+    with `--activations int8`."""
+    quantization, _, activations = setting.partition("+")
+    activations = activations or "fp32"
     if quantization in ("none", "gguf"):
-        return Engine.from_config(dataclasses.replace(cfg, quantization=quantization))
+        return Engine.from_config(
+            dataclasses.replace(cfg, quantization=quantization, activations=activations)
+        )
     assert cfg.model is not None
     torch.set_num_threads(cfg.threads)
     model = build_model(load_config(cfg.model), quantized=True)
+    model.quantization = Quantization(quantization, activations=activations)
     model.load_weights(quantize_weights(iter_weights(cfg.model), QuantType.parse(quantization)))
     model.finalize()
     return Engine(cfg, model, Tokenizer.from_model_path(cfg.model))
@@ -246,7 +259,12 @@ def main() -> int:
     path = str(resolve_model(args.model))
     cfg = EngineConfig(
         model=path,
-        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=128),
+        # No prompt cap while requests decode: the decode rows prefill their whole batch
+        # first (with the CPU default of 128 prompt tokens per step, the first requests
+        # finished before the last ones had prefilled, and b=32/64 measured fewer rows).
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=4096, max_num_seqs=128, max_prefill_tokens_with_decodes=0
+        ),
         cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_cache=False),
     )
     torch.manual_seed(0)

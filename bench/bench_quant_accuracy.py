@@ -2,10 +2,12 @@
 perplexity (issue 20, acceptance 2).
 
     .venv/bin/python bench/bench_quant_accuracy.py [--model PATH] [--quantization gguf]
+        [--activations fp32]
 
 The reference is `--quantization none`: the file's blocks dequantized to fp32, so both
 settings hold exactly the same weights and the only difference is the order of the
-kernels' fp32 sums, and their compiled attention (pdserve/quant/README.md).
+kernels' fp32 sums, and their compiled attention (pdserve/quant/README.md) - or, with
+`--activations int8`, also the rounding of the activations to int8 (llama.cpp's method).
 
 * Greedy agreement: 16 varied chat prompts (the length predictor's six task kinds,
   predictor/prompts.py, seed 0) x 64 tokens with ignore_eos: the share of continuations
@@ -87,12 +89,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--quantization", default="gguf")
+    ap.add_argument("--activations", default="fp32", choices=("fp32", "int8"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     prompts = [text for _, text in make_prompts(NUM_PROMPTS, seed=0)]
     results = {}
     for q in ("none", args.quantization):
-        engine = Engine.from_config(EngineConfig(model=args.model, quantization=q))
+        acts = args.activations if q != "none" else "fp32"
+        config = EngineConfig(model=args.model, quantization=q, activations=acts)
+        engine = Engine.from_config(config)
         ids = engine.tokenizer.encode(fixed_text(), False)[:PPL_TOKENS]
         assert len(ids) == PPL_TOKENS, len(ids)
         results[q] = {
@@ -105,7 +110,10 @@ def main() -> int:
     diffs = [first_difference(a, b) for a, b in zip(ref["tokens"], got["tokens"], strict=True)]
     same = sum(d is None for d in diffs)
     ratio = got["perplexity"] / ref["perplexity"]
-    print(f"{args.quantization} ({', '.join(got['formats'])}) vs none (fp32):")
+    print(
+        f"{args.quantization} ({', '.join(got['formats'])}, {args.activations} activations)"
+        " vs none (fp32):"
+    )
     print(f"  identical greedy continuations: {same}/{NUM_PROMPTS} ({NUM_TOKENS} tokens each)")
     print(
         f"  first divergence positions of the others: {sorted(d for d in diffs if d is not None)}"

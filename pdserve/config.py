@@ -15,6 +15,8 @@ from pdserve.kv.layout import DTYPE_SIZES
 
 # --quantization values; what each means for a given file: pdserve/model/loader.py.
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0")
+# --activations values: how the quantized kernels take activations (pdserve/quant/linear.py).
+ACTIVATIONS = ("fp32", "int8")
 
 if TYPE_CHECKING:
     import torch
@@ -189,6 +191,10 @@ class EngineConfig:
     # "gguf" a GGUF file's blocks as they are; "q8_0"/"q4_0" fp weights quantized at
     # load; "auto" "gguf" where the file and this install allow it, else "none".
     quantization: str = "auto"
+    # How the quantized kernels take activations (ACTIVATIONS): "fp32" exact (the
+    # default); "int8" rounded per 32 values, integer products (llama.cpp's method:
+    # faster, not fp32's text; pdserve/quant/README.md). Needs quantized weights.
+    activations: str = "fp32"
     role: Role = Role.COLOCATED
     # Context limit of one request (prompt + generation); None = the model's own,
     # lowered to what the KV pool can hold.
@@ -220,6 +226,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(
+                f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}"
             )
         if self.max_model_len is not None:
             _at_least("max_model_len", self.max_model_len, 2)

@@ -23,17 +23,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """With the kernels turned off on purpose (PDSERVE_NO_KERNELS=1) the tests of the
     compiled path itself (marked `kernels`) are deselected, and the header says so: the
     rest of the suite then runs the fallback path. Kernels missing for any other reason
-    (a failed build) fail those tests instead: CI must not pass without them."""
+    (a failed build) fail those tests instead: CI must not pass without them.
+
+    Likewise the tests of `--activations int8` (marked `int8`) on a CPU without AVX-512
+    VNNI, which cannot run them; the header says so."""
     from pdserve.quant.kernels import DISABLE_ENV, unavailable_reason
+    from pdserve.quant.linear import int8_blocker
 
     why = unavailable_reason()
-    if why is None or os.environ.get(DISABLE_ENV, "") in ("", "0"):
+    if why is None:
+        if blocker := int8_blocker():
+            _deselect(config, items, "int8", f"int8 kernels off ({blocker})")
         return
-    out = [item for item in items if item.get_closest_marker("kernels")]
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        _deselect(config, items, "kernels", f"kernels off ({why})")
+
+
+def _deselect(config: pytest.Config, items: list[pytest.Item], marker: str, why: str) -> None:
+    out = [item for item in items if item.get_closest_marker(marker)]
     if out:
         config.hook.pytest_deselected(items=out)
-        items[:] = [item for item in items if not item.get_closest_marker("kernels")]
-        print(f"\nkernels off ({why}): {len(out)} tests of the compiled path deselected")
+        items[:] = [item for item in items if not item.get_closest_marker(marker)]
+        print(f"\n{why}: {len(out)} tests deselected")
 
 
 @pytest.fixture(scope="session")

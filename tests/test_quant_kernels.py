@@ -113,17 +113,19 @@ def test_the_shipped_models_tensors_within_the_bound() -> None:
             check(torch.randn(m, qw.shape[1], generator=gen), qw, w)
 
 
+@pytest.mark.parametrize("activations", ["fp32", pytest.param("int8", marks=pytest.mark.int8)])
 @pytest.mark.parametrize("k", [512, 1536])
 @pytest.mark.parametrize("qtype", list(QuantType))
 def test_every_row_is_computed_the_same_whatever_the_batch_and_threads(
-    qtype: QuantType, k: int
+    qtype: QuantType, k: int, activations: str
 ) -> None:
-    """Batch invariance (the kernel's contract): a row's output is bit-identical alone,
+    """Batch invariance (the kernels' contract): a row's output is bit-identical alone,
     in any batch, at any position, on 1 or 2 threads (K = 1536: the down projection's
-    row length, longer than a pass keeps in L1)."""
+    row length, longer than a pass keeps in L1). With int8 activations too: each row is
+    rounded alone (tests/test_quant_int8.py)."""
     gen = torch.Generator().manual_seed(7)
     qw, _ = quantized(torch.randn(203, k, generator=gen), qtype)
-    op = QuantLinear(qw, None)
+    op = QuantLinear(qw, None, activations)
     x = torch.randn(150, k, generator=gen)
     batch = op(x)
     assert torch.equal(torch.cat([op(x[i : i + 1]) for i in range(150)]), batch)

@@ -241,3 +241,66 @@ def test_without_the_kernels_auto_serves_fp32_and_gguf_says_why(tmp_path: Path) 
         for out in engine.step():
             text = out.text
     assert text and proc.stdout == text + "\n"
+
+
+def test_int8_activations_need_weights_in_blocks_and_say_so(tmp_path: Path) -> None:
+    """--activations int8 with weights that will be fp: exit 2 before loading, naming
+    why (also on the fallback path, where auto serves fp32)."""
+    proc = run_cli("generate", "hi", "--quantization", "none", "--activations", "int8")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "pdserve: error: --activations int8 needs weights in blocks (--quantization auto, "
+        "gguf, q8_0 or q4_0); they would be served as fp"
+    )
+    off = {"PDSERVE_NO_KERNELS": "1"}
+    proc = run_cli("serve", "--port", "0", "--activations", "int8", env=off)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("they would be served as fp (PDSERVE_NO_KERNELS is set)"), (
+        proc.stderr
+    )
+    proc = run_cli("generate", "hi", "--activations", "int4")
+    assert proc.returncode == 2
+    assert (
+        "argument --activations: invalid choice: 'int4' (choose from 'fp32', 'int8')" in proc.stderr
+    )
+
+
+def test_the_startup_line_says_how_activations_are_taken() -> None:
+    from pdserve.protocol.core import WeightsInfo
+    from pdserve.server.launch import weights_line
+
+    int8 = WeightsInfo("gguf", ["Q4_1", "Q8_0"], "", ["int8"])
+    assert weights_line(int8) == (
+        "pdserve: weights: Q4_1, Q8_0 blocks (gguf), by the compiled kernels (int8 activations)"
+    )
+    fp32 = WeightsInfo("gguf", ["Q4_1", "Q8_0"], "", ["fp32"])
+    assert weights_line(fp32).endswith("by the compiled kernels (fp32 activations)")
+
+
+@pytest.mark.kernels
+@pytest.mark.int8
+def test_int8_activations_serve_a_gguf_the_same_batched_or_alone(tmp_path: Path) -> None:
+    """A tiny Q4_1 GGUF with --activations int8: every projection takes int8
+    activations, and four greedy requests decoded together give each one's text alone
+    (the rounding is per row). Not fp32's text: that is not the point here (see
+    bench/bench_quant_accuracy.py for how far it moves)."""
+    path = make_tiny_gguf(tmp_path, quant="Q4_1")
+    config = EngineConfig(model=str(path), quantization="gguf", activations="int8")
+    engine = Engine.from_config(config)
+    model = engine.core.model
+    assert model.fused and model.activations == ["int8"]
+    assert model.weight_formats == ["Q4_1"]
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["the cat sat on the", "one two three", "a b c d e f g", "hello"]
+
+    def texts(batch: list[str]) -> dict[str, str]:
+        ids = {engine.add_request(engine.tokenizer.encode(p), greedy): p for p in batch}
+        out: dict[str, str] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[ids[o.request_id]] = o.text
+        return out
+
+    together = texts(prompts)
+    alone = {p: texts([p])[p] for p in prompts}
+    assert together == alone and all(together.values())

@@ -198,12 +198,19 @@ def test_bad_prologue_arguments_name_the_shape() -> None:
 # ---- the model -------------------------------------------------------------------------
 
 
+def tiny(tmp_path_factory: pytest.TempPathFactory, activations: str) -> CausalLM:
+    path = make_tiny_gguf(tmp_path_factory.mktemp("tiny"), "LlamaForCausalLM", quant="Q4_1")
+    config = EngineConfig(
+        model=str(path), quantization="gguf", activations=activations, num_threads=2
+    )
+    model = load_model(config)
+    assert model.fused and model.activations == [activations]
+    return model
+
+
 @pytest.fixture(scope="module")
 def tiny_quantized(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
-    path = make_tiny_gguf(tmp_path_factory.mktemp("tiny"), "LlamaForCausalLM", quant="Q4_1")
-    model = load_model(EngineConfig(model=str(path), quantization="gguf", num_threads=2))
-    assert model.fused
-    return model
+    return tiny(tmp_path_factory, "fp32")
 
 
 def run_steps(model: CausalLM, ids: list[int], chunks: list[int], decodes: int) -> torch.Tensor:
@@ -233,14 +240,27 @@ def test_decoded_logits_equal_a_prefill_recompute_of_the_same_tokens(
     """Decode 12 tokens; then prefill the prompt and the 12 tokens in one chunk, and in uneven
     chunks: every position's logits are bit-identical (the tokens a resumed request
     recomputes are the ones it decoded)."""
+    assert_recompute_is_exact(tiny_quantized)
+
+
+@pytest.mark.int8
+def test_with_int8_activations_decoded_logits_equal_a_recompute_too(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The int8 kernels round each row alone, so `--activations int8` keeps the same
+    guarantee: a resumed or migrated request recomputes the bits it decoded."""
+    assert_recompute_is_exact(tiny(tmp_path_factory, "int8"))
+
+
+def assert_recompute_is_exact(model: CausalLM) -> None:
     prompt = [5, 9, 2, 77, 31, 8, 15]
-    decoded = run_steps(tiny_quantized, prompt, [len(prompt)], 12)
+    decoded = run_steps(model, prompt, [len(prompt)], 12)
     tokens = prompt + [int(r.argmax()) for r in decoded[:-1]]
-    once = run_steps(tiny_quantized, tokens, [len(tokens)], 0)
+    once = run_steps(model, tokens, [len(tokens)], 0)
     assert torch.equal(once[-1], decoded[-1])
-    whole = _all_logits(tiny_quantized, tokens)
+    whole = _all_logits(model, tokens)
     assert torch.equal(whole[len(prompt) - 1 :], decoded)
-    assert torch.equal(_all_logits(tiny_quantized, tokens, [3, 9, 7]), whole)
+    assert torch.equal(_all_logits(model, tokens, [3, 9, 7]), whole)
 
 
 def _all_logits(model: CausalLM, ids: list[int], chunks: list[int] | None = None) -> torch.Tensor:

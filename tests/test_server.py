@@ -365,22 +365,27 @@ def test_open_routes_without_a_key(server: Server) -> None:
     assert server.get("/v1/models", key=KEY)[0] == 200
 
 
-def weights_card(s: Server, key: str | None = None) -> tuple[tuple[str, list[str]], str]:
-    """(quantization, weight_formats) of the model card, and the /metrics text."""
+def weights_card(s: Server, key: str | None = None) -> tuple[tuple[str, list[str], list[str]], str]:
+    """(quantization, weight_formats, activations) of the model card, and the /metrics
+    text."""
     status, body = s.get("/v1/models", key=key)
     assert status == 200
     (card,) = body["data"]
     metrics = httpx.get(s.url + "/metrics", timeout=30).text
-    return (card["quantization"], card["weight_formats"]), metrics
+    return (card["quantization"], card["weight_formats"], card["activations"]), metrics
 
 
 @pytest.mark.kernels
 def test_the_model_card_and_metrics_say_how_the_weights_are_held(server: Server) -> None:
     """The default load (--quantization auto) of the shipped Q4_1 GGUF: its blocks as they
-    are, Q4_1 projections and the Q8_0 tied embedding / LM head, read by the kernels."""
+    are, Q4_1 projections and the Q8_0 tied embedding / LM head, read by the kernels
+    with fp32 activations (the default)."""
     card, metrics = weights_card(server, KEY)
-    assert card == ("gguf", ["Q4_1", "Q8_0"])
-    assert 'pdserve_model_weights_info{formats="Q4_1,Q8_0",quantization="gguf"} 1.0' in metrics
+    assert card == ("gguf", ["Q4_1", "Q8_0"], ["fp32"])
+    assert (
+        'pdserve_model_weights_info{activations="fp32",formats="Q4_1,Q8_0",'
+        'quantization="gguf"} 1.0' in metrics
+    )
 
 
 def engine_process(s: Server) -> psutil.Process:
@@ -396,8 +401,11 @@ def test_server_exits_nonzero_when_the_engine_dies() -> None:
     s = Server("--max-model-len", "512", "--quantization", "auto", env={"PDSERVE_NO_KERNELS": "1"})
     try:
         card, metrics = weights_card(s)
-        assert card == ("none", ["float32"])
-        assert 'pdserve_model_weights_info{formats="float32",quantization="none"} 1.0' in metrics
+        assert card == ("none", ["float32"], ["float32"])
+        assert (
+            'pdserve_model_weights_info{activations="float32",formats="float32",'
+            'quantization="none"} 1.0' in metrics
+        )
         engine_process(s).kill()
         assert s.proc.wait(10) == 1
         err = s.proc.stderr.read() if s.proc.stderr else ""
@@ -448,9 +456,13 @@ def test_64_concurrent_streams_and_16_disconnects_leave_the_pool_clean() -> None
 
     from openai import AsyncOpenAI
 
-    # Served quantized (the shipped file's own Q4_1 / Q8_0 blocks): the kernels' batch
-    # invariance is what makes the 64 batched streams equal the 8 requests sent alone.
-    s = Server("--api-key", KEY, "--enable-debug-endpoints", "--quantization", "gguf")
+    # Served quantized (the shipped file's own Q4_1 / Q8_0 blocks) with int8 activations:
+    # the int8 kernels' batch invariance (each row rounded alone) is what makes the 64
+    # batched streams equal the 8 requests sent alone.
+    s = Server(
+        "--api-key", KEY, "--enable-debug-endpoints", "--quantization", "gguf",
+        "--activations", "int8",
+    )  # fmt: skip
     topics = ["rain", "chess", "bread", "stars", "rivers", "glass", "maps", "salt"]
 
     def messages(i: int) -> list[dict[str, str]]:
@@ -507,8 +519,11 @@ def test_64_concurrent_streams_and_16_disconnects_leave_the_pool_clean() -> None
 
     try:
         card, metrics = weights_card(s, KEY)
-        assert card == ("gguf", ["Q4_1", "Q8_0"])
-        assert 'pdserve_model_weights_info{formats="Q4_1,Q8_0",quantization="gguf"} 1.0' in metrics
+        assert card == ("gguf", ["Q4_1", "Q8_0"], ["int8"])
+        assert (
+            'pdserve_model_weights_info{activations="int8",formats="Q4_1,Q8_0",'
+            'quantization="gguf"} 1.0' in metrics
+        )
         asyncio.run(scenario())
         deadline = time.monotonic() + 10  # far less than 4000 tokens would take
         while True:

@@ -83,12 +83,12 @@ def load_model(config: EngineConfig) -> CausalLM:
     """Build the configured model with its weights, ready to serve (threads set)."""
     torch.set_num_threads(config.threads)
     path = resolve_model(config.model)
-    quant = resolve_quantization(config.quantization, path, config.device)
+    quant = resolve_quantization(config.quantization, path, config.device, config.activations)
     model = build_model(load_config(path), config.torch_dtype, quant.quantized)
+    model.quantization = quant  # finalize reads it (the activations)
     model.load_weights(iter_weights(path, config.torch_dtype, quant))
     model.to(config.device)
     model.finalize()
-    model.quantization = quant
     return model
 
 

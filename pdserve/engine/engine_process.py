@@ -294,7 +294,7 @@ def _start_heartbeat(ctx: zmq.Context, output_addr: str, interval_s: float) -> t
 
 def weights_info(model: CausalLM) -> WeightsInfo:
     q = model.quantization
-    return WeightsInfo(q.mode, model.weight_formats, q.reason)
+    return WeightsInfo(q.mode, model.weight_formats, q.reason, model.activations)
 
 
 def run_engine_process(

@@ -194,7 +194,7 @@ class CausalLM(nn.Module):
         parts = [self._parts[n] for n in names]
         quant = [p for p in parts if isinstance(p, QuantWeight)]
         if len(quant) == len(parts):
-            return QuantLinear(quant, bias)
+            return QuantLinear(quant, bias, self.quantization.activations)
         fp = [p.dequantize(self.dtype) if isinstance(p, QuantWeight) else p for p in parts]
         return PackedLinear(torch.cat(fp).to(self.dtype), bias, pack)
 
@@ -215,6 +215,16 @@ class CausalLM(nn.Module):
         ops = self.projection_ops()
         names = {f for o in ops for f in (o.formats if isinstance(o, QuantLinear) else [dtype])}
         return sorted(names)
+
+    @property
+    def activations(self) -> list[str]:
+        """How the projections take activations ("fp32", "int8"; a full-precision op:
+        its dtype's name), sorted, each once."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        ops = self.projection_ops()
+        return sorted(
+            {a for o in ops for a in (o.activations if isinstance(o, QuantLinear) else [dtype])}
+        )
 
     def _release_packed_originals(self) -> None:
         """Free the row-major copies of weights that now live packed (halves memory)."""

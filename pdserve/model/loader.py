@@ -25,12 +25,14 @@ from typing import Any, Literal
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pdserve.config import ACTIVATIONS
 from pdserve.errors import ModelLoadError
 from pdserve.model import gguf_loader
 from pdserve.model.config import ModelConfig
 from pdserve.model.default import default_model_path
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.kernels import unavailable_reason
+from pdserve.quant.linear import int8_blocker
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 CONFIG_FILE = "config.json"
@@ -179,10 +181,13 @@ class Quantization:
     mode: "none" (fp weights in the engine's dtype), "gguf" (a GGUF file's Q8_0 / Q4_0 /
     Q4_1 blocks served as they are), "q8_0" / "q4_0" (fp weights quantized at load; the
     embeddings and LM head to Q8_0, as llama.cpp keeps its output layer at 8 bits or
-    more). reason: why `auto` chose what it chose ("" otherwise)."""
+    more). reason: why `auto` chose what it chose ("" otherwise). activations: how the
+    kernels take activations ("fp32" or "int8", `--activations`; "fp32" when mode is
+    "none")."""
 
     mode: str = "none"
     reason: str = ""
+    activations: str = "fp32"
 
     @property
     def quantized(self) -> bool:
@@ -190,10 +195,30 @@ class Quantization:
 
 
 def resolve_quantization(
-    requested: str, path: ModelPath | ModelSource, device: str = "cpu"
+    requested: str, path: ModelPath | ModelSource, device: str = "cpu", activations: str = "fp32"
 ) -> Quantization:
     """The effective quantization; ValueError (a usage error) when `requested` does not
-    fit the file or this install, naming the values that do."""
+    fit the file or this install, naming the values that do, or when `activations` is
+    "int8" and the weights will not be in blocks or this CPU cannot run the int8 kernels."""
+    quant = _resolve_weights(requested, path, device)
+    if activations == "fp32":
+        return quant
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"--activations {activations}: use one of: {', '.join(ACTIVATIONS)}")
+    if not quant.quantized:
+        why = f" ({quant.reason})" if quant.reason else ""
+        raise ValueError(
+            f"--activations {activations} needs weights in blocks (--quantization auto, gguf, "
+            f"q8_0 or q4_0); they would be served as fp{why}"
+        )
+    if blocker := int8_blocker():
+        raise ValueError(f"--activations {activations}: {blocker}")
+    return dataclasses.replace(quant, activations=activations)
+
+
+def _resolve_weights(
+    requested: str, path: ModelPath | ModelSource, device: str = "cpu"
+) -> Quantization:
     src = ModelSource.resolve(path)
     allowed = _FOR_GGUF if src.format == "gguf" else _FOR_HF
     if requested not in allowed:

@@ -82,11 +82,13 @@ class WeightsInfo(msgspec.Struct, frozen=True):
     """How an instance holds the model's weights (pdserve/model/loader.py Quantization):
     `quantization` "none" | "gguf" | "q8_0" | "q4_0"; `formats` what the projections
     read, sorted ("Q4_1", "Q8_0"; "float32" for full-precision ones); `note` why
-    `--quantization auto` chose "none" ("" otherwise)."""
+    `--quantization auto` chose "none" ("" otherwise); `activations` how the projections
+    take activations, sorted ("fp32", "int8"; "float32" for full-precision ones)."""
 
     quantization: str
     formats: list[str]
     note: str = ""
+    activations: list[str] = msgspec.field(default_factory=lambda: ["float32"])
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag=True):

@@ -423,6 +423,44 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* qlinear_int8(packed, nibbles, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,
+ * accumulate): y[M,N] (+)= P(x)[M,K] @ W^T with P(x) rounded to int8 per 32 values
+ * (_int8.c); `packed` is pack_int8's records (pdserve/quant/linear.py). The caller checks
+ * that int8_supported() and the shapes, as for qlinear. */
+static PyObject *py_qlinear_int8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Arg v[14];
+    const int floats[] = {12};
+    if (read_args(args, nargs, 14, v, floats, 1) < 0) return NULL;
+    const int64_t N = v[2].i, K = v[3].i, ldx = v[5].i, M = v[6].i, ldy = v[8].i;
+    const int threads = v[9].i > 0 ? (int)v[9].i : 1;
+    const Prologue pre = {(int)v[10].i, PTR(const float *, v[11]), (float)v[12].f};
+    if (!int8_supported() || K % QK != 0 || M < 0 || N <= 0 || pre.kind < PRE_NONE ||
+        pre.kind > PRE_SWIGLU) {
+        PyErr_SetString(PyExc_ValueError, "qlinear_int8: no AVX-512 VNNI, or a bad shape or prologue");
+        return NULL;
+    }
+    if (M == 0) Py_RETURN_NONE;
+    const float *x = PTR(const float *, v[4]);
+    float *xt = NULL;
+    int rc = -1;
+    Py_BEGIN_ALLOW_THREADS;
+    if (pre.kind != PRE_NONE && (xt = malloc(sizeof(float) * (size_t)(M * K))) != NULL) {
+        prologue_rows(&pre, x, ldx, M, K, xt, threads);
+    }
+    if (pre.kind == PRE_NONE || xt != NULL) {
+        rc = qlinear_int8(PTR(const uint8_t *, v[0]), v[1].i != 0, N, K, xt ? xt : x,
+                          xt ? K : ldx, M, PTR(float *, v[7]), ldy, v[13].i != 0, threads);
+    }
+    free(xt);
+    Py_END_ALLOW_THREADS;
+    if (rc != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_int8_supported(PyObject *self, PyObject *unused) {
+    return PyBool_FromLong(int8_supported());
+}
+
 /* paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, bs, rows, tables, ldt, out, ldo,
  * scale, threads): see _attention.c. rows and tables are int32. */
 static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -465,6 +503,11 @@ static PyMethodDef methods[] = {
     {"qlinear", (PyCFunction)(void (*)(void))py_qlinear, METH_FASTCALL,
      "qlinear(layout, x, ldx, M, K, qs, d, m, N, y, ldy, threads, pre, pre_w, eps, accumulate):"
      " y (+)= P(x) @ W^T, W in GGUF blocks"},
+    {"qlinear_int8", (PyCFunction)(void (*)(void))py_qlinear_int8, METH_FASTCALL,
+     "qlinear_int8(packed, nibbles, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,"
+     " accumulate): y (+)= int8(P(x)) @ W^T, W packed by pack_int8"},
+    {"int8_supported", py_int8_supported, METH_NOARGS,
+     "whether this CPU runs qlinear_int8 (AVX-512 F/BW/VL/DQ and VNNI)"},
     {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
      "paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, bs, rows, tables, ldt, out, ldo,"
      " scale, threads): each query row over its keys in the paged cache"},

@@ -77,4 +77,11 @@ void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, in
                    const int64_t *positions, const float *cos, const float *sin, float *kc,
                    float *vc, const int64_t *slots);
 
+/* The int8-activation products (_int8.c): whether this CPU has what they need (AVX-512
+ * F/BW/VL/DQ and VNNI), and y (+)= x @ W^T for a weight packed by linear.py's
+ * pack_int8. */
+int int8_supported(void);
+int qlinear_int8(const uint8_t *W, int nib, int64_t N, int64_t K, const float *x, int64_t ldx,
+                 int64_t M, float *y, int64_t ldy, int accumulate, int threads);
+
 #endif

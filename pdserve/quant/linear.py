@@ -1,8 +1,12 @@
-"""y = x @ W.T + bias with W in GGUF block formats, by the compiled kernel.
+"""y = x @ W.T + bias with W in GGUF block formats, by the compiled kernels.
 
-The weights are dequantized in registers to their exact fp32 values and multiplied by
-the fp32 activations (pdserve/quant/README.md); each output element is computed the same
-way whatever the batch (see `_kernels.c`).
+Two ways to take the activations (`ACTIVATIONS`, `--activations`): "fp32", the default -
+the weights dequantized in registers to their exact fp32 values and multiplied by the
+fp32 activations (`_kernels.c`); "int8" - llama.cpp's method, each row rounded to int8
+per 32 values and multiplied by the weights' integer values with AVX-512 VNNI
+(`_int8.c`, weights repacked at load by `pack_int8`): faster where a step is
+compute-bound, at a stated cost in accuracy (pdserve/quant/README.md). Either way each
+output element is computed the same way whatever the batch.
 """
 
 from __future__ import annotations
@@ -13,11 +17,73 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.quant.formats import QuantWeight
+from pdserve.config import ACTIVATIONS
+from pdserve.quant.formats import BLOCK, Layout, QuantWeight
 from pdserve.quant.kernels import kernels, unavailable_reason
 
 # What the product reads in place of x (the kernel's prologues, _kernels.c).
 PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
+
+# _int8.c's column group: one zmm lane per output column.
+_GROUP = 16
+# The offset that makes each layout's values unsigned bytes: u = q + offset, w = u*d + m
+# with m = -offset*d (the layouts with minimums are unsigned already).
+_INT8_OFFSET = {Layout.I8: 128, Layout.Q4: 8, Layout.Q4M: 0, Layout.U8M: 0}
+
+
+def int8_blocker() -> str:
+    """Why `--activations int8` cannot run here ("" when it can)."""
+    mod = kernels()
+    if mod is None:
+        return f"the compiled kernels are not available ({unavailable_reason()})"
+    if not mod.int8_supported():
+        return "this CPU lacks AVX-512 VNNI (with AVX-512 F/BW/VL/DQ), which the int8 kernels need"
+    return ""
+
+
+def pack_int8(weight: QuantWeight) -> torch.Tensor | None:
+    """`weight` as `_int8.c` reads it (see its header): per group of 16 columns and block
+    of 32 values a record of unsigned byte values (nibbles two to a byte for the nibble
+    layouts), then the 16 scales and 16 minimums as fp16. None where the layout has no
+    int8 form (I8_16: Q6_K's scale per 16 values) or a scale or minimum does not fit
+    fp16; that weight is then taken with fp32 activations.
+
+    The K formats' scales are fp32 products (d*sc); fp16 rounds them (relative 2^-11),
+    far below the activations' int8 rounding (up to 2^-8 of a block's largest value)."""
+    layout = weight.qtype.layout
+    if layout not in _INT8_OFFSET:
+        return None
+    n, k = weight.shape
+    b = k // BLOCK
+    if layout.nibbles:
+        packed = weight.qs.reshape(n, b, BLOCK // 2)
+        u = torch.cat((packed & 0x0F, packed >> 4), dim=-1)
+    elif layout == Layout.I8:
+        u = (weight.qs.view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(n, b, BLOCK)
+    else:
+        u = weight.qs.reshape(n, b, BLOCK)
+    d = weight.d.to(torch.float32)
+    m = weight.m.to(torch.float32) if weight.m is not None else -_INT8_OFFSET[layout] * d
+    d16, m16 = d.to(torch.float16), m.to(torch.float16)
+    if not (torch.isfinite(d16).all() and torch.isfinite(m16).all()):
+        return None
+    groups = -(-n // _GROUP)
+    pad = groups * _GROUP - n
+    if pad:
+        u = torch.cat((u, u.new_zeros(pad, b, BLOCK)))
+        d16 = torch.cat((d16, d16.new_zeros(pad, b)))
+        m16 = torch.cat((m16, m16.new_zeros(pad, b)))
+    # [G, 16 columns, B, 8 quads, 4] -> [G, B, 8 quads, 16 columns x 4 values]
+    u = u.reshape(groups, _GROUP, b, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, b, 8, 64)
+    if layout.nibbles:
+        u = u[:, :, :4] | (u[:, :, 4:] << 4)
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(groups, _GROUP, b).permute(0, 2, 1).contiguous()
+        return t.view(torch.uint8).reshape(groups, b, 2 * _GROUP)
+
+    records = torch.cat((u.reshape(groups, b, -1), per_group(d16), per_group(m16)), dim=2)
+    return records.contiguous().reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -30,6 +96,7 @@ class _Part:
     n0: int
     scales: torch.Tensor
     mins: torch.Tensor | None
+    int8: torch.Tensor | None = None  # pack_int8's records, when taken with int8 activations
 
 
 class QuantLinear:
@@ -43,12 +110,21 @@ class QuantLinear:
     kernel reads them by address, so they are never resized or moved in place."""
 
     def __init__(
-        self, weight: QuantWeight | Sequence[QuantWeight], bias: torch.Tensor | None
+        self,
+        weight: QuantWeight | Sequence[QuantWeight],
+        bias: torch.Tensor | None,
+        activations: str = "fp32",
     ) -> None:
         mod = kernels()
         if mod is None:
             raise RuntimeError(f"quantized linear layers need the kernels: {unavailable_reason()}")
-        self._qlinear = mod.qlinear
+        if activations not in ACTIVATIONS:
+            raise ValueError(
+                f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}"
+            )
+        if activations == "int8" and (blocker := int8_blocker()):
+            raise RuntimeError(f"int8 activations: {blocker}")
+        self._qlinear, self._qlinear_int8 = mod.qlinear, mod.qlinear_int8
         weights = [weight] if isinstance(weight, QuantWeight) else list(weight)
         runs = [QuantWeight.cat(list(g)) for _, g in itertools.groupby(weights, lambda w: w.qtype)]
         self.in_features = runs[0].shape[1]
@@ -57,21 +133,37 @@ class QuantLinear:
         self._parts: list[_Part] = []
         n0 = 0
         for r in runs:
-            mins = r.m.to(torch.float32) if r.m is not None else None
-            self._parts.append(_Part(r, n0, r.d.to(torch.float32), mins))
+            packed = pack_int8(r) if activations == "int8" else None
+            if packed is not None:  # the fp32 kernel's scales are not needed then
+                self._parts.append(_Part(r, n0, torch.empty(0), None, packed))
+            else:
+                mins = r.m.to(torch.float32) if r.m is not None else None
+                self._parts.append(_Part(r, n0, r.d.to(torch.float32), mins))
             n0 += r.shape[0]
         self.out_features = n0
         self.bias = bias.detach().to(torch.float32).clone() if bias is not None else None
         # Each part's kernel arguments that never change (layout, addresses of values,
         # scales and minimums, rows, byte offset of its first output column): a decode
         # step makes ~120 of these calls, so the per-call Python is kept to the minimum.
+        # An int8 part's call is (-1, records, nibbles, 0, rows, offset).
         self._calls = [
             (
                 int(p.weight.qtype.layout), p.weight.qs.data_ptr(), p.scales.data_ptr(),
                 0 if p.mins is None else p.mins.data_ptr(), p.weight.shape[0], 4 * p.n0,
             )
+            if p.int8 is None
+            else (
+                -1, p.int8.data_ptr(), int(p.weight.qtype.layout.nibbles), 0,
+                p.weight.shape[0], 4 * p.n0,
+            )
             for p in self._parts
         ]  # fmt: skip
+
+    @property
+    def activations(self) -> list[str]:
+        """How the parts take their activations ("fp32", "int8"), sorted, each once: an
+        int8 op keeps fp32 for a part with no int8 form (see `pack_int8`)."""
+        return sorted({"fp32" if p.int8 is None else "int8" for p in self._parts})
 
     @property
     def weights(self) -> list[QuantWeight]:
@@ -84,9 +176,13 @@ class QuantLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the kernels read per product: values, fp32 scales and minimums."""
+        """Bytes the kernels read per product: values, fp32 scales and minimums (int8
+        parts: their records)."""
         total = 0
         for p in self._parts:
+            if p.int8 is not None:
+                total += p.int8.numel()
+                continue
             extra = 0 if p.mins is None else p.mins.numel() * 4
             total += p.weight.qs.numel() + p.scales.numel() * 4 + extra
         return total
@@ -143,6 +239,11 @@ class QuantLinear:
         threads, xp, ldx, yp = torch.get_num_threads(), x.data_ptr(), x.stride(0), y.data_ptr()
         k, n, eps, acc = self.in_features, self.out_features, float(eps), into is not None
         for layout, qs, scales, mins, rows, offset in self._calls:
+            if layout < 0:  # int8: qs is the records' address, scales whether nibbles
+                self._qlinear_int8(
+                    qs, scales, rows, k, xp, ldx, t, yp + offset, n, threads, pre, pre_w, eps, acc
+                )
+                continue
             self._qlinear(
                 layout, xp, ldx, t, k, qs, scales, mins, rows, yp + offset, n, threads,
                 pre, pre_w, eps, acc,

@@ -139,6 +139,7 @@ class _Api:
             "max_model_len": self.client.max_model_len,
             "quantization": self.client.weights.quantization,
             "weight_formats": self.client.weights.formats,
+            "activations": self.client.weights.activations,
         }
         return {"object": "list", "data": [card]}
 

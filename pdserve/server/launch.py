@@ -56,10 +56,11 @@ def served_name(model: str | None) -> str:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The instances' config; a --quantization that does not fit the model is a usage
     error here, before any instance starts."""
-    resolve_quantization(args.quantization, args.model)
+    resolve_quantization(args.quantization, args.model, activations=args.activations)
     return EngineConfig(
         model=args.model,
         quantization=args.quantization,
+        activations=args.activations,
         length_predictor=resolve_predictor(args.predictor, args.model),
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
@@ -170,7 +171,11 @@ def weights_line(weights: WeightsInfo) -> str:
     if weights.quantization == "none":
         why = f" (--quantization auto: {weights.note})" if weights.note else ""
         return f"pdserve: weights: {formats}{why}"
-    return f"pdserve: weights: {formats} blocks ({weights.quantization}), by the compiled kernels"
+    how = "int8 activations" if "int8" in weights.activations else "fp32 activations"
+    return (
+        f"pdserve: weights: {formats} blocks ({weights.quantization}), by the compiled kernels "
+        f"({how})"
+    )
 
 
 def _log_to_stderr() -> None:

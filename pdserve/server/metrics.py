@@ -67,13 +67,17 @@ class ServerMetrics:
             self.tpot.observe(m.decode_time / (len(out.token_ids) - 1))
 
     def describe_weights(self, weights: WeightsInfo) -> None:
-        """pdserve_model_weights_info{quantization, formats} 1: what the engine reads."""
+        """pdserve_model_weights_info{quantization, formats, activations} 1: what the
+        engine reads, and how its projections take activations."""
         Gauge(
             "pdserve_model_weights_info",
-            "How the served weights are held (formats: what the projections read)",
-            ["quantization", "formats"],
+            "How the served weights are held (formats: what the projections read; "
+            "activations: how they take them)",
+            ["quantization", "formats", "activations"],
             registry=self.registry,
-        ).labels(weights.quantization, ",".join(weights.formats)).set(1)
+        ).labels(
+            weights.quantization, ",".join(weights.formats), ",".join(weights.activations)
+        ).set(1)
 
     def watch_faults(self, faults: FaultCounters) -> None:
         """Export the front end's failure counters (read at every scrape)."""

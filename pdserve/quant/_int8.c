@@ -1,0 +1,212 @@
+/* Integer products for `--activations int8` (llama.cpp's method): y[M,N] = x[M,K] @ W^T
+ * with each row of x rounded to int8 per block of 32 values and the weights' integer
+ * values multiplied by them with AVX-512 VNNI (`vpdpbusd`: 64 byte products summed into
+ * 16 int32 lanes per instruction, 4x the multiply-adds of an fp32 FMA).
+ *
+ * The method. Every weight block is u*d + m with u an unsigned byte (Q4_0: nibble, m =
+ * -8d; Q4_1/Q4_K: nibble; Q8_0/Q5_0 (int8 q): u = q + 128, m = -128d; Q5_1/Q5_K: u as
+ * is) and every activation block is dx*q, q = round(x * 127 / max|x|) in [-127, 127].
+ * So a block's contribution to y[m, n] is
+ *     dx * (d * isum + m * qsum),   isum = sum u*q (exact, int32),  qsum = sum q,
+ * taken as acc += float(isum) * (d*dx); acc += m * (dx*qsum): two FMAs per block, in block
+ * order. The only rounding of the inputs is the activations' (at most dx/2 each); the
+ * rest is fp32 rounding of B products summed in order.
+ *
+ * Contract - batch invariance, as in _kernels.c: a row is quantized alone, and y[m, n] is
+ * the same operations whatever the batch, the tile and the thread split (the integer
+ * sums are exact; the float epilogue runs per output lane in block order). Columns are
+ * the vector lanes, so there is no horizontal sum.
+ *
+ * Weight layout (made by pdserve/quant/linear.py `pack_int8`): columns in groups of 16
+ * (the last padded with zero columns), each group a run of per-block records:
+ *     record (g, b) = values (4 x 64 bytes nibbles | 8 x 64 bytes bytes), then d [16]
+ *                     and m [16] as fp16 (64 bytes)
+ * 64 value bytes hold, for each of the 16 columns c, 4 consecutive k values (bytes c*4 ..
+ * c*4+3): the operand of one vpdpbusd against 4 activation bytes broadcast. Nibble
+ * records hold quads j (low nibbles) and j+4 (high) of the block in line j < 4. One
+ * group's records are one sequential stream: 0.625 bytes per weight for the nibble
+ * formats, 1.125 for the byte ones. */
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "_kernels.h"
+
+#define A8_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"
+#define A8 __attribute__((target(A8_TARGET)))
+#define A8_INLINE static inline __attribute__((always_inline, target(A8_TARGET)))
+
+#define QK 32
+#define GROUP 16 /* output columns per group: one zmm lane each */
+
+int int8_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+/* ---- the activations -------------------------------------------------------------------- */
+
+typedef struct {
+    int8_t *q; /* [M][K] */
+    float *d;  /* [M][B]: the block's scale dx = max|x| / 127 */
+    float *s;  /* [M][B]: dx * sum q */
+    int64_t K, B;
+} Rows8;
+
+/* One row: blocks of 32 rounded to int8 (nearest, ties to even) by 127 / max|x|. */
+A8 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+        d[b] = amax / 127.0f;
+        s[b] = d[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+A8 static void quantize_rows(const float *x, int64_t ldx, int64_t M, const Rows8 *r, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M * r->K >= 65536)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * ldx, r->K, r->q + m * r->K, r->d + m * r->B, r->s + m * r->B);
+}
+
+/* ---- the micro-kernel -------------------------------------------------------------------- */
+
+A8_INLINE __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* RM rows x RN groups (RN * 16 columns). */
+A8_INLINE void tile(const uint8_t *W, int64_t B, const Rows8 *a, int64_t m0, int64_t g0,
+                    float *y, int64_t ldy, int64_t N, int accumulate, const int NIB,
+                    const int RM, const int RN) {
+    const int64_t vbytes = NIB ? 256 : 512, rec = vbytes + 64;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[4][2];
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; b++) {
+        const uint8_t *r[2];
+        for (int j = 0; j < RN; j++) r[j] = W + ((g0 + j) * B + b) * rec;
+        __m512i is[4][2];
+        for (int i = 0; i < RM; i++)
+            for (int j = 0; j < RN; j++) is[i][j] = _mm512_setzero_si512();
+        if (NIB) {
+            for (int jq = 0; jq < 4; jq++) {
+                __m512i lo[2], hi[2];
+                for (int j = 0; j < RN; j++) {
+                    const __m512i v = _mm512_loadu_si512(r[j] + 64 * jq);
+                    lo[j] = _mm512_and_si512(v, low);
+                    hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
+                for (int i = 0; i < RM; i++) {
+                    const int8_t *xq = a->q + (m0 + i) * a->K + b * QK + 4 * jq;
+                    const __m512i xa = bcast4(xq), xb = bcast4(xq + 16);
+                    for (int j = 0; j < RN; j++) {
+                        is[i][j] = _mm512_dpbusd_epi32(is[i][j], lo[j], xa);
+                        is[i][j] = _mm512_dpbusd_epi32(is[i][j], hi[j], xb);
+                    }
+                }
+            }
+        } else {
+            for (int jq = 0; jq < 8; jq++) {
+                __m512i v[2];
+                for (int j = 0; j < RN; j++) v[j] = _mm512_loadu_si512(r[j] + 64 * jq);
+                for (int i = 0; i < RM; i++) {
+                    const __m512i xa = bcast4(a->q + (m0 + i) * a->K + b * QK + 4 * jq);
+                    for (int j = 0; j < RN; j++) is[i][j] = _mm512_dpbusd_epi32(is[i][j], v[j], xa);
+                }
+            }
+        }
+        __m512 dv[2], mv[2];
+        for (int j = 0; j < RN; j++) {
+            dv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r[j] + vbytes)));
+            mv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r[j] + vbytes + 32)));
+        }
+        for (int i = 0; i < RM; i++) {
+            const __m512 dx = _mm512_set1_ps(a->d[(m0 + i) * B + b]);
+            const __m512 sx = _mm512_set1_ps(a->s[(m0 + i) * B + b]);
+            for (int j = 0; j < RN; j++) {
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][j]), _mm512_mul_ps(dv[j], dx),
+                                            acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(mv[j], sx, acc[i][j]);
+            }
+        }
+    }
+    for (int j = 0; j < RN; j++) {
+        const int64_t n = (g0 + j) * GROUP, left = N - n;
+        const __mmask16 mask = left >= GROUP ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        for (int i = 0; i < RM; i++) {
+            float *out = y + (m0 + i) * ldy + n;
+            __m512 v = acc[i][j];
+            if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), v);
+            _mm512_mask_storeu_ps(out, mask, v);
+        }
+    }
+}
+
+#define TILE_RM(NIB, RN)                                                                 \
+    do {                                                                                 \
+        int64_t m = m0;                                                                  \
+        for (; m + 4 <= m1; m += 4) tile(W, B, a, m, g0, y, ldy, N, accumulate, NIB, 4, RN); \
+        switch (m1 - m) {                                                                \
+            case 3: tile(W, B, a, m, g0, y, ldy, N, accumulate, NIB, 3, RN); break;      \
+            case 2: tile(W, B, a, m, g0, y, ldy, N, accumulate, NIB, 2, RN); break;      \
+            case 1: tile(W, B, a, m, g0, y, ldy, N, accumulate, NIB, 1, RN); break;      \
+        }                                                                                \
+    } while (0)
+
+/* Rows [m0, m1) against groups [g0, g0 + rn), rn <= 2. */
+A8 static void rows_groups(const uint8_t *W, int nib, int64_t B, const Rows8 *a, int64_t m0,
+                           int64_t m1, int64_t g0, int rn, float *y, int64_t ldy, int64_t N,
+                           int accumulate) {
+    if (nib) {
+        if (rn == 2) TILE_RM(1, 2); else TILE_RM(1, 1);
+    } else {
+        if (rn == 2) TILE_RM(0, 2); else TILE_RM(0, 1);
+    }
+}
+
+static int64_t chunk_for(int64_t tiles, int threads, int per_thread) {
+    const int64_t chunk = tiles / ((int64_t)threads * per_thread);
+    return chunk < 1 ? 1 : chunk;
+}
+
+/* y (+)= x @ W^T for the packed weight W (see the header). Returns -1 when scratch
+ * memory could not be allocated. Tiles of 2 groups (32 columns) are handed out in
+ * dynamic chunks (as in _kernels.c); rows go in passes whose int8 activations stay in L2. */
+int qlinear_int8(const uint8_t *W, int nib, int64_t N, int64_t K, const float *x, int64_t ldx,
+                 int64_t M, float *y, int64_t ldy, int accumulate, int threads) {
+    const int64_t B = K / QK, groups = (N + GROUP - 1) / GROUP, tiles = (groups + 1) / 2;
+    Rows8 a = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * B)),
+               malloc(sizeof(float) * (size_t)(M * B)), K, B};
+    if (a.q == NULL || a.d == NULL || a.s == NULL) {
+        free(a.q), free(a.d), free(a.s);
+        return -1;
+    }
+    quantize_rows(x, ldx, M, &a, threads);
+    int64_t pass = (256 * 1024) / K;
+    pass = pass < 16 ? 16 : pass > 1024 ? 1024 : pass;
+    const int per_thread = M < 4 ? 2 : 4;
+#pragma omp parallel num_threads(threads)
+    for (int64_t m0 = 0; m0 < M; m0 += pass) {
+        const int64_t m1 = m0 + pass < M ? m0 + pass : M;
+#pragma omp for schedule(dynamic, chunk_for(tiles, threads, per_thread))
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t g0 = 2 * t;
+            rows_groups(W, nib, B, &a, m0, m1, g0, g0 + 2 <= groups ? 2 : 1, y, ldy, N, accumulate);
+        }
+    }
+    free(a.q), free(a.d), free(a.s);
+    return 0;
+}

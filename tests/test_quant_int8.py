@@ -1,0 +1,211 @@
+"""`--activations int8`: the int8 kernels (pdserve/quant/_int8.c) against references.
+
+The method (llama.cpp's): each row of activations is rounded per block of 32 values to
+q = round(x * 127 / max|x|) with the scale dx = max|x| / 127; every weight block is u*d + m
+(u an unsigned byte, pdserve/quant/linear.py `pack_int8`), and a block adds
+float(sum u*q) * (d*dx) + m * (dx * sum q) to the output, in block order. The integer
+sums are exact, so two things are checked apart:
+* the kernel computes exactly that: against a float64 evaluation of the same formula on
+  activations rounded by torch in the same fp32 operations, within fp32 rounding of the
+  2B epilogue terms: gamma(2B + 2) * sum of their magnitudes;
+* what the method costs against the exact product with fp32 activations: each activation
+  moves by at most dx/2, so an output by at most sum_blocks dx/2 * sum |w| (plus that
+  rounding) - the bound the format implies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.tiny_models import quantize_blocks
+
+from pdserve.model.default import default_model_path
+from pdserve.model.loader import resolve_quantization
+from pdserve.quant.formats import Layout, QuantType, QuantWeight
+from pdserve.quant.linear import QuantLinear, int8_blocker, pack_int8
+
+pytestmark = [pytest.mark.kernels, pytest.mark.int8]
+
+INT8_TYPES = [t for t in QuantType if t.layout != Layout.I8_16]
+SHAPES = [(1, 576, 576), (3, 130, 96), (7, 5, 64), (70, 33, 160), (1, 17, 32), (131, 64, 1536)]
+K_SHAPES = [(1, 576, 512), (3, 130, 256), (70, 33, 768)]
+CASES = [(t, s) for t in INT8_TYPES for s in (K_SHAPES if t.block_values == 256 else SHAPES)]
+U = 2.0**-24
+
+
+def quantized(w: torch.Tensor, qtype: QuantType) -> QuantWeight:
+    return QuantWeight.from_blocks(qtype, quantize_blocks(w.numpy(), qtype.name), w.shape[1])
+
+
+def int8_weights(qw: QuantWeight) -> torch.Tensor:
+    """The weights the int8 kernel multiplies by: the exact fp32 ones, except that the K
+    formats' fp32 scales and minimums are rounded to fp16 (pack_int8's records)."""
+    if qw.qtype.block_values != 256:
+        return qw.dequantize()
+    half = QuantWeight(
+        qw.qtype,
+        qw.qs,
+        qw.d.to(torch.float16).to(torch.float32),
+        None if qw.m is None else qw.m.to(torch.float16).to(torch.float32),
+    )
+    return half.dequantize()
+
+
+def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded as the kernel does, in the same fp32 operations: (q [M, B, 32], dx [M, B, 1])."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    return torch.round(blocks * inv), amax / 127.0
+
+
+def method(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The method in float64 on x rounded as the kernel rounds it: (the product, and the
+    bound on the kernel's fp32 rounding of it: gamma(2B + 2) times twice the sum of the
+    blocks' magnitudes - each block is two FMA terms, d*dx one more rounding)."""
+    (m, k), n = x.shape, w.shape[0]
+    q, dx = rounded(x)
+    wb = w.double().reshape(n, k // 32, 32)
+    scale = dx.double().reshape(m, 1, -1)
+    product = (torch.einsum("mbk,nbk->mnb", q.double(), wb) * scale).sum(-1)
+    size = (torch.einsum("mbk,nbk->mnb", q.double().abs(), wb.abs()) * scale).sum(-1)
+    g = 2 * (k // 32) + 2
+    return product, g * U / (1 - g * U) * 2 * size
+
+
+@pytest.mark.parametrize(("qtype", "shape"), CASES)
+def test_the_kernel_computes_the_method_within_fp32_rounding(
+    qtype: QuantType, shape: tuple[int, int, int]
+) -> None:
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    qw = quantized(torch.randn(n, k, generator=gen), qtype)
+    x = torch.randn(m, k, generator=gen)
+    y = QuantLinear(qw, None, "int8")(x)
+    want, bound = method(x, int8_weights(qw))
+    err = (y.double() - want).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize(("qtype", "shape"), CASES)
+def test_against_fp32_activations_within_the_rounding_of_the_activations(
+    qtype: QuantType, shape: tuple[int, int, int]
+) -> None:
+    """Each activation moves by at most dx/2 of its block: an output by at most
+    sum_b dx_b / 2 * sum_{k in b} |w_k| from the exact product, plus fp32 rounding."""
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(m + n * 7 + k)
+    qw = quantized(torch.randn(n, k, generator=gen), qtype)
+    x = torch.randn(m, k, generator=gen)
+    y = QuantLinear(qw, None, "int8")(x)
+    w = int8_weights(qw).double()
+    _, dx = rounded(x)
+    per_block = w.abs().reshape(n, k // 32, 32).sum(-1)  # [N, B]
+    half_step = (dx.double().reshape(m, 1, -1) / 2 * per_block).sum(-1)
+    _, rounding = method(x, w)
+    err = (y.double() - x.double() @ w.T).abs()
+    assert bool((err <= half_step + rounding).all()), float((err - half_step - rounding).max())
+    # The rounding is real: int8 activations do not give the fp32 product.
+    assert not torch.equal(y, QuantLinear(qw, None)(x))
+
+
+def test_the_shipped_models_tensors_within_the_bound() -> None:
+    """The shipped GGUF's Q4_1 and Q8_0 tensors, as they are in the file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(default_model_path()))
+    tensors = {t.name: t for t in reader.tensors}
+    gen = torch.Generator().manual_seed(11)
+    for name, rows in (("blk.0.ffn_down.weight", None), ("token_embd.weight", 4096)):
+        t = tensors[name]
+        qtype = QuantType[t.tensor_type.name]
+        k = int(t.shape[0])
+        raw = t.data.reshape(-1, t.data.shape[-1])[:rows]
+        qw = QuantWeight.from_blocks(qtype, raw, k)
+        x = torch.randn(5, k, generator=gen)
+        want, bound = method(x, qw.dequantize())
+        err = (QuantLinear(qw, None, "int8")(x).double() - want).abs()
+        assert bool((err <= bound).all()), (name, float((err - bound).max()))
+
+
+def test_prologues_and_residual_add_round_what_the_fp32_path_computes() -> None:
+    """RMSNorm and SwiGLU run in fp32 before the rounding: the fp32 kernel's product
+    with an identity weight gives the prologue's output, and the int8 op over that is
+    bit-identical to the int8 op with the prologue fused."""
+    gen = torch.Generator().manual_seed(4)
+    k = 96
+    # Q4_0 holds an identity exactly ((0 - 8) * -1/8 = 1), so the fp32 kernel's product
+    # with it is its input: the prologue's output, bit for bit.
+    ident = QuantLinear(QuantWeight.quantize(torch.eye(k), QuantType.Q4_0), None)
+    assert torch.equal(ident.dequantize(), torch.eye(k))
+    op = QuantLinear(quantized(torch.randn(40, k, generator=gen), QuantType.Q4_1), None, "int8")
+    x, norm = torch.randn(6, k, generator=gen), torch.randn(k, generator=gen)
+    assert torch.equal(op.run(x, norm=norm, eps=1e-5), op(ident.run(x, norm=norm, eps=1e-5)))
+    gate_up = torch.randn(6, 2 * k, generator=gen)
+    assert torch.equal(op.run(gate_up, swiglu=True), op(ident.run(gate_up, swiglu=True)))
+    h = torch.randn(6, 40, generator=gen)
+    assert torch.equal(op.run(x, into=h.clone()), h + op(x))
+
+
+def test_a_format_without_an_int8_form_keeps_fp32_activations_in_the_same_op() -> None:
+    """Q6_K (a scale per 16 values) has no int8 record: in a mixed q/k/v (Q4_K q/k, Q6_K
+    v) its columns are the fp32 kernel's bits, the others the int8 kernel's."""
+    gen = torch.Generator().manual_seed(5)
+    parts = [quantized(torch.randn(n, 256, generator=gen), t) for n, t in
+             ((64, QuantType.Q4_K), (32, QuantType.Q4_K), (32, QuantType.Q6_K))]  # fmt: skip
+    assert pack_int8(parts[2]) is None
+    op = QuantLinear(parts, None, "int8")
+    assert op.activations == ["fp32", "int8"]
+    assert QuantLinear(parts[:2], None, "int8").activations == ["int8"]
+    x = torch.randn(9, 256, generator=gen)
+    y = op(x)
+    assert torch.equal(y[:, :96], QuantLinear(parts[:2], None, "int8")(x))
+    assert torch.equal(y[:, 96:], QuantLinear(parts[2], None)(x))
+
+
+def test_records_hold_the_values_scales_and_minimums() -> None:
+    """pack_int8's layout, read back in Python: for every column and block, the unsigned
+    values, the fp16 scale and the minimum (-offset * d where the format has none)."""
+    gen = torch.Generator().manual_seed(6)
+    for qtype, offset in ((QuantType.Q4_0, 8), (QuantType.Q8_0, 128), (QuantType.Q4_1, 0)):
+        qw = quantized(torch.randn(20, 64, generator=gen), qtype)  # 16 + 4 (+ 12 padding)
+        rec = pack_int8(qw)
+        assert rec is not None
+        nib = qtype.layout.nibbles
+        size = (256 if nib else 512) + 64
+        assert rec.numel() == 2 * 2 * size  # 2 groups of 16 columns x 2 blocks
+        rec = rec.reshape(2, 2, size)
+        w = qw.dequantize()
+        for col in (0, 7, 19):
+            g, c = divmod(col, 16)
+            for b in range(2):
+                vals = rec[g, b, : size - 64].reshape(-1, 16, 4)[:, c]  # [lines, 4]
+                u = torch.cat((vals & 15, vals >> 4)) if nib else vals
+                d = rec[g, b, size - 64 : size - 32].view(torch.float16)[c].float()
+                m = rec[g, b, size - 32 :].view(torch.float16)[c].float()
+                got = d * u.reshape(32).float() + m
+                assert torch.equal(got, w[col, 32 * b : 32 * b + 32]), (qtype, col, b)
+                if offset:
+                    assert m == -offset * d
+        pad = rec[1, :, : size - 64].reshape(2, -1, 16, 4)[:, :, 4:]  # columns 20..31
+        assert int(pad.abs().sum()) == 0
+
+
+def test_a_cpu_without_vnni_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine has AVX-512 VNNI; a CPU without it (the extension's answer stubbed
+    here) is refused by the op and by --activations, naming what is missing."""
+    qw = QuantWeight.quantize(torch.randn(16, 32), QuantType.Q8_0)
+    assert int8_blocker() == ""
+    with pytest.raises(ValueError, match="activations must be one of fp32, int8, got 'int4'"):
+        QuantLinear(qw, None, "int4")
+    from pdserve.quant import _kernels  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(_kernels, "int8_supported", lambda: False)
+    lacks = "this CPU lacks AVX-512 VNNI (with AVX-512 F/BW/VL/DQ), which the int8 kernels need"
+    assert int8_blocker() == lacks
+    with pytest.raises(RuntimeError) as info:
+        QuantLinear(qw, None, "int8")
+    assert str(info.value) == f"int8 activations: {lacks}"
+    with pytest.raises(ValueError) as refused:
+        resolve_quantization("auto", default_model_path(), activations="int8")
+    assert str(refused.value) == f"--activations int8: {lacks}"
