@@ -1,7 +1,7 @@
 """Where a decode step's time goes, by part, at several batch sizes.
 
     .venv/bin/python bench/bench_step_breakdown.py [--model PATH] [--batches 1,8,16,32]
-        [--context 256] [--steps 24] [--quantization gguf]
+        [--context 256] [--steps 24] [--quantization gguf] [--activations fp32]
 
 Runs the engine as `bench_engine.py` does (prompts of `--context` random tokens
 prefilled first, then decode steps timed) with timers around each part of a step: the
@@ -140,11 +140,16 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--quantization", default="gguf")
+    ap.add_argument("--activations", default="fp32", choices=("fp32", "int8"))
     args = ap.parse_args()
     cfg = EngineConfig(
         model=str(resolve_model(args.model)),
         quantization=args.quantization,
-        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=128),
+        activations=args.activations,
+        # No prompt cap: every batch is prefilled whole before its decode steps are timed.
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=4096, max_num_seqs=128, max_prefill_tokens_with_decodes=0
+        ),
         cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_cache=False),
     )
     engine = Engine.from_config(dataclasses.replace(cfg))
@@ -162,7 +167,8 @@ def main() -> int:
     parts += ["engine, rest"]
     print(
         f"decode step breakdown, ms (medians of {args.steps} steps), context ~{args.context}, "
-        f"{torch.get_num_threads()} threads, --quantization {args.quantization}"
+        f"{torch.get_num_threads()} threads, --quantization {args.quantization}, "
+        f"--activations {args.activations}"
     )
     print(f"{'part':<16}" + "".join(f"{'b=' + str(b):>10}" for b in batches))
     for p in parts:
