@@ -1,7 +1,7 @@
 """The quantized product alone against oneDNN's fp32 one, same weights, one run.
 
     .venv/bin/python bench/bench_quant_kernels.py [--threads 2] [--repeats 40]
-        [--formats Q4_1,Q8_0]
+        [--formats Q4_1,Q8_0] [--int8]
 
 For the shipped model's two projection shapes (gate/up: N 3072 x K 576; down: 576 x
 1536; the K formats, whose rows are 256-value blocks, down only), each format asked
@@ -10,7 +10,9 @@ M = 1, 8, 64, 256 activation rows: the median time of
 `QuantLinear` (pdserve/quant) and of `PackedLinear` (oneDNN's packed fp32 inner
 product, what `--quantization none` runs) on the dequantized copy of the same weights,
 alternating. Weights stay hot in cache here, so a GEMV reads as compute; in a model
-step the weights stream from memory (bench/bench_engine.py measures that).
+step the weights stream from memory (bench/bench_engine.py measures that). With
+`--int8`, a third column: the same weights with int8 activations (`--activations int8`,
+pdserve/quant/_int8.c), timed in the same alternation.
 """
 
 from __future__ import annotations
@@ -60,30 +62,39 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--formats", default="Q4_1,Q8_0", help="comma-separated GGUF formats")
+    ap.add_argument("--int8", action="store_true", help="also time int8 activations")
     args = ap.parse_args()
     formats = [QuantType.parse(f) for f in args.formats.split(",")]
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(0)
     print(f"threads={args.threads}; GMAC/s = M*N*K multiply-adds per second")
-    print("| shape N x K | format | M | blocks GMAC/s | fp32 oneDNN GMAC/s | blocks / fp32 |")
-    print("|---|---|---:|---:|---:|---:|")
+    extra = " int8 GMAC/s | int8 / fp32 |" if args.int8 else ""
+    print(
+        f"| shape N x K | format | M | blocks GMAC/s | fp32 oneDNN GMAC/s | blocks / fp32 |{extra}"
+    )
+    print("|---|---|---:|---:|---:|---:|" + ("---:|---:|" if args.int8 else ""))
     for n, k in SHAPES:
         for qtype in formats:
             if k % qtype.block_values:
                 continue
             qw = random_blocks(qtype, n, k, rng)
             quant, fp32 = QuantLinear(qw, None), PackedLinear(qw.dequantize(), None, pack=True)
+            int8 = QuantLinear(qw, None, "int8") if args.int8 else None
             for m in ROWS:
                 x = torch.randn(m, k, generator=gen)
                 reps = args.repeats if m < 64 else max(5, args.repeats // 4)
                 tq = median_time(lambda: quant(x), reps)  # noqa: B023
                 tf = median_time(lambda: fp32(x), reps)  # noqa: B023
                 rate = m * n * k / 1e9
-                print(
+                row = (
                     f"| {n} x {k} | {qtype.name} | {m} | {rate / tq:.1f} | {rate / tf:.1f} "
                     f"| {tf / tq:.2f}x |"
                 )
+                if int8 is not None:
+                    ti = median_time(lambda: int8(x), reps)  # noqa: B023
+                    row += f" {rate / ti:.1f} | {tf / ti:.2f}x |"
+                print(row)
     return 0
 
 
