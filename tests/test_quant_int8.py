@@ -21,12 +21,12 @@ from helpers.tiny_models import quantize_blocks
 
 from pdserve.model.default import default_model_path
 from pdserve.model.loader import resolve_quantization
-from pdserve.quant.formats import Layout, QuantType, QuantWeight
+from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantLinear, int8_blocker, pack_int8
 
 pytestmark = [pytest.mark.kernels, pytest.mark.int8]
 
-INT8_TYPES = [t for t in QuantType if t.layout != Layout.I8_16]
+INT8_TYPES = list(QuantType)
 SHAPES = [(1, 576, 576), (3, 130, 96), (7, 5, 64), (70, 33, 160), (1, 17, 32), (131, 64, 1536)]
 K_SHAPES = [(1, 576, 512), (3, 130, 256), (70, 33, 768)]
 CASES = [(t, s) for t in INT8_TYPES for s in (K_SHAPES if t.block_values == 256 else SHAPES)]
@@ -147,47 +147,67 @@ def test_prologues_and_residual_add_round_what_the_fp32_path_computes() -> None:
     assert torch.equal(op.run(x, into=h.clone()), h + op(x))
 
 
-def test_a_format_without_an_int8_form_keeps_fp32_activations_in_the_same_op() -> None:
-    """Q6_K (a scale per 16 values) has no int8 record: in a mixed q/k/v (Q4_K q/k, Q6_K
-    v) its columns are the fp32 kernel's bits, the others the int8 kernel's."""
+def test_a_q4_k_m_mix_is_one_op_with_each_part_in_its_own_records() -> None:
+    """A fused q/k/v of Q4_K q/k and Q6_K v (Q4_K_M): one int8 call per format, each
+    part's columns the bits of that part alone."""
     gen = torch.Generator().manual_seed(5)
     parts = [quantized(torch.randn(n, 256, generator=gen), t) for n, t in
              ((64, QuantType.Q4_K), (32, QuantType.Q4_K), (32, QuantType.Q6_K))]  # fmt: skip
-    assert pack_int8(parts[2]) is None
     op = QuantLinear(parts, None, "int8")
-    assert op.activations == ["fp32", "int8"]
-    assert QuantLinear(parts[:2], None, "int8").activations == ["int8"]
+    assert op.activations == ["int8"]
     x = torch.randn(9, 256, generator=gen)
     y = op(x)
     assert torch.equal(y[:, :96], QuantLinear(parts[:2], None, "int8")(x))
-    assert torch.equal(y[:, 96:], QuantLinear(parts[2], None)(x))
+    assert torch.equal(y[:, 96:], QuantLinear(parts[2], None, "int8")(x))
+
+
+def test_a_scale_that_fp16_cannot_hold_keeps_fp32_activations_for_its_part() -> None:
+    """Q8_0's minimum is -128 d: a block scale over 511.75 has none in fp16, so that
+    weight keeps the exact kernel (its bits), beside a Q4_0 part on the int8 one, and the
+    op says it mixes both."""
+    gen = torch.Generator().manual_seed(8)
+    big = quantized(torch.randn(16, 64, generator=gen) * 1e5, QuantType.Q8_0)
+    assert float(big.d.float().abs().max()) > 512 and pack_int8(big) is None
+    small = quantized(torch.randn(16, 64, generator=gen), QuantType.Q4_0)
+    op = QuantLinear([big, small], None, "int8")
+    assert op.activations == ["fp32", "int8"]
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.equal(op(x)[:, :16], QuantLinear(big, None)(x))
+    assert torch.equal(op(x)[:, 16:], QuantLinear(small, None, "int8")(x))
 
 
 def test_records_hold_the_values_scales_and_minimums() -> None:
     """pack_int8's layout, read back in Python: for every column and block, the unsigned
     values, the fp16 scale and the minimum (-offset * d where the format has none)."""
     gen = torch.Generator().manual_seed(6)
-    for qtype, offset in ((QuantType.Q4_0, 8), (QuantType.Q8_0, 128), (QuantType.Q4_1, 0)):
-        qw = quantized(torch.randn(20, 64, generator=gen), qtype)  # 16 + 4 (+ 12 padding)
+    cases = ((QuantType.Q4_0, 8), (QuantType.Q8_0, 128), (QuantType.Q4_1, 0), (QuantType.Q6_K, 128))
+    for qtype, offset in cases:
+        k = qtype.block_values * 2 if qtype.block_values == 256 else 64
+        qw = quantized(torch.randn(20, k, generator=gen), qtype)  # 16 + 4 (+ 12 padding)
         rec = pack_int8(qw)
         assert rec is not None
-        nib = qtype.layout.nibbles
-        size = (256 if nib else 512) + 64
-        assert rec.numel() == 2 * 2 * size  # 2 groups of 16 columns x 2 blocks
-        rec = rec.reshape(2, 2, size)
-        w = qw.dequantize()
+        nib, sub = qtype.layout.nibbles, qtype.layout.scales_per_block
+        vbytes = 256 if nib else 512
+        size, blocks = vbytes + 64 * sub, k // 32
+        assert rec.numel() == 2 * blocks * size  # 2 groups of 16 columns x the blocks
+        rec = rec.reshape(2, blocks, size)
+        w = int8_weights(qw)
         for col in (0, 7, 19):
             g, c = divmod(col, 16)
-            for b in range(2):
-                vals = rec[g, b, : size - 64].reshape(-1, 16, 4)[:, c]  # [lines, 4]
-                u = torch.cat((vals & 15, vals >> 4)) if nib else vals
-                d = rec[g, b, size - 64 : size - 32].view(torch.float16)[c].float()
-                m = rec[g, b, size - 32 :].view(torch.float16)[c].float()
-                got = d * u.reshape(32).float() + m
-                assert torch.equal(got, w[col, 32 * b : 32 * b + 32]), (qtype, col, b)
-                if offset:
-                    assert m == -offset * d
-        pad = rec[1, :, : size - 64].reshape(2, -1, 16, 4)[:, :, 4:]  # columns 20..31
+            for b in range(blocks):
+                vals = rec[g, b, :vbytes].reshape(-1, 16, 4)[:, c]  # [lines, 4]
+                u = (torch.cat((vals & 15, vals >> 4)) if nib else vals).reshape(32).float()
+                for s in range(sub):  # each scale's values: 32 / sub of them
+                    at = vbytes + 64 * s
+                    d = rec[g, b, at : at + 32].view(torch.float16)[c].float()
+                    m = rec[g, b, at + 32 : at + 64].view(torch.float16)[c].float()
+                    part = slice(s * 32 // sub, (s + 1) * 32 // sub)
+                    got = d * u[part] + m
+                    want = w[col, 32 * b : 32 * b + 32][part]
+                    assert torch.equal(got, want), (qtype, col, b, s)
+                    if offset:
+                        assert m == -offset * d
+        pad = rec[1, :, :vbytes].reshape(blocks, -1, 16, 4)[:, :, 4:]  # columns 20..31
         assert int(pad.abs().sum()) == 0
 
 

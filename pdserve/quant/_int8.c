@@ -4,13 +4,14 @@
  * 16 int32 lanes per instruction, 4x the multiply-adds of an fp32 FMA).
  *
  * The method. Every weight block is u*d + m with u an unsigned byte (Q4_0: nibble, m =
- * -8d; Q4_1/Q4_K: nibble; Q8_0/Q5_0 (int8 q): u = q + 128, m = -128d; Q5_1/Q5_K: u as
- * is) and every activation block is dx*q, q = round(x * 127 / max|x|) in [-127, 127].
+ * -8d; Q4_1/Q4_K: nibble; Q8_0/Q5_0 and Q6_K (int8 q): u = q + 128, m = -128d; Q5_1/Q5_K:
+ * u as is) and every activation block is dx*q, q = round(x * 127 / max|x|) in [-127, 127].
  * So a block's contribution to y[m, n] is
  *     dx * (d * isum + m * qsum),   isum = sum u*q (exact, int32),  qsum = sum q,
  * taken as acc += float(isum) * (d*dx); acc += m * (dx*qsum): two FMAs per block, in block
- * order. The only rounding of the inputs is the activations' (at most dx/2 each); the
- * rest is fp32 rounding of B products summed in order.
+ * order (Q6_K, a scale per 16 values: two FMAs per half block). The only rounding of the
+ * inputs is the activations' (at most dx/2 each); the rest is fp32 rounding of those
+ * terms summed in order.
  *
  * Contract - batch invariance, as in _kernels.c: a row is quantized alone, and y[m, n] is
  * the same operations whatever the batch, the tile and the thread split (the integer
@@ -20,7 +21,8 @@
  * Weight layout (made by pdserve/quant/linear.py `pack_int8`): columns in groups of 16
  * (the last padded with zero columns), each group a run of per-block records:
  *     record (g, b) = values (4 x 64 bytes nibbles | 8 x 64 bytes bytes), then d [16]
- *                     and m [16] as fp16 (64 bytes)
+ *                     and m [16] as fp16 (64 bytes; SUB16: those of values 0-15, then
+ *                     of values 16-31)
  * 64 value bytes hold, for each of the 16 columns c, 4 consecutive k values (bytes c*4 ..
  * c*4+3): the operand of one vpdpbusd against 4 activation bytes broadcast. Nibble
  * records hold quads j (low nibbles) and j+4 (high) of the block in line j < 4. One
@@ -41,6 +43,8 @@
 #define QK 32
 #define GROUP 16 /* output columns per group: one zmm lane each */
 
+enum { BYTES = 0, NIBBLES = 1, SUB16 = 2 }; /* record kinds; linear.py's pack_int8 */
+
 int int8_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -54,11 +58,13 @@ typedef struct {
     int8_t *q; /* [M][K] */
     float *d;  /* [M][B]: the block's scale dx = max|x| / 127 */
     float *s;  /* [M][B]: dx * sum q */
+    float *h;  /* [M][2B]: dx * sum q of each half block (the SUB16 kind's) */
     int64_t K, B;
 } Rows8;
 
 /* One row: blocks of 32 rounded to int8 (nearest, ties to even) by 127 / max|x|. */
-A8 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+A8 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s,
+                            float *h) {
     for (int64_t b = 0; b < K / QK; b++) {
         const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -69,13 +75,16 @@ A8 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, floa
         _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
         d[b] = amax / 127.0f;
         s[b] = d[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        h[2 * b] = d[b] * (float)_mm512_reduce_add_epi32(q0);
+        h[2 * b + 1] = d[b] * (float)_mm512_reduce_add_epi32(q1);
     }
 }
 
 A8 static void quantize_rows(const float *x, int64_t ldx, int64_t M, const Rows8 *r, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (M * r->K >= 65536)
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * ldx, r->K, r->q + m * r->K, r->d + m * r->B, r->s + m * r->B);
+        quantize_row(x + m * ldx, r->K, r->q + m * r->K, r->d + m * r->B, r->s + m * r->B,
+                     r->h + 2 * m * r->B);
 }
 
 /* ---- the micro-kernel -------------------------------------------------------------------- */
@@ -86,11 +95,34 @@ A8_INLINE __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* RM rows x RN groups (RN * 16 columns). */
+/* acc += float(isum) * (d*dx) + m * sx for RM rows x RN groups, the scales at byte
+ * offset `at` of each record; sx: the activations' dx * sum q of the values summed
+ * (per row, `ls` floats apart), dx per row `ld` floats apart. Then isum = 0. */
+A8_INLINE void epilogue(__m512 acc[4][2], __m512i is[4][2], const uint8_t *const r[2],
+                        int64_t at, const float *dx, int64_t ld, const float *sx, int64_t ls,
+                        const int RM, const int RN) {
+    __m512 dv[2], mv[2];
+    for (int j = 0; j < RN; j++) {
+        dv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r[j] + at)));
+        mv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r[j] + at + 32)));
+    }
+    for (int i = 0; i < RM; i++) {
+        const __m512 d = _mm512_set1_ps(dx[i * ld]), s = _mm512_set1_ps(sx[i * ls]);
+        for (int j = 0; j < RN; j++) {
+            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][j]), _mm512_mul_ps(dv[j], d),
+                                        acc[i][j]);
+            acc[i][j] = _mm512_fmadd_ps(mv[j], s, acc[i][j]);
+            is[i][j] = _mm512_setzero_si512();
+        }
+    }
+}
+
+/* RM rows x RN groups (RN * 16 columns), records of kind KIND. */
 A8_INLINE void tile(const uint8_t *W, int64_t B, const Rows8 *a, int64_t m0, int64_t g0,
-                    float *y, int64_t ldy, int64_t N, int accumulate, const int NIB,
+                    float *y, int64_t ldy, int64_t N, int accumulate, const int KIND,
                     const int RM, const int RN) {
-    const int64_t vbytes = NIB ? 256 : 512, rec = vbytes + 64;
+    const int NIB = KIND == NIBBLES;
+    const int64_t vbytes = NIB ? 256 : 512, rec = vbytes + (KIND == SUB16 ? 128 : 64);
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[4][2];
     for (int i = 0; i < RM; i++)
@@ -126,22 +158,16 @@ A8_INLINE void tile(const uint8_t *W, int64_t B, const Rows8 *a, int64_t m0, int
                     const __m512i xa = bcast4(a->q + (m0 + i) * a->K + b * QK + 4 * jq);
                     for (int j = 0; j < RN; j++) is[i][j] = _mm512_dpbusd_epi32(is[i][j], v[j], xa);
                 }
+                if (KIND == SUB16 && jq == 3) /* values 0-15 have their own scales */
+                    epilogue(acc, is, r, vbytes, a->d + m0 * B + b, B,
+                             a->h + 2 * (m0 * B + b), 2 * B, RM, RN);
             }
         }
-        __m512 dv[2], mv[2];
-        for (int j = 0; j < RN; j++) {
-            dv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r[j] + vbytes)));
-            mv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r[j] + vbytes + 32)));
-        }
-        for (int i = 0; i < RM; i++) {
-            const __m512 dx = _mm512_set1_ps(a->d[(m0 + i) * B + b]);
-            const __m512 sx = _mm512_set1_ps(a->s[(m0 + i) * B + b]);
-            for (int j = 0; j < RN; j++) {
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][j]), _mm512_mul_ps(dv[j], dx),
-                                            acc[i][j]);
-                acc[i][j] = _mm512_fmadd_ps(mv[j], sx, acc[i][j]);
-            }
-        }
+        if (KIND == SUB16)
+            epilogue(acc, is, r, vbytes + 64, a->d + m0 * B + b, B,
+                     a->h + 2 * (m0 * B + b) + 1, 2 * B, RM, RN);
+        else
+            epilogue(acc, is, r, vbytes, a->d + m0 * B + b, B, a->s + m0 * B + b, B, RM, RN);
     }
     for (int j = 0; j < RN; j++) {
         const int64_t n = (g0 + j) * GROUP, left = N - n;
@@ -155,25 +181,30 @@ A8_INLINE void tile(const uint8_t *W, int64_t B, const Rows8 *a, int64_t m0, int
     }
 }
 
-#define TILE_RM(NIB, RN)                                                                 \
-    do {                                                                                 \
-        int64_t m = m0;                                                                  \
-        for (; m + 4 <= m1; m += 4) tile(W, B, a, m, g0, y, ldy, N, accumulate, NIB, 4, RN); \
-        switch (m1 - m) {                                                                \
-            case 3: tile(W, B, a, m, g0, y, ldy, N, accumulate, NIB, 3, RN); break;      \
-            case 2: tile(W, B, a, m, g0, y, ldy, N, accumulate, NIB, 2, RN); break;      \
-            case 1: tile(W, B, a, m, g0, y, ldy, N, accumulate, NIB, 1, RN); break;      \
-        }                                                                                \
+#define TILE_RM(KIND, RN)                                                                 \
+    do {                                                                                  \
+        int64_t m = m0;                                                                   \
+        for (; m + 4 <= m1; m += 4) tile(W, B, a, m, g0, y, ldy, N, accumulate, KIND, 4, RN); \
+        switch (m1 - m) {                                                                 \
+            case 3: tile(W, B, a, m, g0, y, ldy, N, accumulate, KIND, 3, RN); break;      \
+            case 2: tile(W, B, a, m, g0, y, ldy, N, accumulate, KIND, 2, RN); break;      \
+            case 1: tile(W, B, a, m, g0, y, ldy, N, accumulate, KIND, 1, RN); break;      \
+        }                                                                                 \
+    } while (0)
+
+#define TILE_RN(KIND)                                    \
+    do {                                                 \
+        if (rn == 2) TILE_RM(KIND, 2); else TILE_RM(KIND, 1); \
     } while (0)
 
 /* Rows [m0, m1) against groups [g0, g0 + rn), rn <= 2. */
-A8 static void rows_groups(const uint8_t *W, int nib, int64_t B, const Rows8 *a, int64_t m0,
+A8 static void rows_groups(const uint8_t *W, int kind, int64_t B, const Rows8 *a, int64_t m0,
                            int64_t m1, int64_t g0, int rn, float *y, int64_t ldy, int64_t N,
                            int accumulate) {
-    if (nib) {
-        if (rn == 2) TILE_RM(1, 2); else TILE_RM(1, 1);
-    } else {
-        if (rn == 2) TILE_RM(0, 2); else TILE_RM(0, 1);
+    switch (kind) {
+        case NIBBLES: TILE_RN(NIBBLES); break;
+        case SUB16: TILE_RN(SUB16); break;
+        default: TILE_RN(BYTES); break;
     }
 }
 
@@ -185,13 +216,14 @@ static int64_t chunk_for(int64_t tiles, int threads, int per_thread) {
 /* y (+)= x @ W^T for the packed weight W (see the header). Returns -1 when scratch
  * memory could not be allocated. Tiles of 2 groups (32 columns) are handed out in
  * dynamic chunks (as in _kernels.c); rows go in passes whose int8 activations stay in L2. */
-int qlinear_int8(const uint8_t *W, int nib, int64_t N, int64_t K, const float *x, int64_t ldx,
-                 int64_t M, float *y, int64_t ldy, int accumulate, int threads) {
+int qlinear_int8(const uint8_t *W, int kind, int64_t N, int64_t K, const float *x,
+                 int64_t ldx, int64_t M, float *y, int64_t ldy, int accumulate, int threads) {
     const int64_t B = K / QK, groups = (N + GROUP - 1) / GROUP, tiles = (groups + 1) / 2;
     Rows8 a = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * B)),
-               malloc(sizeof(float) * (size_t)(M * B)), K, B};
-    if (a.q == NULL || a.d == NULL || a.s == NULL) {
-        free(a.q), free(a.d), free(a.s);
+               malloc(sizeof(float) * (size_t)(M * B)),
+               malloc(sizeof(float) * (size_t)(2 * M * B)), K, B};
+    if (a.q == NULL || a.d == NULL || a.s == NULL || a.h == NULL) {
+        free(a.q), free(a.d), free(a.s), free(a.h);
         return -1;
     }
     quantize_rows(x, ldx, M, &a, threads);
@@ -204,9 +236,9 @@ int qlinear_int8(const uint8_t *W, int nib, int64_t N, int64_t K, const float *x
 #pragma omp for schedule(dynamic, chunk_for(tiles, threads, per_thread))
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t g0 = 2 * t;
-            rows_groups(W, nib, B, &a, m0, m1, g0, g0 + 2 <= groups ? 2 : 1, y, ldy, N, accumulate);
+            rows_groups(W, kind, B, &a, m0, m1, g0, g0 + 2 <= groups ? 2 : 1, y, ldy, N, accumulate);
         }
     }
-    free(a.q), free(a.d), free(a.s);
+    free(a.q), free(a.d), free(a.s), free(a.h);
     return 0;
 }

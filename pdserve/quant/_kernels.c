@@ -423,10 +423,11 @@ static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* qlinear_int8(packed, nibbles, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,
+/* qlinear_int8(packed, kind, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,
  * accumulate): y[M,N] (+)= P(x)[M,K] @ W^T with P(x) rounded to int8 per 32 values
- * (_int8.c); `packed` is pack_int8's records (pdserve/quant/linear.py). The caller checks
- * that int8_supported() and the shapes, as for qlinear. */
+ * (_int8.c); `packed` is pack_int8's records of `kind` (0 bytes, 1 nibbles, 2 bytes with
+ * a scale per 16; pdserve/quant/linear.py). The caller checks that int8_supported() and
+ * the shapes, as for qlinear. */
 static PyObject *py_qlinear_int8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Arg v[14];
     const int floats[] = {12};
@@ -435,7 +436,7 @@ static PyObject *py_qlinear_int8(PyObject *self, PyObject *const *args, Py_ssize
     const int threads = v[9].i > 0 ? (int)v[9].i : 1;
     const Prologue pre = {(int)v[10].i, PTR(const float *, v[11]), (float)v[12].f};
     if (!int8_supported() || K % QK != 0 || M < 0 || N <= 0 || pre.kind < PRE_NONE ||
-        pre.kind > PRE_SWIGLU) {
+        pre.kind > PRE_SWIGLU || v[1].i < 0 || v[1].i > 2) {
         PyErr_SetString(PyExc_ValueError, "qlinear_int8: no AVX-512 VNNI, or a bad shape or prologue");
         return NULL;
     }
@@ -448,7 +449,7 @@ static PyObject *py_qlinear_int8(PyObject *self, PyObject *const *args, Py_ssize
         prologue_rows(&pre, x, ldx, M, K, xt, threads);
     }
     if (pre.kind == PRE_NONE || xt != NULL) {
-        rc = qlinear_int8(PTR(const uint8_t *, v[0]), v[1].i != 0, N, K, xt ? xt : x,
+        rc = qlinear_int8(PTR(const uint8_t *, v[0]), (int)v[1].i, N, K, xt ? xt : x,
                           xt ? K : ldx, M, PTR(float *, v[7]), ldy, v[13].i != 0, threads);
     }
     free(xt);
@@ -504,7 +505,7 @@ static PyMethodDef methods[] = {
      "qlinear(layout, x, ldx, M, K, qs, d, m, N, y, ldy, threads, pre, pre_w, eps, accumulate):"
      " y (+)= P(x) @ W^T, W in GGUF blocks"},
     {"qlinear_int8", (PyCFunction)(void (*)(void))py_qlinear_int8, METH_FASTCALL,
-     "qlinear_int8(packed, nibbles, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,"
+     "qlinear_int8(packed, kind, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,"
      " accumulate): y (+)= int8(P(x)) @ W^T, W packed by pack_int8"},
     {"int8_supported", py_int8_supported, METH_NOARGS,
      "whether this CPU runs qlinear_int8 (AVX-512 F/BW/VL/DQ and VNNI)"},

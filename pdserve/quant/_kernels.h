@@ -81,7 +81,7 @@ void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, in
  * F/BW/VL/DQ and VNNI), and y (+)= x @ W^T for a weight packed by linear.py's
  * pack_int8. */
 int int8_supported(void);
-int qlinear_int8(const uint8_t *W, int nib, int64_t N, int64_t K, const float *x, int64_t ldx,
-                 int64_t M, float *y, int64_t ldy, int accumulate, int threads);
+int qlinear_int8(const uint8_t *W, int kind, int64_t N, int64_t K, const float *x,
+                 int64_t ldx, int64_t M, float *y, int64_t ldy, int accumulate, int threads);
 
 #endif

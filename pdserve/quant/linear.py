@@ -28,7 +28,13 @@ PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
 _GROUP = 16
 # The offset that makes each layout's values unsigned bytes: u = q + offset, w = u*d + m
 # with m = -offset*d (the layouts with minimums are unsigned already).
-_INT8_OFFSET = {Layout.I8: 128, Layout.Q4: 8, Layout.Q4M: 0, Layout.U8M: 0}
+_INT8_OFFSET = {Layout.I8: 128, Layout.Q4: 8, Layout.Q4M: 0, Layout.U8M: 0, Layout.I8_16: 128}
+
+
+def int8_kind(layout: Layout) -> int:
+    """`_int8.c`'s record kind for a layout: 0 bytes, 1 nibbles, 2 bytes with a scale
+    per 16 values."""
+    return 1 if layout.nibbles else 2 if layout == Layout.I8_16 else 0
 
 
 def int8_blocker() -> str:
@@ -44,21 +50,20 @@ def int8_blocker() -> str:
 def pack_int8(weight: QuantWeight) -> torch.Tensor | None:
     """`weight` as `_int8.c` reads it (see its header): per group of 16 columns and block
     of 32 values a record of unsigned byte values (nibbles two to a byte for the nibble
-    layouts), then the 16 scales and 16 minimums as fp16. None where the layout has no
-    int8 form (I8_16: Q6_K's scale per 16 values) or a scale or minimum does not fit
-    fp16; that weight is then taken with fp32 activations.
+    layouts), then the 16 scales and 16 minimums as fp16 (I8_16, Q6_K's scale per 16
+    values: those of each half block). None where a scale or minimum does not fit fp16;
+    that weight is then taken with fp32 activations.
 
     The K formats' scales are fp32 products (d*sc); fp16 rounds them (relative 2^-11),
     far below the activations' int8 rounding (up to 2^-8 of a block's largest value)."""
     layout = weight.qtype.layout
-    if layout not in _INT8_OFFSET:
-        return None
     n, k = weight.shape
     b = k // BLOCK
+    sub = layout.scales_per_block
     if layout.nibbles:
         packed = weight.qs.reshape(n, b, BLOCK // 2)
         u = torch.cat((packed & 0x0F, packed >> 4), dim=-1)
-    elif layout == Layout.I8:
+    elif layout in (Layout.I8, Layout.I8_16):
         u = (weight.qs.view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(n, b, BLOCK)
     else:
         u = weight.qs.reshape(n, b, BLOCK)
@@ -71,18 +76,19 @@ def pack_int8(weight: QuantWeight) -> torch.Tensor | None:
     pad = groups * _GROUP - n
     if pad:
         u = torch.cat((u, u.new_zeros(pad, b, BLOCK)))
-        d16 = torch.cat((d16, d16.new_zeros(pad, b)))
-        m16 = torch.cat((m16, m16.new_zeros(pad, b)))
+        d16 = torch.cat((d16, d16.new_zeros(pad, b * sub)))
+        m16 = torch.cat((m16, m16.new_zeros(pad, b * sub)))
     # [G, 16 columns, B, 8 quads, 4] -> [G, B, 8 quads, 16 columns x 4 values]
     u = u.reshape(groups, _GROUP, b, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, b, 8, 64)
     if layout.nibbles:
         u = u[:, :, :4] | (u[:, :, 4:] << 4)
 
-    def per_group(t: torch.Tensor) -> torch.Tensor:
-        t = t.reshape(groups, _GROUP, b).permute(0, 2, 1).contiguous()
-        return t.view(torch.uint8).reshape(groups, b, 2 * _GROUP)
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [G, B, sub, 16 columns] as bytes
+        t = t.reshape(groups, _GROUP, b, sub).permute(0, 2, 3, 1).contiguous()
+        return t.view(torch.uint8).reshape(groups, b, sub, 2 * _GROUP)
 
-    records = torch.cat((u.reshape(groups, b, -1), per_group(d16), per_group(m16)), dim=2)
+    scales = torch.cat((per_group(d16), per_group(m16)), dim=3).reshape(groups, b, -1)
+    records = torch.cat((u.reshape(groups, b, -1), scales), dim=2)
     return records.contiguous().reshape(-1)
 
 
@@ -145,7 +151,7 @@ class QuantLinear:
         # Each part's kernel arguments that never change (layout, addresses of values,
         # scales and minimums, rows, byte offset of its first output column): a decode
         # step makes ~120 of these calls, so the per-call Python is kept to the minimum.
-        # An int8 part's call is (-1, records, nibbles, 0, rows, offset).
+        # An int8 part's call is (-1, records, kind, 0, rows, offset).
         self._calls = [
             (
                 int(p.weight.qtype.layout), p.weight.qs.data_ptr(), p.scales.data_ptr(),
@@ -153,7 +159,7 @@ class QuantLinear:
             )
             if p.int8 is None
             else (
-                -1, p.int8.data_ptr(), int(p.weight.qtype.layout.nibbles), 0,
+                -1, p.int8.data_ptr(), int8_kind(p.weight.qtype.layout), 0,
                 p.weight.shape[0], 4 * p.n0,
             )
             for p in self._parts
@@ -162,7 +168,7 @@ class QuantLinear:
     @property
     def activations(self) -> list[str]:
         """How the parts take their activations ("fp32", "int8"), sorted, each once: an
-        int8 op keeps fp32 for a part with no int8 form (see `pack_int8`)."""
+        int8 op keeps fp32 for a part whose scales do not fit fp16 (see `pack_int8`)."""
         return sorted({"fp32" if p.int8 is None else "int8" for p in self._parts})
 
     @property
@@ -239,7 +245,7 @@ class QuantLinear:
         threads, xp, ldx, yp = torch.get_num_threads(), x.data_ptr(), x.stride(0), y.data_ptr()
         k, n, eps, acc = self.in_features, self.out_features, float(eps), into is not None
         for layout, qs, scales, mins, rows, offset in self._calls:
-            if layout < 0:  # int8: qs is the records' address, scales whether nibbles
+            if layout < 0:  # int8: qs is the records' address, scales their kind
                 self._qlinear_int8(
                     qs, scales, rows, k, xp, ldx, t, yp + offset, n, threads, pre, pre_w, eps, acc
                 )
