@@ -120,11 +120,12 @@ def instance_resources(config: EngineConfig) -> Resources:
     for its KV budget, its weights and the runtime. Ray uses it to choose nodes; it is
     not a limit. Weights: the model file's size, times 8 for fp32 from a GGUF (4-bit
     blocks dequantized), times 2 for a GGUF's blocks as the kernels hold them (5/6-bit
-    values widened to bytes and fp32 scales: up to 1.8x the file, pdserve/quant)."""
+    values widened to bytes and fp32 scales: up to 1.8x the file, pdserve/quant), times
+    3 with `--activations int8` (the int8 records beside the blocks: up to 2.5x)."""
     weights = resolve_model(config.model)
     size = sum(f.stat().st_size for f in ([weights] if weights.is_file() else weights.iterdir()))
     if weights.suffix == ".gguf":
-        size *= 8 if config.quantization == "none" else 2
+        size *= 8 if config.quantization == "none" else 3 if config.activations == "int8" else 2
     kv = int(config.cache.kv_cache_memory_gib * _GIB)
     return Resources(
         cpus=config.threads,
