@@ -21,13 +21,13 @@
  * Weight layout (made by pdserve/quant/linear.py `pack_int8`): columns in groups of 16
  * (the last padded with zero columns), each group a run of per-block records:
  *     record (g, b) = values (4 x 64 bytes nibbles | 8 x 64 bytes bytes), then d [16]
- *                     and m [16] as fp16 (64 bytes; SUB16: those of values 0-15, then
- *                     of values 16-31)
+ *                     and m [16] as fp16 (64 bytes; SUB16: two such sets, 128 bytes -
+ *                     values 0-15's, then values 16-31's)
  * 64 value bytes hold, for each of the 16 columns c, 4 consecutive k values (bytes c*4 ..
  * c*4+3): the operand of one vpdpbusd against 4 activation bytes broadcast. Nibble
  * records hold quads j (low nibbles) and j+4 (high) of the block in line j < 4. One
  * group's records are one sequential stream: 0.625 bytes per weight for the nibble
- * formats, 1.125 for the byte ones. */
+ * formats, 1.125 for the byte ones, 1.25 for SUB16. */
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
