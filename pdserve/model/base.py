@@ -211,20 +211,19 @@ class CausalLM(nn.Module):
     def weight_formats(self) -> list[str]:
         """The block formats the ops read ("Q4_1", "Q8_0", ...), or ["fp32"]-like dtype
         names where they read full-precision weights; sorted, each once."""
-        dtype = str(self.dtype).removeprefix("torch.")
-        ops = self.projection_ops()
-        names = {f for o in ops for f in (o.formats if isinstance(o, QuantLinear) else [dtype])}
-        return sorted(names)
+        return self._projection_labels(lambda op: op.formats)
 
     @property
     def activations(self) -> list[str]:
         """How the projections take activations ("fp32", "int8"; a full-precision op:
         its dtype's name), sorted, each once."""
+        return self._projection_labels(lambda op: op.activations)
+
+    def _projection_labels(self, of: Callable[[QuantLinear], list[str]]) -> list[str]:
+        """The union of `of(op)` over the quantized ops, the dtype's name for the others."""
         dtype = str(self.dtype).removeprefix("torch.")
         ops = self.projection_ops()
-        return sorted(
-            {a for o in ops for a in (o.activations if isinstance(o, QuantLinear) else [dtype])}
-        )
+        return sorted({x for o in ops for x in (of(o) if isinstance(o, QuantLinear) else [dtype])})
 
     def _release_packed_originals(self) -> None:
         """Free the row-major copies of weights that now live packed (halves memory)."""

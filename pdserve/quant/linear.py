@@ -26,9 +26,9 @@ PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
 
 # _int8.c's column group: one zmm lane per output column.
 _GROUP = 16
-# The offset that makes each layout's values unsigned bytes: u = q + offset, w = u*d + m
-# with m = -offset*d (the layouts with minimums are unsigned already).
-_INT8_OFFSET = {Layout.I8: 128, Layout.Q4: 8, Layout.Q4M: 0, Layout.U8M: 0, Layout.I8_16: 128}
+# The offset that makes the values of a layout without minimums unsigned bytes: u = q +
+# offset, w = u*d + m with m = -offset*d (Q4M and U8M are unsigned, with their own m).
+_INT8_OFFSET = {Layout.I8: 128, Layout.Q4: 8, Layout.I8_16: 128}
 
 
 def int8_kind(layout: Layout) -> int:
