@@ -243,7 +243,7 @@ def test_without_the_kernels_auto_serves_fp32_and_gguf_says_why(tmp_path: Path) 
     assert text and proc.stdout == text + "\n"
 
 
-def test_int8_activations_need_weights_in_blocks_and_say_so(tmp_path: Path) -> None:
+def test_int8_activations_need_weights_in_blocks_and_say_so() -> None:
     """--activations int8 with weights that will be fp: exit 2 before loading, naming
     why (also on the fallback path, where auto serves fp32)."""
     proc = run_cli("generate", "hi", "--quantization", "none", "--activations", "int8")
