@@ -45,11 +45,16 @@
 
 enum { BYTES = 0, NIBBLES = 1, SUB16 = 2 }; /* record kinds; linear.py's pack_int8 */
 
+/* Asked once (each qlinear_int8 call checks it; a race only writes the same value). */
 int int8_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni");
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                __builtin_cpu_supports("avx512vnni");
+    }
+    return known;
 }
 
 /* ---- the activations -------------------------------------------------------------------- */
