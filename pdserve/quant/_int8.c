@@ -218,9 +218,20 @@ static int64_t chunk_for(int64_t tiles, int threads, int per_thread) {
     return chunk < 1 ? 1 : chunk;
 }
 
+/* Rows up to this many are streaming-bound (a decode step's few rows): their columns go
+ * one group (one sequential stream of records) at a time, each thread a contiguous run of
+ * groups. A tile of two groups reads two streams 16 records apart and defeats the
+ * hardware prefetcher, and dynamic chunks make each thread's stream jump: at M = 1, 120
+ * cold weights of a layer's shapes stream 39-43 GB/s so against 19-27 (the read rate of
+ * the same buffers: 36-42), M = 4: 30 against 19; from M = 32 the two-group tiles and
+ * dynamic chunks are ahead again. */
+#define STREAM_ROWS 16
+
 /* y (+)= x @ W^T for the packed weight W (see the header). Returns -1 when scratch
- * memory could not be allocated. Tiles of 2 groups (32 columns) are handed out in
- * dynamic chunks (as in _kernels.c); rows go in passes whose int8 activations stay in L2. */
+ * memory could not be allocated. Few rows: see STREAM_ROWS. More: tiles of 2 groups (32
+ * columns) handed out in dynamic chunks (as in _kernels.c), rows in passes whose int8
+ * activations stay in L2. Either way every output is the same operations (the tile and
+ * thread split change which lanes share a load, not what a lane computes). */
 int qlinear_int8(const uint8_t *W, int kind, int64_t N, int64_t K, const float *x,
                  int64_t ldx, int64_t M, float *y, int64_t ldy, int accumulate, int threads) {
     const int64_t B = K / QK, groups = (N + GROUP - 1) / GROUP, tiles = (groups + 1) / 2;
@@ -232,13 +243,19 @@ int qlinear_int8(const uint8_t *W, int kind, int64_t N, int64_t K, const float *
         return -1;
     }
     quantize_rows(x, ldx, M, &a, threads);
+    if (M <= STREAM_ROWS) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t g = 0; g < groups; g++)
+            rows_groups(W, kind, B, &a, 0, M, g, 1, y, ldy, N, accumulate);
+        free(a.q), free(a.d), free(a.s), free(a.h);
+        return 0;
+    }
     int64_t pass = (256 * 1024) / K;
     pass = pass < 16 ? 16 : pass > 1024 ? 1024 : pass;
-    const int per_thread = M < 4 ? 2 : 4;
 #pragma omp parallel num_threads(threads)
     for (int64_t m0 = 0; m0 < M; m0 += pass) {
         const int64_t m1 = m0 + pass < M ? m0 + pass : M;
-#pragma omp for schedule(dynamic, chunk_for(tiles, threads, per_thread))
+#pragma omp for schedule(dynamic, chunk_for(tiles, threads, 4))
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t g0 = 2 * t;
             rows_groups(W, kind, B, &a, m0, m1, g0, g0 + 2 <= groups ? 2 : 1, y, ldy, N, accumulate);
