@@ -120,9 +120,10 @@ def test_every_row_is_computed_the_same_whatever_the_batch_and_threads(
     qtype: QuantType, k: int, activations: str
 ) -> None:
     """Batch invariance (the kernels' contract): a row's output is bit-identical alone,
-    in any batch, at any position, on 1 or 2 threads (K = 1536: the down projection's
-    row length, longer than a pass keeps in L1). With int8 activations too: each row is
-    rounded alone (tests/test_quant_int8.py)."""
+    in any batch, at any position, on 1, 2, 3 or 7 threads (more threads than cores:
+    their runs of columns are taken over by the threads that run, `Runs` in _kernels.h;
+    K = 1536: the down projection's row length, longer than a pass keeps in L1). With
+    int8 activations too: each row is rounded alone (tests/test_quant_int8.py)."""
     gen = torch.Generator().manual_seed(7)
     qw, _ = quantized(torch.randn(203, k, generator=gen), qtype)
     op = QuantLinear(qw, None, activations)
@@ -133,8 +134,10 @@ def test_every_row_is_computed_the_same_whatever_the_batch_and_threads(
     assert torch.equal(op(x.flip(0)).flip(0), batch)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(op(x), batch)
+        for n in (1, 3, 7):
+            torch.set_num_threads(n)
+            assert torch.equal(op(x), batch)
+            assert torch.equal(torch.cat([op(x[i : i + 1]) for i in range(0, 150, 10)]), batch[::10])
     finally:
         torch.set_num_threads(threads)
 

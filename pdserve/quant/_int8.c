@@ -213,19 +213,32 @@ A8 static void rows_groups(const uint8_t *W, int kind, int64_t B, const Rows8 *a
     }
 }
 
-static int64_t chunk_for(int64_t tiles, int threads, int per_thread) {
-    const int64_t chunk = tiles / ((int64_t)threads * per_thread);
-    return chunk < 1 ? 1 : chunk;
-}
-
 /* Rows up to this many are streaming-bound (a decode step's few rows): their columns go
- * one group (one sequential stream of records) at a time, each thread a contiguous run of
- * groups. A tile of two groups reads two streams 16 records apart and defeats the
- * hardware prefetcher, and dynamic chunks make each thread's stream jump: at M = 1, 120
- * cold weights of a layer's shapes stream 39-43 GB/s so against 19-27 (the read rate of
- * the same buffers: 36-42), M = 4: 30 against 19; from M = 32 the two-group tiles and
- * dynamic chunks are ahead again. */
+ * one group (one sequential stream of records) at a time, each thread walking a
+ * contiguous run of groups (`Runs`, _kernels.h). A tile of two groups reads two streams
+ * 16 records apart and defeats the hardware prefetcher, and dynamic chunks make each
+ * thread's stream jump: 120 cold weights of a layer's shapes streamed 39-43 GB/s so at
+ * M = 1 against 19-27 (the read rate of the same buffers: 36-42), at M = 4 30 against 19;
+ * from M = 32 the two-group tiles and dynamic chunks are ahead again. */
 #define STREAM_ROWS 16
+
+/* Rows [0, M) against every group, a group at a time (see STREAM_ROWS). */
+A8 static void stream_groups(const uint8_t *W, int kind, int64_t B, const Rows8 *a, int64_t M,
+                             int64_t groups, float *y, int64_t ldy, int64_t N, int accumulate,
+                             int threads) {
+    uint64_t words[threads * RUN_STRIDE] __attribute__((aligned(64)));
+    const Runs runs = runs_init(words, threads, groups);
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        const int me = omp_get_thread_num();
+#else
+        const int me = 0;
+#endif
+        for (int64_t g; (g = runs_take(runs, me)) >= 0;)
+            rows_groups(W, kind, B, a, 0, M, g, 1, y, ldy, N, accumulate);
+    }
+}
 
 /* y (+)= x @ W^T for the packed weight W (see the header). Returns -1 when scratch
  * memory could not be allocated. Few rows: see STREAM_ROWS. More: tiles of 2 groups (32
@@ -244,9 +257,7 @@ int qlinear_int8(const uint8_t *W, int kind, int64_t N, int64_t K, const float *
     }
     quantize_rows(x, ldx, M, &a, threads);
     if (M <= STREAM_ROWS) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t g = 0; g < groups; g++)
-            rows_groups(W, kind, B, &a, 0, M, g, 1, y, ldy, N, accumulate);
+        stream_groups(W, kind, B, &a, M, groups, y, ldy, N, accumulate, threads);
         free(a.q), free(a.d), free(a.s), free(a.h);
         return 0;
     }
@@ -255,7 +266,7 @@ int qlinear_int8(const uint8_t *W, int kind, int64_t N, int64_t K, const float *
 #pragma omp parallel num_threads(threads)
     for (int64_t m0 = 0; m0 < M; m0 += pass) {
         const int64_t m1 = m0 + pass < M ? m0 + pass : M;
-#pragma omp for schedule(dynamic, chunk_for(tiles, threads, 4))
+#pragma omp for schedule(dynamic, chunk_of(tiles, threads, 4))
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t g0 = 2 * t;
             rows_groups(W, kind, B, &a, m0, m1, g0, g0 + 2 <= groups ? 2 : 1, y, ldy, N, accumulate);

@@ -279,29 +279,32 @@ KERNEL static void dequantize_any(const QWeight *w, int64_t n, int rn, float *bu
     }
 }
 
-/* Column tiles are handed out in chunks (`per_thread` of them per thread), not split
- * statically: on a shared machine a thread that loses its core for a while then holds
- * back one chunk, not half the product (a static split made a 0.1 ms product take 8 ms
- * while another process ran: the thread that was not running had not taken its half,
- * and with dynamic chunks it takes none). A GEMV uses 2 chunks per thread: at 16 its
- * scheduling and the short weight streams cost a third of a 60 us product; a GEMM 4.
- * Which thread computes a column never changes its value. */
-static int64_t chunk_of(int64_t tiles, int threads, int per_thread) {
-    const int64_t chunk = tiles / ((int64_t)threads * per_thread);
-    return chunk < 1 ? 1 : chunk;
-}
-
-/* Few rows: 4 columns per tile, weights straight from their blocks. */
+/* Few rows: 4 columns per tile, weights straight from their blocks; each thread a
+ * contiguous run of tiles (`Runs`). */
 KERNEL static void gemv(const QWeight *w, const float *x, int64_t ldx, int64_t M, float *y,
                         int64_t ldy, int acc, int threads) {
     const int64_t tiles = (w->N + 3) / 4;
-#pragma omp parallel for schedule(dynamic, chunk_of(tiles, threads, 2)) num_threads(threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n = t * 4;
-        rows_direct(w, x, ldx, M, n, n + 4 <= w->N ? 4 : (int)(w->N - n), y, ldy, acc);
+    uint64_t words[threads * RUN_STRIDE] __attribute__((aligned(64)));
+    const Runs runs = runs_init(words, threads, tiles);
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        const int me = omp_get_thread_num();
+#else
+        const int me = 0;
+#endif
+        for (int64_t t; (t = runs_take(runs, me)) >= 0;) {
+            const int64_t n = t * 4;
+            rows_direct(w, x, ldx, M, n, n + 4 <= w->N ? 4 : (int)(w->N - n), y, ldy, acc);
+        }
     }
 }
 
+/* A GEMM's column tiles are handed out in dynamic chunks, 4 per thread: on a shared
+ * machine a thread that loses its core for a while then holds back one chunk, not half
+ * the product. (A GEMV walks `Runs` instead, _kernels.h: the same protection, and each
+ * thread's weights one sequential stream.) Which thread computes a column never changes
+ * its value. */
 /* Many rows: 3 columns per tile dequantized into a per-thread buffer (12 KB at K = 1024,
  * in L1), then read by the rows of a pass; passes of rows sized so that they stay in
  * L2 while every column goes by. bufs: threads x 3K floats. */
