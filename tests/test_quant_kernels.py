@@ -137,7 +137,9 @@ def test_every_row_is_computed_the_same_whatever_the_batch_and_threads(
         for n in (1, 3, 7):
             torch.set_num_threads(n)
             assert torch.equal(op(x), batch)
-            assert torch.equal(torch.cat([op(x[i : i + 1]) for i in range(0, 150, 10)]), batch[::10])
+            assert torch.equal(
+                torch.cat([op(x[i : i + 1]) for i in range(0, 150, 10)]), batch[::10]
+            )
     finally:
         torch.set_num_threads(threads)
 
