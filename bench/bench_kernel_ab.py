@@ -14,8 +14,8 @@ B's time over A's as a speed-up, for the shipped model's projection shapes.
 `--attention` times `paged_attention` instead (the compiled attention, `_attention.c`)
 in SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, 16-token blocks): decode
 steps of 1, 8 and 32 sequences at 256 tokens of context over 30 layers' caches, their
-blocks scattered over the pool as in a server that has run a while (so the KV comes
-from memory, as in a decode step), and one 512-token prefill chunk; outputs asserted
+blocks scattered over the pool as in a server that has run a while, and one 512-token
+prefill chunk; outputs asserted
 bit-identical, and the KV bytes read per second. The 30 layers' KV (12 MB at batch 1)
 fits the 32 MB L3, so the "weights read between" cases read ~2.2 MB of other memory
 before each call, as a step's weights stream between its attention calls, and time the
