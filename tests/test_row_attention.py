@@ -17,7 +17,7 @@ from pdserve.engine.engine import load_model
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.model.attention import AttentionMetadata, SeqSpec, paged_attention, row_attention
-from pdserve.model.base import CausalLM
+from pdserve.model.base import CausalLM, ForwardHooks
 from pdserve.model.layers import apply_rope
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantLinear
@@ -293,3 +293,65 @@ def test_the_compiled_path_agrees_with_the_torch_path(tiny_quantized: CausalLM) 
                 torch.arange(len(ids)),
             )  # fmt: skip
     torch.testing.assert_close(got[True], got[False], atol=2e-5, rtol=1e-5)
+
+
+# ---- the layers in one call (model/fused.py) --------------------------------------------
+
+
+def _mixed_step(model: CausalLM, hooks: ForwardHooks | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step mixing a 5-row prefill chunk with two decodes, on a cache written by an
+    earlier chunked prefill: (logits of every row, the cache after)."""
+    c = model.config
+    layout = KVLayout(c.num_hidden_layers, 24, BS, c.num_key_value_heads, c.head_dim, "float32")
+    cache = KVCache(layout, num_host_blocks=0)
+    tables = [list(range(1, 8)), list(range(8, 16)), list(range(16, 24))]
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, c.vocab_size, (3, 20), generator=gen)
+    with torch.inference_mode():
+        first = [SeqSpec(0, 9, tables[0]), SeqSpec(0, 13, tables[1]), SeqSpec(0, 4, tables[2])]
+        flat = torch.cat([ids[0, :9], ids[1, :13], ids[2, :4]])
+        pos = torch.cat([torch.arange(9), torch.arange(13), torch.arange(4)])
+        meta = AttentionMetadata.build(first, BS, per_row=True)
+        model(flat, pos, cache.device_tensor, meta, torch.arange(3), hooks)
+        step = [SeqSpec(9, 1, tables[0]), SeqSpec(13, 1, tables[1]), SeqSpec(4, 5, tables[2])]
+        flat = torch.cat([ids[0, 9:10], ids[1, 13:14], ids[2, 4:9]])
+        pos = torch.tensor([9, 13, 4, 5, 6, 7, 8])
+        meta = AttentionMetadata.build(step, BS, per_row=True)
+        logits = model(flat, pos, cache.device_tensor, meta, torch.arange(7), hooks)
+    return logits, cache.device_tensor.clone()
+
+
+@pytest.mark.parametrize(
+    ("arch", "quant", "overrides", "activations"),
+    [
+        ("LlamaForCausalLM", "Q4_1", {}, "fp32"),
+        pytest.param("LlamaForCausalLM", "Q4_1", {}, "int8", marks=pytest.mark.int8),
+        # q/k in Q4_0 and v in Q8_0: a projection of two parts (llama.cpp's mixes); qkv bias
+        ("Qwen2ForCausalLM", "Q4_0", {"blk.0.attn_v.weight": "Q8_0"}, "fp32"),
+        pytest.param(
+            "Qwen2ForCausalLM", "Q4_0", {"blk.1.attn_v.weight": "Q8_0"}, "int8",
+            marks=pytest.mark.int8,
+        ),
+    ],
+    ids=["llama-fp32", "llama-int8", "qwen2-mix-fp32", "qwen2-mix-int8"],
+)  # fmt: skip
+def test_the_layers_in_one_call_give_the_bits_of_the_calls_per_layer(
+    tmp_path: pytest.TempPathFactory, arch: str, quant: str, overrides: dict, activations: str
+) -> None:
+    """`fused_layers` (one compiled call for every layer) against `forward_fused` layer by
+    layer (what a forward with a per-layer hook runs): the same logits and the same cache,
+    bit for bit, on a step mixing prefill rows and decodes - with a projection of two
+    formats and a qkv bias too."""
+    path = make_tiny_gguf(tmp_path, arch, quant=quant, quant_overrides=overrides)
+    model = load_model(EngineConfig(model=str(path), quantization="gguf", activations=activations))
+    assert model.fused
+    if arch == "Qwen2ForCausalLM":
+        qkv = [layer.fused_ops()[0] for layer in model.layers]
+        assert all(op.bias is not None for op in qkv)
+        assert sorted(len(op.weights) for op in qkv) == [1, 2]
+    done: list[int] = []
+    per_layer = _mixed_step(model, ForwardHooks(on_layer_done=done.append))
+    assert done == list(range(model.config.num_hidden_layers)) * 2
+    one_call = _mixed_step(model, None)
+    assert "_fused_layers_call" in model.__dict__  # the one-call path ran
+    assert torch.equal(one_call[0], per_layer[0]) and torch.equal(one_call[1], per_layer[1])

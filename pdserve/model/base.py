@@ -18,6 +18,7 @@ from torch import nn
 from pdserve.errors import ModelLoadError
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.config import ModelConfig
+from pdserve.model.fused import FusedLayers
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from pdserve.model.linear import Linear, PackedLinear
 from pdserve.model.loader import Quantization, is_quantizable, weight_shapes
@@ -127,6 +128,9 @@ class CausalLM(nn.Module):
             if not self.fused:
                 raise ValueError("per-row attention metadata, but this model is not fused")
             h = h.contiguous()
+            if on_layer_done is None and kv_caches.is_contiguous():
+                h = self._fused_layers()(h, positions, kv_caches, meta)
+                return self.norm(h[logits_indices])
             for i, fused in enumerate(cast(list[DecoderLayer], self.layers)):
                 h = fused.forward_fused(h, positions, self.rotary, kv_caches[i], meta)
                 if on_layer_done is not None:
@@ -138,6 +142,15 @@ class CausalLM(nn.Module):
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.norm(h[logits_indices])
+
+    def _fused_layers(self) -> FusedLayers:
+        """Every layer's `forward_fused` as one compiled call (model/fused.py), built on
+        first use and kept: the ops it points at are built once, by finalize."""
+        layers = self.__dict__.get("_fused_layers_call")
+        if layers is None:
+            layers = FusedLayers(cast(list[DecoderLayer], self.layers), self.rotary)
+            self.__dict__["_fused_layers_call"] = layers
+        return cast(FusedLayers, layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] final-norm hidden states -> [rows, vocab] logits."""

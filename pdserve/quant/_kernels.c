@@ -357,6 +357,121 @@ static int qlinear(const QWeight *w, const Prologue *pre, const float *x, int64_
     return rc;
 }
 
+/* ---- a stack of fused layers in one call --------------------------------------------- */
+
+/* y (+)= x @ W^T for W packed by pack_int8, after the prologue (its own scratch row). */
+static int qlinear_int8_pre(const uint8_t *W, int kind, int64_t N, int64_t K,
+                            const Prologue *pre, const float *x, int64_t ldx, int64_t M,
+                            float *y, int64_t ldy, int acc, int threads) {
+    float *xt = NULL;
+    if (pre->kind != PRE_NONE) {
+        if ((xt = malloc(sizeof(float) * (size_t)(M * K))) == NULL) return -1;
+        prologue_rows(pre, x, ldx, M, K, xt, threads);
+    }
+    const int rc = qlinear_int8(W, kind, N, K, xt ? xt : x, xt ? K : ldx, M, y, ldy, acc, threads);
+    free(xt);
+    return rc;
+}
+
+/* The layer loop's view of a model, written by pdserve/model/fused.py (every field 8
+ * bytes, in this order). A part is one kernel call of a projection, as QuantLinear's
+ * `_calls` hold them: layout >= 0 the exact kernel (qs, fp32 scales d and minimums m),
+ * layout -1 the int8 kernel (qs the records, d their kind); its output columns start at
+ * byte `offset` of a row. */
+typedef struct {
+    int64_t layout, qs, d, m, rows, offset;
+} Part;
+
+#define MAX_PARTS 3 /* a part per run of one format: q, k, v at most */
+typedef struct {
+    int64_t parts, N, K, bias; /* bias: fp32 [N] or 0 */
+    Part part[MAX_PARTS];
+} Op;
+
+typedef struct {
+    Op qkv, o, gate_up, down;
+    int64_t norm1, norm2; /* RMSNorm weights, fp32 [hidden] */
+    double eps1, eps2;
+    int64_t H, Hkv, D;
+    double scale;
+} Layer;
+
+/* y (+)= P(x) @ W^T (+ bias) for every part of op: the prologue once, then each part's
+ * call - the operations QuantLinear.run makes, so the same bits. */
+static int run_op(const Op *op, const Prologue *pre, const float *x, int64_t ldx, int64_t M,
+                  float *y, int64_t ldy, int acc, int threads) {
+    float *xt = NULL;
+    if (pre->kind != PRE_NONE) {
+        if ((xt = malloc(sizeof(float) * (size_t)(M * op->K))) == NULL) return -1;
+        prologue_rows(pre, x, ldx, M, op->K, xt, threads);
+        x = xt;
+        ldx = op->K;
+    }
+    const Prologue none = {PRE_NONE, NULL, 0.0f};
+    int rc = 0;
+    for (int64_t i = 0; i < op->parts && rc == 0; i++) {
+        const Part *p = &op->part[i];
+        float *yp = (float *)((char *)y + p->offset);
+        if (p->layout < 0) {
+            rc = qlinear_int8((const uint8_t *)(intptr_t)p->qs, (int)p->d, p->rows, op->K, x, ldx,
+                              M, yp, ldy, acc, threads);
+        } else {
+            const QWeight w = {(int)p->layout, (const uint8_t *)(intptr_t)p->qs,
+                               (const float *)(intptr_t)p->d, (const float *)(intptr_t)p->m,
+                               p->rows, op->K, op->K / QK};
+            rc = qlinear(&w, &none, x, ldx, M, yp, ldy, acc, threads);
+        }
+    }
+    free(xt);
+    if (rc == 0 && op->bias) {
+        const float *b = (const float *)(intptr_t)op->bias;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < op->N; n++) y[m * ldy + n] += b[n];
+    }
+    return rc;
+}
+
+/* The step's inputs to every layer (see py_fused_layers). */
+typedef struct {
+    float *h; /* [T][hidden], updated in place */
+    int64_t T;
+    const int64_t *positions, *slots;
+    const float *cos, *sin;
+    float *kv;         /* [layers][2][slots][Hkv][D] */
+    int64_t kv_layer;  /* floats from one layer's K to its V (and V to the next K) */
+    int64_t bs;
+    const int32_t *rows, *tables;
+    int64_t ldt;
+    float *qkv, *att, *gate_up; /* scratch: [T][qkv N], [T][H D], [T][gate_up N] */
+} Step;
+
+/* DecoderLayer.forward_fused for layers [0, n): the same calls in the same order. */
+static int fused_layers(const Layer *layers, int64_t n, const Step *s, int threads) {
+    for (int64_t i = 0; i < n; i++) {
+        const Layer *l = &layers[i];
+        const int64_t hidden = l->o.N;
+        const Prologue norm1 = {PRE_RMSNORM, (const float *)(intptr_t)l->norm1, (float)l->eps1};
+        const Prologue norm2 = {PRE_RMSNORM, (const float *)(intptr_t)l->norm2, (float)l->eps2};
+        const Prologue none = {PRE_NONE, NULL, 0.0f}, swiglu = {PRE_SWIGLU, NULL, 0.0f};
+        float *kc = s->kv + 2 * i * s->kv_layer, *vc = kc + s->kv_layer;
+        int rc = run_op(&l->qkv, &norm1, s->h, hidden, s->T, s->qkv, l->qkv.N, 0, threads);
+        if (rc != 0) return rc;
+        rope_write_kv(s->qkv, l->qkv.N, s->T, l->H, l->Hkv, l->D, s->positions, s->cos, s->sin,
+                      kc, vc, s->slots);
+        const Attn a = {s->qkv, l->qkv.N, kc, vc, l->H, l->Hkv, l->D, s->bs, s->rows, s->tables,
+                        s->ldt, s->att, l->H * l->D, (float)l->scale};
+        if ((rc = paged_attention(&a, s->T, threads)) != 0) return rc;
+        if ((rc = run_op(&l->o, &none, s->att, l->H * l->D, s->T, s->h, hidden, 1, threads))) return rc;
+        if ((rc = run_op(&l->gate_up, &norm2, s->h, hidden, s->T, s->gate_up, l->gate_up.N, 0,
+                         threads)))
+            return rc;
+        if ((rc = run_op(&l->down, &swiglu, s->gate_up, l->gate_up.N, s->T, s->h, hidden, 1,
+                         threads)))
+            return rc;
+    }
+    return 0;
+}
+
 /* ---- Python bindings ----------------------------------------------------------------- */
 
 static int cpu_ok(void) {
@@ -444,20 +559,38 @@ static PyObject *py_qlinear_int8(PyObject *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     if (M == 0) Py_RETURN_NONE;
-    const float *x = PTR(const float *, v[4]);
-    float *xt = NULL;
-    int rc = -1;
+    int rc;
     Py_BEGIN_ALLOW_THREADS;
-    if (pre.kind != PRE_NONE && (xt = malloc(sizeof(float) * (size_t)(M * K))) != NULL) {
-        prologue_rows(&pre, x, ldx, M, K, xt, threads);
-    }
-    if (pre.kind == PRE_NONE || xt != NULL) {
-        rc = qlinear_int8(PTR(const uint8_t *, v[0]), (int)v[1].i, N, K, xt ? xt : x,
-                          xt ? K : ldx, M, PTR(float *, v[7]), ldy, v[13].i != 0, threads);
-    }
-    free(xt);
+    rc = qlinear_int8_pre(PTR(const uint8_t *, v[0]), (int)v[1].i, N, K, &pre,
+                          PTR(const float *, v[4]), ldx, M, PTR(float *, v[7]), ldy,
+                          v[13].i != 0, threads);
     Py_END_ALLOW_THREADS;
     if (rc != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, bs, rows, tables,
+ * ldt, qkv, att, gate_up, threads): DecoderLayer.forward_fused for n layers in one call
+ * (`layers`: n Layer records, pdserve/model/fused.py; the rest as fused_layers' Step).
+ * The caller checks every shape and keeps every tensor alive. */
+static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Arg v[18];
+    if (read_args(args, nargs, 18, v, NULL, 0) < 0) return NULL;
+    const Step s = {PTR(float *, v[2]), v[3].i, PTR(const int64_t *, v[4]),
+                    PTR(const int64_t *, v[5]), PTR(const float *, v[6]),
+                    PTR(const float *, v[7]), PTR(float *, v[8]), v[9].i, v[10].i,
+                    PTR(const int32_t *, v[11]), PTR(const int32_t *, v[12]), v[13].i,
+                    PTR(float *, v[14]), PTR(float *, v[15]), PTR(float *, v[16])};
+    const int threads = v[17].i > 0 ? (int)v[17].i : 1;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = fused_layers(PTR(const Layer *, v[0]), v[1].i, &s, threads);
+    Py_END_ALLOW_THREADS;
+    if (rc == -1) return PyErr_NoMemory();
+    if (rc != 0) {
+        PyErr_SetString(PyExc_ValueError, "fused_layers: a head size the attention cannot take");
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -510,6 +643,9 @@ static PyMethodDef methods[] = {
     {"qlinear_int8", (PyCFunction)(void (*)(void))py_qlinear_int8, METH_FASTCALL,
      "qlinear_int8(packed, kind, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,"
      " accumulate): y (+)= int8(P(x)) @ W^T, W packed by pack_int8"},
+    {"fused_layers", (PyCFunction)(void (*)(void))py_fused_layers, METH_FASTCALL,
+     "fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, bs, rows, tables,"
+     " ldt, qkv, att, gate_up, threads): n fused decoder layers in one call"},
     {"int8_supported", py_int8_supported, METH_NOARGS,
      "whether this CPU runs qlinear_int8 (AVX-512 F/BW/VL/DQ and VNNI)"},
     {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,

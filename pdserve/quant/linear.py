@@ -166,6 +166,14 @@ class QuantLinear:
         ]  # fmt: skip
 
     @property
+    def kernel_calls(self) -> list[tuple[int, int, int, int, int, int]]:
+        """The kernel call of each part, (layout, values, scales, minimums, rows, byte
+        offset of its first output column); an int8 part's is (-1, records, kind, 0, rows,
+        offset). Addresses are valid while this op lives (pdserve/model/fused.py packs
+        them for the compiled layer loop)."""
+        return list(self._calls)
+
+    @property
     def activations(self) -> list[str]:
         """How the parts take their activations ("fp32", "int8"), sorted, each once: an
         int8 op keeps fp32 for a part whose scales do not fit fp16 (see `pack_int8`)."""

@@ -1,0 +1,92 @@
+"""A quantized model's decoder layers as one compiled call per step.
+
+`DecoderLayer.forward_fused` makes five compiled calls per layer (qkv with its RMSNorm,
+RoPE + KV write, attention, o with the residual add, gate/up with its RMSNorm, down with
+SwiGLU and the residual add); from Python that is ~25 us of argument handling and
+allocation per layer, 0.75 ms of a 30-layer step - a tenth of a batch-1 decode step.
+`FusedLayers` hands the same calls, in the same order and with the same arguments, to
+`fused_layers` in _kernels.c, which loops over the layers itself: the same bits as the
+per-layer path (tests/test_row_attention.py), without the Python between them.
+
+Contract: built from the model's finalized ops, whose tensors the model keeps for its
+life; the records hold their addresses, so the ops must not be replaced afterwards
+(they are not: finalize builds them once).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.model.attention import AttentionMetadata
+from pdserve.model.layers import DecoderLayer, RotaryEmbedding
+from pdserve.quant.kernels import kernels
+from pdserve.quant.linear import QuantLinear
+
+# _kernels.c's Op: parts, N, K, bias, then MAX_PARTS parts of six words. A projection has
+# a part per run of one format among the weights it fuses: at most three (q, k, v).
+MAX_PARTS = 3
+_OP = struct.Struct("<4q" + "6q" * MAX_PARTS)
+# _kernels.c's Layer: four Ops, norm1, norm2, eps1, eps2, H, Hkv, D, scale.
+_LAYER_TAIL = struct.Struct("<2q2d3qd")
+
+
+def _op_record(op: QuantLinear) -> bytes:
+    calls = op.kernel_calls
+    assert len(calls) <= MAX_PARTS  # one per fused weight at most
+    words = [w for call in calls for w in call] + [0] * 6 * (MAX_PARTS - len(calls))
+    bias = 0 if op.bias is None else op.bias.data_ptr()
+    return _OP.pack(len(calls), op.out_features, op.in_features, bias, *words)
+
+
+class FusedLayers:
+    """`forward_fused` over every layer, in one compiled call (see the module docstring)."""
+
+    def __init__(self, layers: Sequence[DecoderLayer], rotary: RotaryEmbedding) -> None:
+        mod = kernels()
+        assert mod is not None
+        self._call = mod.fused_layers
+        self._rotary = rotary
+        records = []
+        for layer in layers:
+            ops = layer.fused_ops()
+            if ops is None:
+                raise ValueError("every layer must be a fused quantized layer")
+            a, n1, n2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+            tail = _LAYER_TAIL.pack(
+                n1.weight.data_ptr(), n2.weight.data_ptr(), float(n1.eps), float(n2.eps),
+                a.num_heads, a.num_kv_heads, a.head_dim, float(a.scale),
+            )  # fmt: skip
+            records.append(b"".join(_op_record(op) for op in ops) + tail)
+        self._records = torch.frombuffer(bytearray(b"".join(records)), dtype=torch.uint8)
+        self._layers = len(records)
+        first = layers[0]
+        self._qkv_n = first.self_attn.q_size + 2 * first.self_attn.kv_size
+        self._att_n = first.self_attn.q_size
+        self._gate_up_n = 2 * first.mlp.intermediate
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """h: contiguous fp32 [T, hidden], updated in place and returned; positions: int64
+        [T]; kv_caches: contiguous [layers, 2, blocks, bs, Hkv, D]; meta with `ranges`."""
+        ranges = meta.ranges
+        assert ranges is not None and kv_caches.is_contiguous() and h.is_contiguous()
+        t = h.shape[0]
+        qkv = torch.empty(t, self._qkv_n)
+        att = torch.empty(t, self._att_n)
+        gate_up = torch.empty(t, self._gate_up_n)
+        self._call(
+            self._records.data_ptr(), self._layers, h.data_ptr(), t, positions.data_ptr(),
+            meta.slot_mapping.data_ptr(), self._rotary.cos.data_ptr(), self._rotary.sin.data_ptr(),
+            kv_caches.data_ptr(), kv_caches[0, 0].numel(), kv_caches.shape[3],
+            ranges.rows.data_ptr(), ranges.tables.data_ptr(), ranges.tables.stride(0),
+            qkv.data_ptr(), att.data_ptr(), gate_up.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return h
