@@ -10,10 +10,11 @@ against HF transformers in fp32:
 * prefill throughput (tokens/s) at prompt lengths 128 / 512 / 2048, batch 1;
 * decode step time (ms) at batch 1 / 8 / 32 / 64 with ~256 tokens of context;
 * the machine's floors: memory bandwidth (large tensor copy), fp32 matmul rate
-  (large square matmul), and from them the decode-step floor (the bytes of weights
-  that setting reads / bandwidth: values and the fp32 scales the kernels read) and
-  the prefill floor (FLOPs / fp32 matmul rate; the quantized kernels compute in fp32
-  too).
+  (large square matmul), and from them the decode-step floor (the bytes that step
+  must read / bandwidth: the weights in the format that setting reads - values and the
+  scales the kernels read - and the KV cache its sequences attend, fp32 K and V of
+  every layer over the mean context of the timed steps) and the prefill floor (FLOPs /
+  fp32 matmul rate; the quantized kernels compute in fp32 too).
 
 Each figure is the median over `--repeats` runs; ours and HF's runs alternate so
 machine drift hits both. Reported as ratios; absolute times are for context only.
@@ -129,6 +130,13 @@ def weight_bytes(model: CausalLM) -> int:
     for op, (n, k) in zip(ops, shapes, strict=True):
         total += op.nbytes if isinstance(op, QuantLinear) else 4 * n * k
     return total
+
+
+def kv_bytes(cfg: ModelConfig, batch: int) -> int:
+    """Bytes of KV cache a decode step of `batch` sequences reads: fp32 K and V of every
+    layer at the mean context of the timed steps."""
+    context = DECODE_CONTEXT + DECODE_STEPS // 2
+    return batch * cfg.num_hidden_layers * context * 2 * cfg.kv_size * 4
 
 
 def prefill_flops(cfg: ModelConfig, n: int) -> float:
@@ -284,9 +292,12 @@ def main() -> int:
     for b in DECODE_BATCHES:
         fns = {q: functools.partial(ours_decode, e, b) for q, e in engines.items()}
         o, h = _alternate(fns, functools.partial(hf_decode, hf, b), args.repeats)
-        floors = {q: weight_bytes(e.core.model) / bw * 1000 for q, e in engines.items()}
+        floors = {
+            q: (weight_bytes(e.core.model) + kv_bytes(mc, b)) / bw * 1000
+            for q, e in engines.items()
+        }
         rows.append(Row(f"decode b={b} ctx~{DECODE_CONTEXT}", o, h, "ms/step", floors))
-    _print(rows, bw, mm, {q: weight_bytes(e.core.model) for q, e in engines.items()})
+    _print(rows, bw, mm, {q: weight_bytes(e.core.model) for q, e in engines.items()}, mc)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -316,11 +327,14 @@ def _alternate(
     return {q: statistics.median(v) for q, v in o.items()}, statistics.median(h)
 
 
-def _print(rows: list[Row], bw: float, mm: float, weights: dict[str, int]) -> None:
+def _print(
+    rows: list[Row], bw: float, mm: float, weights: dict[str, int], cfg: ModelConfig
+) -> None:
     sizes = ", ".join(f"{q} {n / 1e6:.0f} MB" for q, n in weights.items())
     print(
         f"threads={torch.get_num_threads()}  read bandwidth={bw / 1e9:.1f} GB/s  "
-        f"matmul={mm / 1e9:.1f} GFLOP/s  weights read per step: {sizes}"
+        f"matmul={mm / 1e9:.1f} GFLOP/s  weights read per step: {sizes}; "
+        f"KV read per step and sequence: {kv_bytes(cfg, 1) / 1e6:.1f} MB"
     )
     print(
         f"| {'case':24} | {'setting':8} | {'pdserve':>9} | {'HF fp32':>9} | unit    | ours/HF "
