@@ -13,6 +13,9 @@ what is left of `Engine.step` (scheduling, block tables, metadata, Python). Each
 is the median over steps of its summed time in a step, in ms; the projections also in
 GMAC/s, to read against `bench_quant_kernels.py`'s product rates. The timers add a
 few microseconds per call (~150 calls a step); the step's total is measured with them.
+To time each call the layers go one call at a time (`CausalLM.layers_in_one_call` off):
+a served step makes all of them one compiled call (model/fused.py), which saves most of
+"forward, rest" - `bench_engine.py` times that step.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ def main() -> int:
         cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_cache=False),
     )
     engine = Engine.from_config(dataclasses.replace(cfg))
+    engine.core.model.layers_in_one_call = False  # each call timed (see the docstring)
     timers = Timers()
     instrument(engine, timers)
     macs = macs_per_row(engine)

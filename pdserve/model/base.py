@@ -76,6 +76,10 @@ class CausalLM(nn.Module):
         # every layer can take it (set by finalize). The engine then builds per-row
         # attention metadata (`AttentionMetadata.build(per_row=True)`).
         self.fused = False
+        # On the fused path, all layers in one compiled call (model/fused.py) unless a
+        # forward has a per-layer hook; off, one call per layer (bench_step_breakdown.py
+        # turns it off to time each call).
+        self.layers_in_one_call = True
         if quantized:
             # Set by finalize: a QuantEmbedding, or a tensor where the file has fp values.
             self.embed_tokens: torch.Tensor | QuantEmbedding = torch.empty(0)
@@ -128,7 +132,7 @@ class CausalLM(nn.Module):
             if not self.fused:
                 raise ValueError("per-row attention metadata, but this model is not fused")
             h = h.contiguous()
-            if on_layer_done is None and kv_caches.is_contiguous():
+            if self.layers_in_one_call and on_layer_done is None and kv_caches.is_contiguous():
                 h = self._fused_layers()(h, positions, kv_caches, meta)
                 return self.norm(h[logits_indices])
             for i, fused in enumerate(cast(list[DecoderLayer], self.layers)):
