@@ -1,7 +1,7 @@
 """The quantized product alone against oneDNN's fp32 one, same weights, one run.
 
     .venv/bin/python bench/bench_quant_kernels.py [--threads 2] [--repeats 40]
-        [--formats Q4_1,Q8_0] [--int8]
+        [--formats Q4_1,Q8_0] [--int8] [--stream]
 
 For the shipped model's two projection shapes (gate/up: N 3072 x K 576; down: 576 x
 1536; the K formats, whose rows are 256-value blocks, down only), each format asked
@@ -13,6 +13,14 @@ alternating. Weights stay hot in cache here, so a GEMV reads as compute; in a mo
 step the weights stream from memory (bench/bench_engine.py measures that). With
 `--int8`, a third column: the same weights with int8 activations (`--activations int8`,
 pdserve/quant/_int8.c), timed in the same alternation.
+
+`--stream` measures what a batch-1 decode step's products are bound by instead: the
+weights of 30 layers of the shipped model's shapes (q/k/v 960 x 576, o 576 x 576,
+gate/up 3072 x 576, down 576 x 1536; Q4_1, 66 MB in int8 records - twice the L3), one
+GEMV each in a step's order, so each comes from memory; the bytes per second of a pass
+with each kernel, against a plain read of the same bytes (torch's sum over one tensor
+of that size), alternating. The kernels are called through the binding directly (~1 us
+of Python a call, ~0.1 ms of a pass).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantLinear
 
 SHAPES = ((3072, 576), (576, 1536))
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # q/k/v, o, gate/up, down
+LAYERS = 30
 ROWS = (1, 8, 64, 256)
 
 
@@ -57,13 +67,66 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def stream(threads: int, repeats: int) -> None:
+    """See the module docstring (`--stream`)."""
+    rng = np.random.default_rng(0)
+    weights = [
+        random_blocks(QuantType.Q4_1, n, k, rng) for _ in range(LAYERS) for n, k in LAYER_SHAPES
+    ]
+    kernels: dict[str, list[QuantLinear]] = {
+        "int8 activations": [QuantLinear(w, None, "int8") for w in weights],
+        "fp32 activations": [QuantLinear(w, None) for w in weights],
+    }
+    rows = torch.randn(1, 1536)
+    y = torch.empty(1, 3072)
+
+    def pass_of(ops: list[QuantLinear]) -> Callable[[], None]:
+        calls = [(op.kernel_calls[0], op.in_features, op.out_features) for op in ops]
+        mod = ops[0]._qlinear_int8, ops[0]._qlinear
+        xp, yp = rows.data_ptr(), y.data_ptr()
+
+        def run() -> None:
+            for (layout, qs, d, m, n, _), k, _n in calls:
+                if layout < 0:
+                    mod[0](qs, d, n, k, xp, k, 1, yp, n, threads, 0, 0, 0.0, False)
+                else:
+                    mod[1](layout, xp, k, 1, k, qs, d, m, n, yp, n, threads, 0, 0, 0.0, False)
+
+        return run
+
+    nbytes = {name: sum(op.nbytes for op in ops) for name, ops in kernels.items()}
+    fns = {name: pass_of(ops) for name, ops in kernels.items()}
+    flat = torch.ones(max(nbytes.values()) // 4)
+    times: dict[str, list[float]] = {name: [] for name in [*fns, "read"]}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(median_time(fn, 1))
+        times["read"].append(median_time(flat.sum, 1))
+    read = flat.numel() * 4 / statistics.median(times["read"]) / 1e9
+    print(f"threads={threads}; 120 cold GEMVs (M = 1) of 30 layers' shapes, Q4_1; ", end="")
+    print(f"medians of {repeats}")
+    print("| kernel | MB per pass | ms per pass | GB/s | of a plain read |")
+    print("|---|---:|---:|---:|---:|")
+    for name in fns:
+        t = statistics.median(times[name])
+        rate = nbytes[name] / t / 1e9
+        mb = nbytes[name] / 1e6
+        print(f"| {name} | {mb:.0f} | {t * 1e3:.2f} | {rate:.1f} | {rate / read:.2f} |")
+    print(f"| plain read (torch sum) | {flat.numel() * 4 / 1e6:.0f} | - | {read:.1f} | 1 |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--formats", default="Q4_1,Q8_0", help="comma-separated GGUF formats")
     ap.add_argument("--int8", action="store_true", help="also time int8 activations")
+    ap.add_argument("--stream", action="store_true", help="cold GEMVs of a decode step instead")
     args = ap.parse_args()
+    if args.stream:
+        torch.set_num_threads(args.threads)
+        stream(args.threads, args.repeats)
+        return 0
     formats = [QuantType.parse(f) for f in args.formats.split(",")]
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
