@@ -217,9 +217,9 @@ A8 static void rows_groups(const uint8_t *W, int kind, int64_t B, const Rows8 *a
  * one group (one sequential stream of records) at a time, each thread walking a
  * contiguous run of groups (`Runs`, _kernels.h). A tile of two groups reads two streams
  * 16 records apart and defeats the hardware prefetcher, and dynamic chunks make each
- * thread's stream jump: 120 cold weights of a layer's shapes streamed 39-43 GB/s so at
- * M = 1 against 19-27 (the read rate of the same buffers: 36-42), at M = 4 30 against 19;
- * from M = 32 the two-group tiles and dynamic chunks are ahead again. */
+ * thread's stream jump: a decode step's cold GEMVs streamed at 0.45-0.73 of a plain
+ * read so, 0.66-0.96 as runs of single groups (bench_quant_kernels.py --stream); at
+ * M = 4 the same held; from M = 32 the two-group tiles and dynamic chunks are ahead. */
 #define STREAM_ROWS 16
 
 /* Rows [0, M) against every group, a group at a time (see STREAM_ROWS). */
