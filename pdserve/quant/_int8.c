@@ -226,18 +226,7 @@ A8 static void rows_groups(const uint8_t *W, int kind, int64_t B, const Rows8 *a
 A8 static void stream_groups(const uint8_t *W, int kind, int64_t B, const Rows8 *a, int64_t M,
                              int64_t groups, float *y, int64_t ldy, int64_t N, int accumulate,
                              int threads) {
-    uint64_t words[threads * RUN_STRIDE] __attribute__((aligned(64)));
-    const Runs runs = runs_init(words, threads, groups);
-#pragma omp parallel num_threads(threads)
-    {
-#ifdef _OPENMP
-        const int me = omp_get_thread_num();
-#else
-        const int me = 0;
-#endif
-        for (int64_t g; (g = runs_take(runs, me)) >= 0;)
-            rows_groups(W, kind, B, a, 0, M, g, 1, y, ldy, N, accumulate);
-    }
+    FOR_EACH_RUN_ITEM(threads, groups, g, rows_groups(W, kind, B, a, 0, M, g, 1, y, ldy, N, accumulate));
 }
 
 /* y (+)= x @ W^T for the packed weight W (see the header). Returns -1 when scratch

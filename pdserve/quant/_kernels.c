@@ -283,31 +283,19 @@ KERNEL static void dequantize_any(const QWeight *w, int64_t n, int rn, float *bu
  * contiguous run of tiles (`Runs`). */
 KERNEL static void gemv(const QWeight *w, const float *x, int64_t ldx, int64_t M, float *y,
                         int64_t ldy, int acc, int threads) {
-    const int64_t tiles = (w->N + 3) / 4;
-    uint64_t words[threads * RUN_STRIDE] __attribute__((aligned(64)));
-    const Runs runs = runs_init(words, threads, tiles);
-#pragma omp parallel num_threads(threads)
-    {
-#ifdef _OPENMP
-        const int me = omp_get_thread_num();
-#else
-        const int me = 0;
-#endif
-        for (int64_t t; (t = runs_take(runs, me)) >= 0;) {
-            const int64_t n = t * 4;
-            rows_direct(w, x, ldx, M, n, n + 4 <= w->N ? 4 : (int)(w->N - n), y, ldy, acc);
-        }
-    }
+    FOR_EACH_RUN_ITEM(threads, (w->N + 3) / 4, t, {
+        const int64_t n = t * 4;
+        rows_direct(w, x, ldx, M, n, n + 4 <= w->N ? 4 : (int)(w->N - n), y, ldy, acc);
+    });
 }
 
-/* A GEMM's column tiles are handed out in dynamic chunks, 4 per thread: on a shared
- * machine a thread that loses its core for a while then holds back one chunk, not half
- * the product. (A GEMV walks `Runs` instead, _kernels.h: the same protection, and each
- * thread's weights one sequential stream.) Which thread computes a column never changes
- * its value. */
 /* Many rows: 3 columns per tile dequantized into a per-thread buffer (12 KB at K = 1024,
  * in L1), then read by the rows of a pass; passes of rows sized so that they stay in
- * L2 while every column goes by. bufs: threads x 3K floats. */
+ * L2 while every column goes by. bufs: threads x 3K floats. The tiles are handed out in
+ * dynamic chunks, 4 per thread: on a shared machine a thread that loses its core for a
+ * while then holds back one chunk, not half the product (a GEMV walks `Runs` instead,
+ * _kernels.h: the same protection, and each thread's weights one sequential stream).
+ * Which thread computes a column never changes its value. */
 KERNEL static void gemm(const QWeight *w, const float *x, int64_t ldx, int64_t M, float *y,
                         int64_t ldy, int acc, int threads, float *bufs) {
     const int64_t K = w->K, tiles = (w->N + 2) / 3;
@@ -333,17 +321,25 @@ KERNEL static void gemm(const QWeight *w, const float *x, int64_t ldx, int64_t M
     }
 }
 
+/* P(x) for M rows of K into a new buffer *xt (the caller frees it), *x and *ldx then
+ * pointing at it; nothing for PRE_NONE (*xt NULL). Returns -1 when the buffer could not
+ * be allocated. */
+static int apply_prologue(const Prologue *pre, const float **x, int64_t *ldx, int64_t M,
+                          int64_t K, float **xt, int threads) {
+    *xt = NULL;
+    if (pre->kind == PRE_NONE) return 0;
+    if ((*xt = malloc(sizeof(float) * (size_t)(M * K))) == NULL) return -1;
+    prologue_rows(pre, *x, *ldx, M, K, *xt, threads);
+    *x = *xt;
+    *ldx = K;
+    return 0;
+}
+
 /* y (+)= P(x) @ W^T. Returns -1 when scratch memory could not be allocated. */
 static int qlinear(const QWeight *w, const Prologue *pre, const float *x, int64_t ldx,
                    int64_t M, float *y, int64_t ldy, int acc, int threads) {
-    float *xt = NULL, *bufs = NULL;
-    if (pre->kind != PRE_NONE) {
-        xt = malloc(sizeof(float) * (size_t)(M * w->K));
-        if (xt == NULL) return -1;
-        prologue_rows(pre, x, ldx, M, w->K, xt, threads);
-        x = xt;
-        ldx = w->K;
-    }
+    float *xt, *bufs = NULL;
+    if (apply_prologue(pre, &x, &ldx, M, w->K, &xt, threads) != 0) return -1;
     int rc = 0;
     if (M < FEW_ROWS) {
         gemv(w, x, ldx, M, y, ldy, acc, threads);
@@ -359,16 +355,13 @@ static int qlinear(const QWeight *w, const Prologue *pre, const float *x, int64_
 
 /* ---- a stack of fused layers in one call --------------------------------------------- */
 
-/* y (+)= x @ W^T for W packed by pack_int8, after the prologue (its own scratch row). */
+/* y (+)= P(x) @ W^T for W packed by pack_int8 (_int8.c). */
 static int qlinear_int8_pre(const uint8_t *W, int kind, int64_t N, int64_t K,
                             const Prologue *pre, const float *x, int64_t ldx, int64_t M,
                             float *y, int64_t ldy, int acc, int threads) {
-    float *xt = NULL;
-    if (pre->kind != PRE_NONE) {
-        if ((xt = malloc(sizeof(float) * (size_t)(M * K))) == NULL) return -1;
-        prologue_rows(pre, x, ldx, M, K, xt, threads);
-    }
-    const int rc = qlinear_int8(W, kind, N, K, xt ? xt : x, xt ? K : ldx, M, y, ldy, acc, threads);
+    float *xt;
+    if (apply_prologue(pre, &x, &ldx, M, K, &xt, threads) != 0) return -1;
+    const int rc = qlinear_int8(W, kind, N, K, x, ldx, M, y, ldy, acc, threads);
     free(xt);
     return rc;
 }
@@ -400,13 +393,8 @@ typedef struct {
  * call - the operations QuantLinear.run makes, so the same bits. */
 static int run_op(const Op *op, const Prologue *pre, const float *x, int64_t ldx, int64_t M,
                   float *y, int64_t ldy, int acc, int threads) {
-    float *xt = NULL;
-    if (pre->kind != PRE_NONE) {
-        if ((xt = malloc(sizeof(float) * (size_t)(M * op->K))) == NULL) return -1;
-        prologue_rows(pre, x, ldx, M, op->K, xt, threads);
-        x = xt;
-        ldx = op->K;
-    }
+    float *xt;
+    if (apply_prologue(pre, &x, &ldx, M, op->K, &xt, threads) != 0) return -1;
     const Prologue none = {PRE_NONE, NULL, 0.0f};
     int rc = 0;
     for (int64_t i = 0; i < op->parts && rc == 0; i++) {

@@ -108,6 +108,22 @@ static inline int64_t runs_take(Runs r, int me) {
     }
 }
 
+/* BODY for every item of [0, n) on `threads` OpenMP threads, each walking its run (Runs
+ * above); `item` names the item (int64_t) in BODY. */
+#ifdef _OPENMP
+#define RUNS_ME_ omp_get_thread_num()
+#else
+#define RUNS_ME_ 0
+#endif
+#define FOR_EACH_RUN_ITEM(threads, n, item, BODY)                                      \
+    do {                                                                               \
+        const int threads_ = (threads);                                                \
+        uint64_t words_[threads_ * RUN_STRIDE] __attribute__((aligned(64)));           \
+        const Runs runs_ = runs_init(words_, threads_, (n));                           \
+        _Pragma("omp parallel num_threads(threads_)")                                  \
+        for (int64_t item; (item = runs_take(runs_, RUNS_ME_)) >= 0;) BODY;            \
+    } while (0)
+
 /* Dynamic-schedule chunk: `tiles` in about threads * per_thread chunks. */
 static inline int64_t chunk_of(int64_t tiles, int threads, int per_thread) {
     const int64_t chunk = tiles / ((int64_t)threads * per_thread);
