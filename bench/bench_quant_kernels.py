@@ -35,6 +35,7 @@ import torch
 
 from pdserve.model.linear import PackedLinear
 from pdserve.quant.formats import QuantType, QuantWeight
+from pdserve.quant.kernels import kernels
 from pdserve.quant.linear import QuantLinear
 
 SHAPES = ((3072, 576), (576, 1536))
@@ -69,11 +70,13 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
 
 def stream(threads: int, repeats: int) -> None:
     """See the module docstring (`--stream`)."""
+    mod = kernels()
+    assert mod is not None, "the compiled kernels are needed"
     rng = np.random.default_rng(0)
     weights = [
         random_blocks(QuantType.Q4_1, n, k, rng) for _ in range(LAYERS) for n, k in LAYER_SHAPES
     ]
-    kernels: dict[str, list[QuantLinear]] = {
+    ops_of: dict[str, list[QuantLinear]] = {
         "int8 activations": [QuantLinear(w, None, "int8") for w in weights],
         "fp32 activations": [QuantLinear(w, None) for w in weights],
     }
@@ -82,20 +85,19 @@ def stream(threads: int, repeats: int) -> None:
 
     def pass_of(ops: list[QuantLinear]) -> Callable[[], None]:
         calls = [(op.kernel_calls[0], op.in_features, op.out_features) for op in ops]
-        mod = ops[0]._qlinear_int8, ops[0]._qlinear
         xp, yp = rows.data_ptr(), y.data_ptr()
 
         def run() -> None:
             for (layout, qs, d, m, n, _), k, _n in calls:
                 if layout < 0:
-                    mod[0](qs, d, n, k, xp, k, 1, yp, n, threads, 0, 0, 0.0, False)
+                    mod.qlinear_int8(qs, d, n, k, xp, k, 1, yp, n, threads, 0, 0, 0.0, False)
                 else:
-                    mod[1](layout, xp, k, 1, k, qs, d, m, n, yp, n, threads, 0, 0, 0.0, False)
+                    mod.qlinear(layout, xp, k, 1, k, qs, d, m, n, yp, n, threads, 0, 0, 0.0, False)
 
         return run
 
-    nbytes = {name: sum(op.nbytes for op in ops) for name, ops in kernels.items()}
-    fns = {name: pass_of(ops) for name, ops in kernels.items()}
+    nbytes = {name: sum(op.nbytes for op in ops) for name, ops in ops_of.items()}
+    fns = {name: pass_of(ops) for name, ops in ops_of.items()}
     flat = torch.ones(max(nbytes.values()) // 4)
     times: dict[str, list[float]] = {name: [] for name in [*fns, "read"]}
     for _ in range(repeats):
