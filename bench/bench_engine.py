@@ -210,26 +210,39 @@ def _hf_config_dict(c: ModelConfig) -> dict[str, object]:
     }
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so a timer reads it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def hf_prefill(model: torch.nn.Module, n: int) -> float:
-    ids = torch.randint(100, 40000, (1, n))
+    device = next(model.parameters()).device
+    ids = torch.randint(100, 40000, (1, n), device=device)
+    _sync(device)
     t = time.perf_counter()
     model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)  # type: ignore[operator]
+    _sync(device)
     return n / (time.perf_counter() - t)
 
 
 @torch.inference_mode()
 def hf_decode(model: torch.nn.Module, batch: int) -> float:
     """Median step time of the loop `generate` runs: forward one token per sequence
-    over HF's own DynamicCache, greedy pick. Equal-length prompts: no padding mask."""
-    ids = torch.randint(100, 40000, (batch, DECODE_CONTEXT))
+    over HF's own DynamicCache, greedy pick. Equal-length prompts: no padding mask.
+    On a GPU each step ends when its tokens are back on the host, as pdserve's steps do."""
+    device = next(model.parameters()).device
+    ids = torch.randint(100, 40000, (batch, DECODE_CONTEXT), device=device)
     out = model(ids, use_cache=True)
     past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    _sync(device)
     times = []
     for _ in range(DECODE_STEPS):
         t = time.perf_counter()
         out = model(nxt, past_key_values=past, use_cache=True)
         past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        nxt.cpu()
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1000
 

@@ -60,10 +60,32 @@ def add_quantization_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    """--device and --dtype, shared by `generate` and `serve`."""
+    from pdserve.config import EngineConfig
+    from pdserve.kv.layout import DTYPE_SIZES
+
+    p.add_argument(
+        "--device",
+        default=EngineConfig.device,
+        help="where the model and its KV cache live: cpu, cuda or cuda:N (a CUDA build of "
+        "torch; colocated instances only, as the KV transports between prefill and decode "
+        "instances move host memory; default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPE_SIZES),
+        default=EngineConfig.dtype,
+        help="weights, activations and KV cache of fp weights; quantized weights are served "
+        "in float32 (default: %(default)s)",
+    )
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
     add_quantization_flag(p)
+    add_device_flags(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -87,7 +109,11 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     config = EngineConfig(
-        model=args.model, quantization=args.quantization, activations=args.activations
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        activations=args.activations,
     )
     engine = Engine.from_config(config)
     tok = engine.tokenizer
@@ -134,6 +160,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     add_quantization_flag(p)
+    add_device_flags(p)
     p.add_argument(
         "--num-threads",
         type=int,

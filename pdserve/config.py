@@ -7,6 +7,7 @@ CLI or by a caller) and passed down.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -231,6 +232,13 @@ class EngineConfig:
             raise ValueError(
                 f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}"
             )
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.device != "cpu" and self.role is not Role.COLOCATED:
+            raise ValueError(
+                f"a {self.role.value} instance needs its KV pool in host memory (the KV "
+                f"transports move host memory), so it runs on the cpu, not {self.device}"
+            )
         if self.max_model_len is not None:
             _at_least("max_model_len", self.max_model_len, 2)
         if self.num_threads is not None:
@@ -250,6 +258,9 @@ class EngineConfig:
     @property
     def threads(self) -> int:
         return self.num_threads or len(self.cpus or os.sched_getaffinity(0))
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def _at_least(name: str, value: int, low: int) -> None:

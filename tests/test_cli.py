@@ -48,3 +48,36 @@ def test_engine_cpu_lists_parse_and_bad_ones_are_usage_errors() -> None:
     )
     proc = pdserve("serve", "--engine-cpus", "3-1")
     assert proc.stderr.endswith("error: argument --engine-cpus: CPU range '3-1' runs backwards\n")
+
+
+def test_a_device_torch_cannot_use_is_a_usage_error() -> None:
+    """Spelled wrong, or CUDA on this CPU-only build: exit 2 before any model loads,
+    naming the flag's value (bench/bench_cuda.py runs --device cuda where there is one)."""
+    import torch
+
+    proc = pdserve("generate", "hi", "--device", "tpu")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "pdserve: error: device must be cpu, cuda or cuda:N, got 'tpu'\n"
+    for command in (["generate", "hi"], ["serve"]):
+        proc = pdserve(*command, "--device", "cuda:1")
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == (
+            f"pdserve: error: --device cuda:1: torch {torch.__version__} sees no CUDA device "
+            "(a CPU-only build of torch, or no GPU visible to this process)\n"
+        )
+
+
+def test_dtype_serves_fp_weights_and_refuses_quantized_ones() -> None:
+    """--dtype bfloat16: `auto` serves the GGUF dequantized to bf16; `gguf` (blocks,
+    computed in fp32) is a usage error naming the dtype."""
+    proc = pdserve(
+        "generate", "What is the capital of France?", "--dtype", "bfloat16", "--max-tokens", "8"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "The capital of France is Paris.\n"
+    proc = pdserve("generate", "hi", "--dtype", "bfloat16", "--quantization", "gguf")
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "pdserve: error: --quantization gguf: the quantized kernels compute in float32 "
+        "(dtype bfloat16)\n"
+    )

@@ -540,3 +540,16 @@ def test_an_instance_offers_what_its_cache_holds_of_a_prefix(
         assert_pool_clean(d)
     finally:
         d.close()
+
+
+def test_a_prefill_or_decode_instance_keeps_its_pool_in_host_memory() -> None:
+    """The KV transports move host memory: a disaggregated role on a GPU is refused when
+    configured (`pdserve serve --prefill 1 --decode 1 --device cuda` exits 2 with it)."""
+    for role in (Role.PREFILL, Role.DECODE):
+        with pytest.raises(ValueError) as err:
+            EngineConfig(device="cuda:0", role=role)
+        assert str(err.value) == (
+            f"a {role.value} instance needs its KV pool in host memory (the KV transports "
+            "move host memory), so it runs on the cpu, not cuda:0"
+        )
+    assert EngineConfig(device="cuda", role=Role.COLOCATED).device == "cuda"

@@ -41,6 +41,29 @@ def test_swap_out_and_in_move_whole_blocks() -> None:
     assert not cache.device_tensor[:, :, [0, 1, 2, 5]].any()
 
 
+def test_a_swap_mixing_runs_and_single_blocks_moves_each_block_whole() -> None:
+    """Blocks 0-2 -> host 1-3 coalesce into one run, 5 -> 0 is a run of its own; every
+    layer and K/V moves, and the blocks the plan does not name keep their bits."""
+    layout = KVLayout(
+        num_layers=3, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32"
+    )
+    cache = KVCache(layout, num_host_blocks=5)
+    assert cache.host_tensor is not None
+    cache.device_tensor.copy_(torch.randn(layout.shape))
+    cache.host_tensor.copy_(torch.randn(cache.host_tensor.shape))
+    device, host = cache.device_tensor.clone(), cache.host_tensor.clone()
+    cache.swap_out([(0, 1), (1, 2), (2, 3), (5, 0)])
+    assert torch.equal(cache.host_tensor[:, :, 1:4], device[:, :, 0:3])
+    assert torch.equal(cache.host_tensor[:, :, 0], device[:, :, 5])
+    assert torch.equal(cache.host_tensor[:, :, 4], host[:, :, 4])
+    assert torch.equal(cache.device_tensor, device)
+    cache.swap_in([(3, 4), (0, 3), (1, 1)])
+    assert torch.equal(cache.device_tensor[:, :, 4], device[:, :, 2])
+    assert torch.equal(cache.device_tensor[:, :, 3], device[:, :, 5])
+    assert torch.equal(cache.device_tensor[:, :, 1], device[:, :, 0])
+    assert torch.equal(cache.device_tensor[:, :, [0, 2, 5]], device[:, :, [0, 2, 5]])
+
+
 def test_no_host_tier_with_zero_host_blocks() -> None:
     cache = KVCache(LAYOUT, num_host_blocks=0)
     assert cache.host_layout is None and cache.host_tensor is None

@@ -149,7 +149,13 @@ class EngineCore:
         region's tensor from then on. The copy keeps the prefix cache valid: cached blocks
         keep their KV, the block accounting does not change. The link then stays open
         until `close`: switching back to colocated keeps it (nothing is handed to peers
-        any more), and a later switch reuses it without a copy."""
+        any more), and a later switch reuses it without a copy. A core on a GPU cannot
+        switch to either (RuntimeError): the transports move host memory."""
+        if role is not Role.COLOCATED and self.config.device != "cpu":
+            raise RuntimeError(
+                f"cannot switch a {self.config.device} core to {role.value}: the KV "
+                "transports move host memory, and its pool is on the device"
+            )
         idle = self._idle_report()
         if idle is not None:
             raise RuntimeError(

@@ -83,13 +83,34 @@ def load_model(config: EngineConfig) -> CausalLM:
     """Build the configured model with its weights, ready to serve (threads set)."""
     torch.set_num_threads(config.threads)
     path = resolve_model(config.model)
-    quant = resolve_quantization(config.quantization, path, config.device, config.activations)
+    check_device(config.device)
+    quant = resolve_quantization(
+        config.quantization, path, config.device, config.activations, config.dtype
+    )
     model = build_model(load_config(path), config.torch_dtype, quant.quantized)
     model.quantization = quant  # finalize reads it (the activations)
     model.load_weights(iter_weights(path, config.torch_dtype, quant))
     model.to(config.device)
     model.finalize()
     return model
+
+
+def check_device(device: str) -> None:
+    """ValueError (a usage error) naming the problem when torch cannot use `device`
+    (EngineConfig has checked its spelling: cpu, cuda or cuda:N)."""
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: torch {torch.__version__} sees no CUDA device (a CPU-only "
+            "build of torch, or no GPU visible to this process)"
+        )
+    index, count = torch.device(device).index, torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise ValueError(
+            f"--device {device}: this process sees {count} CUDA device(s), cuda:0 to "
+            f"cuda:{count - 1}"
+        )
 
 
 def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[int]) -> EngineCore:

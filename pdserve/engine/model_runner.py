@@ -40,7 +40,9 @@ class ModelRunner:
         self.kv = kv
         self.hooks: ForwardHooks | None = None
         self.workspace = GatherWorkspace()
-        self.max_group_tokens = max_group_tokens(cache)
+        self.device = cache.device_tensor.device
+        # The gather cap is a CPU cache size; a GPU's batched kernels prefer size.
+        self.max_group_tokens = max_group_tokens(cache) if self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -62,22 +64,25 @@ class ModelRunner:
             self.workspace,
             max_group_tokens=self.max_group_tokens,
             per_row=self.model.fused,
-        )
+        ).to(self.device)
         sampled = [s for s in seqs if s.samples]
         if not sampled:
             # Only partial prompt chunks: run the layers, skip the LM head.
             logit_rows = []
         hidden = self.model.hidden_states(
-            torch.tensor(input_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
+            self._ids(input_ids),
+            self._ids(positions),
             self.cache.device_tensor,
             meta,
-            torch.tensor(logit_rows, dtype=torch.long),
+            self._ids(logit_rows),
             self.hooks,
         )
         if not sampled:
             return StepResult([], None, None)
         return StepResult(sampled, self.model.compute_logits(hidden), hidden)
+
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _flatten(
         self, seqs: Sequence[ScheduledSeq]

@@ -14,11 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 from pdserve.kv.block_pool import KVCacheError
 from pdserve.kv.layout import KVLayout
-from pdserve.kv.transfer.layout import torch_dtype
+from pdserve.kv.transfer.aggregate import copy_runs
+from pdserve.kv.transfer.layout import token_view, torch_dtype
+from pdserve.kv.transfer.plan import runs_between
 
 
 class KVCache:
@@ -70,7 +73,41 @@ class KVCache:
 
     @staticmethod
     def _copy(src: torch.Tensor, dst: torch.Tensor, copies: Sequence[tuple[int, int]]) -> None:
-        s = torch.tensor([c[0] for c in copies], dtype=torch.long, device=src.device)
-        d = torch.tensor([c[1] for c in copies], dtype=torch.long, device=dst.device)
-        # One gather + one scatter for all blocks and layers (block aggregation).
-        dst[:, :, d] = src[:, :, s].to(dst.device)
+        """Blocks `copies[i][0]` of `src` to blocks `copies[i][1]` of `dst`, every layer and
+        K/V. Between tensors on two devices (a GPU's pool and its host tier) the blocks
+        are packed into one buffer on each side, so one contiguous transfer crosses the
+        bus instead of one strided piece per block run (fancy indexing moved 0.9-1.4 GB/s
+        where a plain copy moved 16 on a CPU and 55 on an H200: bench/bench_cuda.py)."""
+        s = np.fromiter((c[0] for c in copies), np.int64, len(copies))
+        d = np.fromiter((c[1] for c in copies), np.int64, len(copies))
+        if src.device == dst.device:
+            _copy_blocks(src, s, dst, d)
+            return
+        here = np.arange(len(copies), dtype=np.int64)
+        src_packed, dst_packed = _packed(src, len(copies)), _packed(dst, len(copies))
+        _copy_blocks(src, s, src_packed, here)
+        dst_packed.copy_(src_packed)
+        _copy_blocks(dst_packed, here, dst, d)
+
+
+def _packed(pool: torch.Tensor, n: int) -> torch.Tensor:
+    """A buffer of n blocks beside `pool`, pinned when on the host (only reached beside an
+    accelerator): the bus is crossed by DMA, and torch's pinned allocator keeps freed
+    buffers for the next swap, so no page is faulted in per call."""
+    shape = (*pool.shape[:2], n, *pool.shape[3:])
+    pin = pool.device.type == "cpu"
+    return torch.empty(shape, dtype=pool.dtype, device=pool.device, pin_memory=pin)
+
+
+def _copy_blocks(src: torch.Tensor, s: np.ndarray, dst: torch.Tensor, d: np.ndarray) -> None:
+    """Blocks s of `src` to blocks d of `dst`, one device. On the host: the transfer
+    library's copy of coalesced runs (all layers and K/V per run; numpy byte copies over
+    the copy threads). On an accelerator: one gather and one scatter kernel (a copy per
+    run cost 6.5 ms for 512 blocks on an H200, the gather 0.5)."""
+    if src.device.type != "cpu":
+        rows = src.index_select(2, torch.as_tensor(s, device=src.device))
+        dst.index_copy_(2, torch.as_tensor(d, device=dst.device), rows)
+        return
+    bs = src.shape[3]
+    runs = [(a * bs, b * bs, n * bs) for a, b, n in runs_between(s, d)]
+    copy_runs(token_view(src), token_view(dst), runs)

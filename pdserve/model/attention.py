@@ -33,6 +33,7 @@ step as `RowRanges` (`AttentionMetadata.build(..., per_row=True)`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +63,11 @@ class PrefillSeq:
     num_cached: int
     block_table: torch.Tensor  # [n_blocks] covering context_len
     mask: torch.Tensor | None  # [query_len, context_len] bool (True = attend); None = plain causal
+
+    def to(self, device: torch.device) -> PrefillSeq:
+        mask = None if self.mask is None else self.mask.to(device, non_blocking=True)
+        table = self.block_table.to(device, non_blocking=True)
+        return dataclasses.replace(self, block_table=table, mask=mask)
 
 
 class GatherWorkspace:
@@ -99,6 +105,9 @@ class DecodeGroup:
     rows: torch.Tensor  # [n] long: the rows of the flat batch (all < num_decode)
     block_tables: torch.Tensor  # [n, max_blocks], padded with block 0
     mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool (True = attend)
+
+    def to(self, device: torch.device) -> DecodeGroup:
+        return DecodeGroup(*(t.to(device, non_blocking=True) for t in dataclasses.astuple(self)))
 
 
 # What one more decode group costs per step, in padded context tokens (its extra
@@ -204,6 +213,19 @@ class AttentionMetadata:
     prefills: tuple[PrefillSeq, ...]
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
     ranges: RowRanges | None = None
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The same step with its tensors on `device` (built on the host; this is the
+        one copy to an accelerator per step). On the CPU: itself. The compiled path's
+        `ranges` are host-only and stay."""
+        if device.type == "cpu":
+            return self
+        return dataclasses.replace(
+            self,
+            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
+            decode_groups=tuple(g.to(device) for g in self.decode_groups),
+            prefills=tuple(p.to(device) for p in self.prefills),
+        )
 
     @staticmethod
     def build(

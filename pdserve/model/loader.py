@@ -195,12 +195,16 @@ class Quantization:
 
 
 def resolve_quantization(
-    requested: str, path: ModelPath | ModelSource, device: str = "cpu", activations: str = "fp32"
+    requested: str,
+    path: ModelPath | ModelSource,
+    device: str = "cpu",
+    activations: str = "fp32",
+    dtype: str = "float32",
 ) -> Quantization:
     """The effective quantization; ValueError (a usage error) when `requested` does not
     fit the file or this install, naming the values that do, or when `activations` is
     "int8" and the weights will not be in blocks or this CPU cannot run the int8 kernels."""
-    quant = _resolve_weights(requested, path, device)
+    quant = _resolve_weights(requested, path, device, dtype)
     if activations == "fp32":
         return quant
     if activations not in ACTIVATIONS:
@@ -217,7 +221,7 @@ def resolve_quantization(
 
 
 def _resolve_weights(
-    requested: str, path: ModelPath | ModelSource, device: str = "cpu"
+    requested: str, path: ModelPath | ModelSource, device: str, dtype: str
 ) -> Quantization:
     src = ModelSource.resolve(path)
     allowed = _FOR_GGUF if src.format == "gguf" else _FOR_HF
@@ -229,7 +233,7 @@ def _resolve_weights(
         )
     if requested == "none":
         return Quantization()
-    blocker = _kernel_blocker(device)
+    blocker = _kernel_blocker(device, dtype)
     if requested == "auto":
         if not blocker and src.format != "gguf":
             blocker = "the weights are fp (--quantization q8_0 or q4_0 quantizes them at load)"
@@ -242,10 +246,12 @@ def _resolve_weights(
     return Quantization(requested)
 
 
-def _kernel_blocker(device: str) -> str:
+def _kernel_blocker(device: str, dtype: str) -> str:
     """Why no quantized weights can be served here ("" when they can)."""
     if device != "cpu":
         return f"quantized weights are served on the CPU only (device {device})"
+    if dtype != "float32":
+        return f"the quantized kernels compute in float32 (dtype {dtype})"
     return unavailable_reason() or ""
 
 

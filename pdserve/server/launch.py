@@ -34,6 +34,7 @@ from pdserve.config import (
     TransferConfig,
     TransferMode,
 )
+from pdserve.engine.engine import check_device
 from pdserve.errors import RequestCancelledError
 from pdserve.model.loader import resolve_model, resolve_quantization
 from pdserve.predictor.head import resolve_predictor
@@ -54,11 +55,14 @@ def served_name(model: str | None) -> str:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The instances' config; a --quantization that does not fit the model is a usage
-    error here, before any instance starts."""
-    resolve_quantization(args.quantization, args.model, activations=args.activations)
+    """The instances' config; a --quantization that does not fit the model, or a device
+    torch cannot use, is a usage error here, before any instance starts."""
+    check_device(args.device)
+    resolve_quantization(args.quantization, args.model, args.device, args.activations, args.dtype)
     return EngineConfig(
         model=args.model,
+        device=args.device,
+        dtype=args.dtype,
         quantization=args.quantization,
         activations=args.activations,
         length_predictor=resolve_predictor(args.predictor, args.model),
