@@ -24,6 +24,7 @@ from pdserve.model.linear import Linear, PackedLinear
 from pdserve.model.loader import Quantization, is_quantizable, weight_shapes
 from pdserve.quant.formats import QuantWeight
 from pdserve.quant.linear import QuantEmbedding, QuantLinear
+from pdserve.quant.memory import HugePageArena
 
 Weight = torch.Tensor | QuantWeight
 
@@ -178,19 +179,25 @@ class CausalLM(nn.Module):
             self._release_packed_originals()
 
     def _finalize_quantized(self, pack: bool) -> None:
-        """Build every op from the weights `load_weights` kept (see the class docstring)."""
+        """Build every op from the weights `load_weights` kept (see the class docstring),
+        what their kernels stream on 2 MB pages (quant/memory.py)."""
+        arena = HugePageArena()
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
             a, m = layer.self_attn, layer.mlp
-            a.qkv_op = self._op([f"{p}self_attn.{x}_proj.weight" for x in "qkv"], a.qkv_bias, pack)
-            a.o_op = self._op([f"{p}self_attn.o_proj.weight"], a.o_bias, pack)
+            qkv = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+            a.qkv_op = self._op(qkv, a.qkv_bias, pack, arena)
+            a.o_op = self._op([f"{p}self_attn.o_proj.weight"], a.o_bias, pack, arena)
             gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-            m.gate_up_op = self._op(gate_up, None, pack)
-            m.down_op = self._op([f"{p}mlp.down_proj.weight"], None, pack)
+            m.gate_up_op = self._op(gate_up, None, pack, arena)
+            m.down_op = self._op([f"{p}mlp.down_proj.weight"], None, pack, arena)
         embed = self._parts["model.embed_tokens.weight"]
-        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head_op = self._op([head], None, pack)
+        tied = self.config.tie_word_embeddings
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.lm_head_op = self._op([head], None, pack, arena)
+        if tied and isinstance(self.lm_head_op, QuantLinear) and len(self.lm_head_op.weights) == 1:
+            embed = self.lm_head_op.weights[0]  # one copy of a tied matrix, wherever it went
         self.embed_tokens = QuantEmbedding(embed) if isinstance(embed, QuantWeight) else embed
         self._parts.clear()
         self.finalized = True
@@ -207,11 +214,13 @@ class CausalLM(nn.Module):
             and all(isinstance(x, DecoderLayer) and x.fused_ops() is not None for x in self.layers)
         )
 
-    def _op(self, names: list[str], bias: torch.Tensor | None, pack: bool) -> Linear:
+    def _op(
+        self, names: list[str], bias: torch.Tensor | None, pack: bool, arena: HugePageArena
+    ) -> Linear:
         parts = [self._parts[n] for n in names]
         quant = [p for p in parts if isinstance(p, QuantWeight)]
         if len(quant) == len(parts):
-            return QuantLinear(quant, bias, self.quantization.activations)
+            return QuantLinear(quant, bias, self.quantization.activations, arena)
         fp = [p.dequantize(self.dtype) if isinstance(p, QuantWeight) else p for p in parts]
         return PackedLinear(torch.cat(fp).to(self.dtype), bias, pack)
 

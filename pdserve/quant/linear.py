@@ -20,6 +20,7 @@ import torch
 from pdserve.config import ACTIVATIONS
 from pdserve.quant.formats import BLOCK, Layout, QuantWeight
 from pdserve.quant.kernels import kernels, unavailable_reason
+from pdserve.quant.memory import HugePageArena
 
 # What the product reads in place of x (the kernel's prologues, _kernels.c).
 PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
@@ -120,7 +121,11 @@ class QuantLinear:
         weight: QuantWeight | Sequence[QuantWeight],
         bias: torch.Tensor | None,
         activations: str = "fp32",
+        arena: HugePageArena | None = None,
     ) -> None:
+        """`arena`: where to keep what the kernels stream (the int8 records, or the
+        values, fp32 scales and minimums): on 2 MB pages (quant/memory.py); None keeps
+        the values where they are."""
         mod = kernels()
         if mod is None:
             raise RuntimeError(f"quantized linear layers need the kernels: {unavailable_reason()}")
@@ -138,13 +143,15 @@ class QuantLinear:
             raise ValueError(f"row lengths differ: {[r.shape[1] for r in runs]}")
         self._parts: list[_Part] = []
         n0 = 0
+        place = arena.place if arena is not None else _as_is
         for r in runs:
             packed = pack_int8(r) if activations == "int8" else None
             if packed is not None:  # the fp32 kernel's scales are not needed then
-                self._parts.append(_Part(r, n0, torch.empty(0), None, packed))
+                self._parts.append(_Part(r, n0, torch.empty(0), None, place(packed)))
             else:
-                mins = r.m.to(torch.float32) if r.m is not None else None
-                self._parts.append(_Part(r, n0, r.d.to(torch.float32), mins))
+                r = QuantWeight(r.qtype, place(r.qs), r.d, r.m)
+                mins = place(r.m.to(torch.float32)) if r.m is not None else None
+                self._parts.append(_Part(r, n0, place(r.d.to(torch.float32)), mins))
             n0 += r.shape[0]
         self.out_features = n0
         self.bias = bias.detach().to(torch.float32).clone() if bias is not None else None
@@ -265,6 +272,10 @@ class QuantLinear:
         if self.bias is not None:
             y += self.bias
         return y
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class QuantEmbedding:

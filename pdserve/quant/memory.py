@@ -1,0 +1,70 @@
+"""Weights on 2 MB pages: `HugePageArena`, where a model's quantized ops keep what the
+kernels stream.
+
+A decode step reads every weight once, ~100 MB for the shipped model. On 4 KB pages that
+is ~24,000 pages a step, each a TLB miss and a page walk as the stream enters it, and
+the hardware prefetcher stops at each page's end; on 2 MB pages it is ~50. Measured on
+this project's machine (bench/bench_step_breakdown.py, batch 1, int8 activations,
+alternating runs): the projections 1.15-1.25x faster, the step 1.1x.
+
+The arena maps anonymous memory in chunks, asks the kernel for transparent huge pages
+there (`madvise(MADV_HUGEPAGE)`: honoured when /sys/kernel/mm/transparent_hugepage/
+enabled is `always` or `madvise`, the usual default), and hands out 64-byte aligned
+pieces by bumping an offset. A chunk's pages are faulted in as pieces are written, so
+the memory in use is what was placed, rounded up to one 2 MB page per chunk. Pieces are
+never freed on their own: a chunk is unmapped when the last tensor over it is dropped
+(torch.frombuffer keeps the mapping alive), so an arena suits what lives as long as the
+model. Where madvise or huge pages are not available the pieces are ordinary memory,
+with the same bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+ALIGN = 64
+
+
+class HugePageArena:
+    """Bump allocator over anonymous mappings advised MADV_HUGEPAGE (see the module)."""
+
+    def __init__(self, chunk_bytes: int = 64 << 20) -> None:
+        if chunk_bytes < HUGE_PAGE or chunk_bytes % HUGE_PAGE:
+            raise ValueError(f"chunk_bytes must be a multiple of {HUGE_PAGE}, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self._chunk = torch.empty(0, dtype=torch.uint8)
+        self._used = 0
+        self.placed_bytes = 0  # pieces handed out, for reports
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of CPU tensor `t` (same dtype, shape and bits, contiguous) in the arena."""
+        n = t.numel() * t.element_size()
+        piece = self._take(n).view(t.dtype).view(t.shape)
+        piece.copy_(t)
+        self.placed_bytes += n
+        return piece
+
+    def _take(self, n: int) -> torch.Tensor:
+        start = -(-self._used // ALIGN) * ALIGN
+        if start + n > self._chunk.numel():
+            self._chunk = _huge_chunk(max(self.chunk_bytes, -(-n // HUGE_PAGE) * HUGE_PAGE))
+            start = 0
+        self._used = start + n
+        return self._chunk[start : start + n]
+
+
+def _huge_chunk(nbytes: int) -> torch.Tensor:
+    """`nbytes` of zeroed anonymous memory starting on a 2 MB boundary, advised to be
+    backed by huge pages (a kernel only backs 2 MB-aligned ranges so)."""
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # no transparent huge pages: ordinary pages
+            mapping.madvise(advice)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
+    skip = -raw.data_ptr() % HUGE_PAGE
+    return raw[skip : skip + nbytes]

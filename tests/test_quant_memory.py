@@ -1,0 +1,60 @@
+"""`HugePageArena`: pieces keep their bits, sit 64-byte aligned in mappings advised
+MADV_HUGEPAGE, and a quantized model's streamed weights are placed there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import load_model
+from pdserve.quant.linear import QuantLinear
+from pdserve.quant.memory import HUGE_PAGE, HugePageArena
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        lines = f.readlines()
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_pieces_keep_their_bits_aligned_in_advised_chunks() -> None:
+    arena = HugePageArena(chunk_bytes=HUGE_PAGE)
+    a = torch.randn(3, 5)
+    b = torch.arange(7, dtype=torch.int16)
+    c = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)  # larger than a chunk
+    pa, pb, pc = arena.place(a), arena.place(b), arena.place(c)
+    for orig, piece in ((a, pa), (b, pb), (c, pc)):
+        assert piece.dtype == orig.dtype and piece.shape == orig.shape
+        assert torch.equal(piece, orig) and piece.is_contiguous()
+        assert piece.data_ptr() % 64 == 0
+        assert "hg" in _vm_flags(piece.data_ptr())
+    assert pb.data_ptr() == pa.data_ptr() + 64  # 60 bytes, then the next 64-byte line
+    assert pc.data_ptr() % HUGE_PAGE == 0  # its own chunk, on a 2 MB boundary
+    assert arena.placed_bytes == 60 + 14 + (3 << 20)
+    with pytest.raises(ValueError, match="chunk_bytes must be a multiple of 2097152, got 4096"):
+        HugePageArena(chunk_bytes=4096)
+
+
+def test_a_quantized_model_streams_its_weights_from_the_arena() -> None:
+    """Every part the kernels read (exact: values, fp32 scales and minimums; int8: the
+    records) is in an advised mapping; the tied embedding shares the LM head's copy."""
+    for activations in ("fp32", "int8"):
+        model = load_model(EngineConfig(quantization="gguf", activations=activations))
+        for op in model.projection_ops():
+            assert isinstance(op, QuantLinear)
+            for call in op.kernel_calls:
+                addresses = [call[1]] if call[0] == -1 else [a for a in call[1:4] if a]
+                for address in addresses:
+                    assert "hg" in _vm_flags(address), (activations, call)
+        if activations == "fp32":
+            assert model.embed_tokens.weight is model.lm_head_op.weights[0]
