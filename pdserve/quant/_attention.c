@@ -56,16 +56,6 @@
 #define FOR_EACH_KEY(a, cache, table, g, j0, j1, i, key, BODY) \
     FOR_EACH_KEY_RUN(a, cache, table, g, j0, j1, i, key, blk_, (void)0, BODY)
 
-/* Asks for KV heads [g, g + ng) of every slot of cache block `block` ahead of need, into
- * L1 (HINT = _MM_HINT_T0) or L2 (_MM_HINT_T1). */
-#define PREFETCH_BLOCK(a, cache, block, g, ng, HINT)                                      \
-    do {                                                                                  \
-        const char *p_ = (const char *)((cache) + ((int64_t)(block) * (a)->bs * (a)->Hkv + (g)) * (a)->D); \
-        const int64_t lines_ = ((ng) * (a)->D * 4 + 63) / 64;                             \
-        for (int64_t r_ = 0; r_ < (a)->bs; r_++, p_ += (a)->Hkv * (a)->D * 4)             \
-            for (int64_t l_ = 0; l_ < lines_; l_++) _mm_prefetch(p_ + 64 * l_, HINT);     \
-    } while (0)
-
 /* p = exp(s - max(s)) in place over n scores; returns sum(p). */
 INLINE float softmax_numerator(float *s, int64_t n) {
     __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -178,16 +168,23 @@ INLINE void score_group(Block *b, const float *const k[8], int64_t j0, int64_t c
 INLINE void block_scores(Block *b, const int64_t DV) {
     const Attn *a = b->a;
     const float *k8[8];
-    int64_t cnt = 0, first = 0;
-    /* At each cache block: its values (read after every score) into L2, the next block's
-     * keys into L1. In a decode step the KV comes from memory (the layers' weights
-     * streamed through L3 since), a demand miss per line otherwise: 1.25x at batch 1,
-     * 1.1x at 8 (bench_kernel_ab.py --attention, "weights read between"); more blocks
-     * ahead gained nothing more, and nothing is lost when the KV is in L3. */
+    int64_t cnt = 0, first = 0, ahead = 0; /* ahead: floats to this slot of the next block */
+    const int64_t block = a->bs * a->Hkv * a->D, lines = (b->ng * a->D * 4 + 63) / 64;
+    /* With each key, its value (read after every score) and the key in the same slot of
+     * the next cache block are asked for, into L2. In a decode step the KV comes from
+     * memory (the layers' weights streamed through L3 since; at batch 8+ it outgrows L3
+     * anyway), a demand miss per line otherwise. One prefetch per line spread over the
+     * keys, to L2 rather than L1 (fewer outstanding misses): 1.2-1.3x at batch 8-32 and
+     * 1.3-1.4x at batch 1 with weights read between (bench_kernel_ab.py --attention; KV
+     * read at 17.5-22 GB/s instead of 14-16) over a whole block asked for at once into L1
+     * (itself 1.1-1.25x over no prefetch); two blocks ahead gained nothing more. */
     FOR_EACH_KEY_RUN(a, a->kc, b->table, b->g, b->lo, b->hi, i, k, blk, {
-        PREFETCH_BLOCK(a, a->vc, b->table[blk], b->g, b->ng, _MM_HINT_T1);
-        if ((blk + 1) * a->bs < b->hi) PREFETCH_BLOCK(a, a->kc, b->table[blk + 1], b->g, b->ng, _MM_HINT_T0);
+        ahead = (blk + 1) * a->bs < b->hi ? ((int64_t)b->table[blk + 1] - b->table[blk]) * block : 0;
     }, {
+        const char *v = (const char *)(a->vc + (k - a->kc));
+        for (int64_t l = 0; l < lines; l++) _mm_prefetch(v + 64 * l, _MM_HINT_T1);
+        if (ahead != 0)
+            for (int64_t l = 0; l < lines; l++) _mm_prefetch((const char *)(k + ahead) + 64 * l, _MM_HINT_T1);
         if (cnt == 0) first = b->lo + i;
         k8[cnt++] = k;
         if (cnt == 8) {
