@@ -260,6 +260,28 @@ class EngineConfig:
         return self.num_threads or len(self.cpus or os.sched_getaffinity(0))
 
 
+def check_device(device: str) -> None:
+    """ValueError (a usage error) naming the problem when `device` is not cpu, cuda or
+    cuda:N, or torch cannot use it."""
+    if not _DEVICE.fullmatch(device):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if device == "cpu":
+        return
+    import torch  # here, not at the top: config is read where torch never loads
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: torch {torch.__version__} sees no CUDA device (a CPU-only "
+            "build of torch, or no GPU visible to this process)"
+        )
+    index, count = torch.device(device).index, torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise ValueError(
+            f"--device {device}: this process sees {count} CUDA device(s), cuda:0 to "
+            f"cuda:{count - 1}"
+        )
+
+
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 

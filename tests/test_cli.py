@@ -55,9 +55,10 @@ def test_a_device_torch_cannot_use_is_a_usage_error() -> None:
     naming the flag's value (bench/bench_cuda.py runs --device cuda where there is one)."""
     import torch
 
-    proc = pdserve("generate", "hi", "--device", "tpu")
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == "pdserve: error: device must be cpu, cuda or cuda:N, got 'tpu'\n"
+    for command in (["generate", "hi"], ["serve"]):
+        proc = pdserve(*command, "--device", "tpu")
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == "pdserve: error: device must be cpu, cuda or cuda:N, got 'tpu'\n"
     for command in (["generate", "hi"], ["serve"]):
         proc = pdserve(*command, "--device", "cuda:1")
         assert proc.returncode == 2 and proc.stdout == ""

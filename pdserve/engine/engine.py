@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, check_device
 from pdserve.engine.core import EngineCore
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
@@ -93,24 +93,6 @@ def load_model(config: EngineConfig) -> CausalLM:
     model.to(config.device)
     model.finalize()
     return model
-
-
-def check_device(device: str) -> None:
-    """ValueError (a usage error) naming the problem when torch cannot use `device`
-    (EngineConfig has checked its spelling: cpu, cuda or cuda:N)."""
-    if device == "cpu":
-        return
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"--device {device}: torch {torch.__version__} sees no CUDA device (a CPU-only "
-            "build of torch, or no GPU visible to this process)"
-        )
-    index, count = torch.device(device).index, torch.cuda.device_count()
-    if index is not None and index >= count:
-        raise ValueError(
-            f"--device {device}: this process sees {count} CUDA device(s), cuda:0 to "
-            f"cuda:{count - 1}"
-        )
 
 
 def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[int]) -> EngineCore:

@@ -33,8 +33,8 @@ from pdserve.config import (
     SchedulerConfig,
     TransferConfig,
     TransferMode,
+    check_device,
 )
-from pdserve.engine.engine import check_device
 from pdserve.errors import RequestCancelledError
 from pdserve.model.loader import resolve_model, resolve_quantization
 from pdserve.predictor.head import resolve_predictor
