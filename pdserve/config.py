@@ -232,8 +232,7 @@ class EngineConfig:
             raise ValueError(
                 f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}"
             )
-        if not _DEVICE.fullmatch(self.device):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        _check_device_name(self.device)
         if self.device != "cpu" and self.role is not Role.COLOCATED:
             raise ValueError(
                 f"a {self.role.value} instance needs its KV pool in host memory (the KV "
@@ -263,8 +262,7 @@ class EngineConfig:
 def check_device(device: str) -> None:
     """ValueError (a usage error) naming the problem when `device` is not cpu, cuda or
     cuda:N, or torch cannot use it."""
-    if not _DEVICE.fullmatch(device):
-        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    _check_device_name(device)
     if device == "cpu":
         return
     import torch  # here, not at the top: config is read where torch never loads
@@ -283,6 +281,11 @@ def check_device(device: str) -> None:
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def _check_device_name(device: str) -> None:
+    if not _DEVICE.fullmatch(device):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
 
 
 def _at_least(name: str, value: int, low: int) -> None:

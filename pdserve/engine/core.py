@@ -149,13 +149,9 @@ class EngineCore:
         region's tensor from then on. The copy keeps the prefix cache valid: cached blocks
         keep their KV, the block accounting does not change. The link then stays open
         until `close`: switching back to colocated keeps it (nothing is handed to peers
-        any more), and a later switch reuses it without a copy. A core on a GPU cannot
-        switch to either (RuntimeError): the transports move host memory."""
-        if role is not Role.COLOCATED and self.config.device != "cpu":
-            raise RuntimeError(
-                f"cannot switch a {self.config.device} core to {role.value}: the KV "
-                "transports move host memory, and its pool is on the device"
-            )
+        any more), and a later switch reuses it without a copy. A role the config refuses
+        (prefill or decode on a GPU: EngineConfig's rule) is a ValueError, nothing changed."""
+        config = dataclasses.replace(self.config, role=role)  # validated before any change
         idle = self._idle_report()
         if idle is not None:
             raise RuntimeError(
@@ -163,7 +159,7 @@ class EngineCore:
                 f"idle ({idle}); switch between steps once it has drained"
             )
         self._take_role(role)
-        self.config = dataclasses.replace(self.config, role=role)
+        self.config = config
 
     def _idle_report(self) -> str | None:
         """None when idle, else what the core still holds."""

@@ -4,8 +4,8 @@ kernels stream.
 A decode step reads every weight once, ~100 MB for the shipped model. On 4 KB pages that
 is ~24,000 pages a step, each a TLB miss and a page walk as the stream enters it, and
 the hardware prefetcher stops at each page's end; on 2 MB pages it is ~50. Measured on
-this project's machine (bench/bench_step_breakdown.py, batch 1, int8 activations,
-alternating runs): the projections 1.15-1.25x faster, the step 1.1x.
+this project's machine (bench/bench_step_breakdown.py, batch 1, three runs alternating
+with the tree before): steps 1.02-1.09x faster with int8 activations, 1.03-1.08x exact.
 
 The arena maps anonymous memory in chunks, asks the kernel for transparent huge pages
 there (`madvise(MADV_HUGEPAGE)`: honoured when /sys/kernel/mm/transparent_hugepage/
@@ -38,14 +38,12 @@ class HugePageArena:
         self.chunk_bytes = chunk_bytes
         self._chunk = torch.empty(0, dtype=torch.uint8)
         self._used = 0
-        self.placed_bytes = 0  # pieces handed out, for reports
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of CPU tensor `t` (same dtype, shape and bits, contiguous) in the arena."""
         n = t.numel() * t.element_size()
         piece = self._take(n).view(t.dtype).view(t.shape)
         piece.copy_(t)
-        self.placed_bytes += n
         return piece
 
     def _take(self, n: int) -> torch.Tensor:
