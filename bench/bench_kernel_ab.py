@@ -11,6 +11,19 @@ outputs are asserted bit-identical - a kernel change that keeps the contract
 (pdserve/quant/README.md) gives the same bits. Prints each build's GMAC/s (medians) and
 B's time over A's as a speed-up, for the shipped model's projection shapes.
 
+`--step` times a whole decode step's layers instead (`fused_layers`, pdserve/model/fused.py):
+the shipped model served as `--quantization gguf --activations int8`, `--batch`
+sequences of 256 random prompt tokens decoding; each step's layers run twice from the
+same input, once per build (which goes first alternates), the outputs asserted
+bit-identical - the real weights on their 2 MB pages and the real KV cache. Prints the
+layers' time per build and what the rest of a step took (LM head, metadata, sampling,
+Python). With `--whole`, each step runs one build's layers instead, the builds taking
+turns, and whole steps are timed: what a change costs or saves around the layers too
+(a cache it leaves colder, say). No bit check then.
+
+`AB_CFLAGS_A` / `AB_CFLAGS_B` add compiler flags to one build (`-DNAME=value` to try a
+variant of a constant without a second folder).
+
 `--attention` times `paged_attention` instead (the compiled attention, `_attention.c`)
 in SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, 16-token blocks): decode
 steps of 1, 8 and 32 sequences at 256 tokens of context over 30 layers' caches, their
@@ -27,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
@@ -54,7 +68,16 @@ def build(folder: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     so = out / "_kernels.so"
     include = sysconfig.get_paths()["include"]
-    cmd = ["gcc", "-shared", "-fPIC", "-O3", "-fopenmp", "-ffp-contract=off", "-std=gnu11"]
+    cmd = [
+        "gcc",
+        *os.environ.get("AB_CFLAGS_" + out.name.upper(), "").split(),
+        "-shared",
+        "-fPIC",
+        "-O3",
+        "-fopenmp",
+        "-ffp-contract=off",
+        "-std=gnu11",
+    ]
     cmd += [f"-I{include}", f"-I{folder}", *sorted(str(c) for c in folder.glob("*.c"))]
     cmd += ["-o", str(so)]
     subprocess.run(cmd, check=True)
@@ -151,6 +174,71 @@ def attention_ab(mods: list[ModuleType], threads: int) -> None:
               f"| {ta / tb:.2f}x |")  # fmt: skip
 
 
+def step_ab(mods: list[ModuleType], batch: int, steps: int, whole: bool) -> None:
+    """See the module docstring (`--step`, `--whole`)."""
+    import dataclasses
+
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.model.fused import FusedLayers
+    from pdserve.model.loader import resolve_model
+
+    cfg = EngineConfig(
+        model=str(resolve_model(None)),
+        quantization="gguf",
+        activations="int8",
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_prefill_tokens_with_decodes=0),
+        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_cache=False),
+    )
+    engine = Engine.from_config(dataclasses.replace(cfg))
+    times: list[list[float]] = [[], []]
+    call = FusedLayers.__call__
+    turn = [0]
+
+    def both(self: FusedLayers, h: torch.Tensor, *rest: object) -> torch.Tensor:
+        h0, outs = h.clone(), [torch.empty(0), torch.empty(0)]
+        order = (0, 1) if turn[0] % 2 == 0 else (1, 0)
+        turn[0] += 1
+        for i in order:
+            h.copy_(h0)
+            self._call = mods[i].fused_layers
+            t = time.perf_counter()
+            call(self, h, *rest)  # type: ignore[arg-type]
+            times[i].append(time.perf_counter() - t)
+            outs[i] = h.clone()
+        assert torch.equal(outs[0], outs[1]), "step outputs differ"
+        return h
+
+    def one(self: FusedLayers, h: torch.Tensor, *rest: object) -> torch.Tensor:
+        self._call = mods[turn[0] % 2].fused_layers
+        return call(self, h, *rest)  # type: ignore[arg-type]
+
+    FusedLayers.__call__ = one if whole else both  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(100, 40000, (256,)).tolist(), params)
+    rest = []  # each step's time outside its two layer calls
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        if whole:  # the whole step, each build's in turn
+            times[turn[0] % 2].append(time.perf_counter() - t)
+            turn[0] += 1
+            continue
+        rest.append(time.perf_counter() - t - times[0][-1] - times[1][-1])
+    if whole:
+        ta, tb = (statistics.median(t[batch:-1]) for t in times)
+        print(f"decode b={batch}, whole steps alternating: A {ta * 1e3:.2f} ms, "
+              f"B {tb * 1e3:.2f} ms, B vs A {ta / tb:.2f}x")  # fmt: skip
+        return
+    ta, tb = (statistics.median(t[batch:]) for t in times)  # past the prefill steps
+    tr = statistics.median(rest[batch:-1])  # the last step samples nothing
+    print(f"decode b={batch}, {len(times[0]) - batch} steps: layers A {ta * 1e3:.2f} ms, "
+          f"B {tb * 1e3:.2f} ms, B vs A {ta / tb:.2f}x; the rest of a step "
+          f"(LM head, metadata, sampling, Python) {tr * 1e3:.2f} ms")  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--build", action="append", type=Path, required=True, help="A, then B")
@@ -158,6 +246,10 @@ def main() -> int:
     ap.add_argument("--rows", default="8,64,256")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attention", action="store_true", help="time paged_attention instead")
+    ap.add_argument("--step", action="store_true", help="time a decode step's layers instead")
+    ap.add_argument("--whole", action="store_true", help="--step: whole steps, builds alternating")
+    ap.add_argument("--batch", type=int, default=1, help="--step's sequences")
+    ap.add_argument("--steps", type=int, default=40, help="--step's decode steps")
     args = ap.parse_args()
     if len(args.build) != 2:
         ap.error("give --build twice: A, then B")
@@ -167,6 +259,9 @@ def main() -> int:
         mods = [load(f"{lab}._kernels", build(f, Path(tmp) / lab)) for lab, f in pairs]
         if args.attention:
             attention_ab(mods, args.threads)
+            return 0
+        if args.step:
+            step_ab(mods, args.batch, args.steps, args.whole)
             return 0
         rng = np.random.default_rng(0)
         print("| shape N x K | format | M | A GMAC/s | B GMAC/s | B vs A |")

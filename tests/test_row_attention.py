@@ -16,9 +16,16 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import load_model
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
-from pdserve.model.attention import AttentionMetadata, SeqSpec, paged_attention, row_attention
+from pdserve.model.attention import (
+    AttentionMetadata,
+    RowRanges,
+    SeqSpec,
+    paged_attention,
+    row_attention,
+)
 from pdserve.model.base import CausalLM, ForwardHooks
-from pdserve.model.layers import apply_rope
+from pdserve.model.fused import norm_rows
+from pdserve.model.layers import RMSNorm, apply_rope
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantLinear
 
@@ -154,6 +161,45 @@ def _single(case: Case, spec: SeqSpec, row: int) -> torch.Tensor:
 def quant_op(n: int, k: int, qtype: QuantType = QuantType.Q4_1) -> QuantLinear:
     gen = torch.Generator().manual_seed(n + k)
     return QuantLinear(QuantWeight.quantize(torch.randn(n, k, generator=gen), qtype), None)
+
+
+def test_row_ranges_name_each_rows_sequence_and_key_range_exactly() -> None:
+    """A decode, a fresh prompt and a continued one; then the same under a sliding
+    window: each row's (sequence, first key, end key) and the tables padded with 0."""
+    specs = [SeqSpec(5, 1, [7, 3]), SeqSpec(0, 3, [4]), SeqSpec(6, 2, [9, 2])]
+    r = RowRanges.build(specs, 4, None)
+    assert r.rows.dtype == torch.int32 and r.tables.dtype == torch.int32
+    want = [[0, 0, 6], [1, 0, 1], [1, 0, 2], [1, 0, 3], [2, 0, 7], [2, 0, 8]]
+    assert r.rows.tolist() == want
+    assert r.tables.tolist() == [[7, 3], [4, 0], [9, 2]]
+    windowed = RowRanges.build(specs, 4, 2)
+    assert windowed.rows.tolist() == [
+        [0, 4, 6],
+        [1, 0, 1],
+        [1, 0, 2],
+        [1, 1, 3],
+        [2, 5, 7],
+        [2, 6, 8],
+    ]
+    empty = RowRanges.build([], 4, None)
+    assert empty.rows.shape == (0, 3) and empty.tables.shape == (0, 1)
+
+
+def test_norm_rows_is_the_final_norm_of_the_rows_asked_in_their_order() -> None:
+    """The compiled final norm: torch's RMSNorm of the gathered rows up to float order, a
+    row's bits the same whatever other rows are asked with it, the rows in the order asked."""
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 64, generator=gen)
+    norm = RMSNorm(64, 1e-5, torch.float32)
+    norm.weight.data = torch.randn(64, generator=gen)
+    rows = torch.tensor([4, 0, 4, 2])
+    got = norm_rows(h, rows, norm)
+    torch.testing.assert_close(
+        got, F.rms_norm(h[rows], (64,), norm.weight, 1e-5), atol=1e-6, rtol=1e-6
+    )
+    assert torch.equal(norm_rows(h, torch.tensor([2]), norm)[0], got[3])
+    assert torch.equal(got[0], got[2])
+    assert norm_rows(h, torch.tensor([], dtype=torch.long), norm).shape == (0, 64)
 
 
 def test_rmsnorm_prologue_is_the_norm_then_the_product() -> None:

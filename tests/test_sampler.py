@@ -55,6 +55,14 @@ def test_greedy_is_argmax() -> None:
     assert out == [SampledToken(t, None, ()) for t in logits.argmax(dim=-1).tolist()]
 
 
+def test_greedy_takes_the_first_of_tied_maxima() -> None:
+    logits = torch.zeros(3, 10)
+    logits[0, [2, 7]] = 5.0
+    logits[1, [9, 0]] = 1.0
+    out = sample(logits, [_row(GREEDY) for _ in range(3)])
+    assert _ids(out) == [2, 0, 0]
+
+
 def test_all_greedy_batch_is_one_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args: object) -> None:
         raise AssertionError("the greedy fast path must not reach the general path")

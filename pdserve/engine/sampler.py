@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -75,12 +76,21 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
             f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}"
         )
     if all(_is_plain_greedy(row) for row in rows):
-        return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+        return [SampledToken(t) for t in _argmax(logits)]
     x = logits.to(torch.float32, copy=True)
     apply_penalties(x, rows)
     mask_min_tokens(x, rows)
     token_ids = _choose_tokens(x, rows)
     return _with_logprobs(logits, token_ids, rows)
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, the first of equal maxima. Host logits go through numpy: torch's
+    argmax over a 49k vocabulary costs ~43 us, numpy's ~4 (a batch-1 step samples this
+    way every token)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return cast(list[int], logits.numpy().argmax(axis=-1).tolist())
+    return cast(list[int], logits.argmax(dim=-1).tolist())
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 from pdserve.errors import ModelLoadError
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.config import ModelConfig
-from pdserve.model.fused import FusedLayers
+from pdserve.model.fused import FusedLayers, norm_rows
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from pdserve.model.linear import Linear, PackedLinear
 from pdserve.model.loader import Quantization, is_quantizable, weight_shapes
@@ -135,12 +135,12 @@ class CausalLM(nn.Module):
             h = h.contiguous()
             if self.layers_in_one_call and on_layer_done is None and kv_caches.is_contiguous():
                 h = self._fused_layers()(h, positions, kv_caches, meta)
-                return self.norm(h[logits_indices])
+                return norm_rows(h, logits_indices, self.norm)
             for i, fused in enumerate(cast(list[DecoderLayer], self.layers)):
                 h = fused.forward_fused(h, positions, self.rotary, kv_caches[i], meta)
                 if on_layer_done is not None:
                     on_layer_done(i)
-            return self.norm(h[logits_indices])
+            return norm_rows(h, logits_indices, self.norm)
         cos, sin = self.rotary.lookup(positions)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, cos, sin, kv_caches[i], meta)
