@@ -200,6 +200,10 @@ def test_norm_rows_is_the_final_norm_of_the_rows_asked_in_their_order() -> None:
     assert torch.equal(norm_rows(h, torch.tensor([2]), norm)[0], got[3])
     assert torch.equal(got[0], got[2])
     assert norm_rows(h, torch.tensor([], dtype=torch.long), norm).shape == (0, 64)
+    with pytest.raises(IndexError, match=r"row 6 is outside \[0, 6\)"):
+        norm_rows(h, torch.tensor([0, 6]), norm)
+    with pytest.raises(IndexError, match=r"row -1 is outside \[0, 6\)"):
+        norm_rows(h, torch.tensor([-1]), norm)
 
 
 def test_rmsnorm_prologue_is_the_norm_then_the_product() -> None:

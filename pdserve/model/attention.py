@@ -203,10 +203,10 @@ class RowRanges:
             [*s.block_table[:n], *itertools.repeat(0, width - n)]
             for s, n in zip(seqs, n_blocks, strict=True)
         ]
-        rows = torch.tensor(flat, dtype=torch.int32).view(-1, 3)
-        if not tables:
-            return RowRanges(rows, torch.zeros(0, 1, dtype=torch.int32))
-        return RowRanges(rows, torch.tensor(tables, dtype=torch.int32))
+        return RowRanges(
+            torch.tensor(flat, dtype=torch.int32).view(-1, 3),
+            torch.tensor(tables, dtype=torch.int32).view(-1, width),
+        )
 
 
 @dataclass(frozen=True)

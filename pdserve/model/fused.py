@@ -98,15 +98,16 @@ def norm_rows(h: torch.Tensor, rows: torch.Tensor, norm: RMSNorm) -> torch.Tenso
     run with the caches cold after the weights streamed by). The operations of a
     projection's RMSNorm prologue, so every norm of the compiled path is the same code.
 
-    h: contiguous fp32 [T, hidden]; rows: int64, each in [0, T) (the runner's sampled
-    rows)."""
+    h: contiguous fp32 [T, hidden]; rows: int64 (the runner's sampled rows); a row
+    outside [0, T) raises IndexError."""
     mod = kernels()
+    w = norm.weight
     assert mod is not None and h.is_contiguous() and rows.dtype == torch.long
+    assert w.dtype == torch.float32 and w.is_contiguous() and w.shape == (h.shape[1],)
     rows = rows.contiguous()
     out = torch.empty(rows.shape[0], h.shape[1])
-    w = norm.weight
     mod.rms_norm_rows(
-        h.data_ptr(), h.stride(0), rows.data_ptr(), rows.shape[0], h.shape[1], w.data_ptr(),
-        float(norm.eps), out.data_ptr(),
+        h.data_ptr(), h.stride(0), h.shape[0], rows.data_ptr(), rows.shape[0], h.shape[1],
+        w.data_ptr(), float(norm.eps), out.data_ptr(),
     )  # fmt: skip
     return out

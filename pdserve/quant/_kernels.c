@@ -582,23 +582,31 @@ static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* rms_norm_rows(x, ldx, rows, n, K, w, eps, out): out[i] = RMSNorm(x[rows[i]]) * w for
- * i < n (rows int64, out [n][K] contiguous): the gather of the rows that sample and the
- * model's final norm in one call, the same operations as a projection's RMSNorm
- * prologue. One thread: a step samples a row per sequence (at most a few hundred). */
+/* rms_norm_rows(x, ldx, T, rows, n, K, w, eps, out): out[i] = RMSNorm(x[rows[i]]) * w for
+ * i < n (x [T][ldx], rows int64, out [n][K] contiguous): the gather of the rows that
+ * sample and the model's final norm in one call, the same operations as a projection's
+ * RMSNorm prologue. A row outside [0, T) is refused before anything is written. One
+ * thread: a step samples a row per sequence (at most a few hundred). */
 static PyObject *py_rms_norm_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[8];
-    const int floats[] = {6};
-    if (read_args(args, nargs, 8, v, floats, 1) < 0) return NULL;
-    const int64_t ldx = v[1].i, n = v[3].i, K = v[4].i;
+    Arg v[9];
+    const int floats[] = {7};
+    if (read_args(args, nargs, 9, v, floats, 1) < 0) return NULL;
+    const int64_t ldx = v[1].i, T = v[2].i, n = v[4].i, K = v[5].i;
     if (K <= 0 || K % 8 != 0 || n < 0) {
         PyErr_SetString(PyExc_ValueError, "rms_norm_rows: K must be a positive multiple of 8");
         return NULL;
     }
-    const Prologue pre = {PRE_RMSNORM, PTR(const float *, v[5]), (float)v[6].f};
+    const int64_t *rows = PTR(const int64_t *, v[3]);
+    for (int64_t i = 0; i < n; i++) {
+        if (rows[i] < 0 || rows[i] >= T) {
+            PyErr_Format(PyExc_IndexError, "rms_norm_rows: row %lld is outside [0, %lld)",
+                         (long long)rows[i], (long long)T);
+            return NULL;
+        }
+    }
+    const Prologue pre = {PRE_RMSNORM, PTR(const float *, v[6]), (float)v[7].f};
     const float *x = PTR(const float *, v[0]);
-    const int64_t *rows = PTR(const int64_t *, v[2]);
-    float *out = PTR(float *, v[7]);
+    float *out = PTR(float *, v[8]);
     Py_BEGIN_ALLOW_THREADS;
     for (int64_t i = 0; i < n; i++) prologue_row(&pre, x + rows[i] * ldx, K, out + i * K);
     Py_END_ALLOW_THREADS;
@@ -658,7 +666,7 @@ static PyMethodDef methods[] = {
      "fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, bs, rows, tables,"
      " ldt, qkv, att, gate_up, threads): n fused decoder layers in one call"},
     {"rms_norm_rows", (PyCFunction)(void (*)(void))py_rms_norm_rows, METH_FASTCALL,
-     "rms_norm_rows(x, ldx, rows, n, K, w, eps, out): RMSNorm of the rows `rows` of x"},
+     "rms_norm_rows(x, ldx, T, rows, n, K, w, eps, out): RMSNorm of the rows `rows` of x"},
     {"int8_supported", py_int8_supported, METH_NOARGS,
      "whether this CPU runs qlinear_int8 (AVX-512 F/BW/VL/DQ and VNNI)"},
     {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
