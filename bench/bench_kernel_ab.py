@@ -2,17 +2,19 @@
 
     git show REV:pdserve/quant/_kernels.c > /tmp/a/_kernels.c   # and the other .c and .h
     .venv/bin/python bench/bench_kernel_ab.py --build /tmp/a --build pdserve/quant \\
-        [--formats Q4_1,Q8_0] [--rows 8,64,256] [--attention]
+        [--formats Q4_1,Q8_0] [--rows 8,64,256] [--activations int8] [--attention]
 
 Each `--build` folder's C files are compiled (the flags of setup.py) into a private
 `_kernels.so` and loaded under its own name; the same `QuantLinear` then calls each
 build's `qlinear` in turn (alternating, so the machine's drift hits both) and the
 outputs are asserted bit-identical - a kernel change that keeps the contract
 (pdserve/quant/README.md) gives the same bits. Prints each build's GMAC/s (medians) and
-B's time over A's as a speed-up, for the shipped model's projection shapes.
+B's time over A's as a speed-up, for the shipped model's projection shapes (hot in
+cache: the kernels' own rate). `--activations int8` times `_int8.c`'s kernels instead.
 
 `--step` times a whole decode step's layers instead (`fused_layers`, pdserve/model/fused.py):
-the shipped model served as `--quantization gguf --activations int8`, `--batch`
+the shipped model served as `--quantization gguf --activations int8` (or the
+`--activations` given), `--batch`
 sequences of 256 random prompt tokens decoding; each step's layers run twice from the
 same input, once per build (which goes first alternates), the outputs asserted
 bit-identical - the real weights on their 2 MB pages and the real KV cache. Prints the
@@ -174,7 +176,7 @@ def attention_ab(mods: list[ModuleType], threads: int) -> None:
               f"| {ta / tb:.2f}x |")  # fmt: skip
 
 
-def step_ab(mods: list[ModuleType], batch: int, steps: int, whole: bool) -> None:
+def step_ab(mods: list[ModuleType], batch: int, steps: int, whole: bool, activations: str) -> None:
     """See the module docstring (`--step`, `--whole`)."""
     import dataclasses
 
@@ -187,7 +189,7 @@ def step_ab(mods: list[ModuleType], batch: int, steps: int, whole: bool) -> None
     cfg = EngineConfig(
         model=str(resolve_model(None)),
         quantization="gguf",
-        activations="int8",
+        activations=activations,
         scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_prefill_tokens_with_decodes=0),
         cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_cache=False),
     )
@@ -245,6 +247,9 @@ def main() -> int:
     ap.add_argument("--formats", default="Q4_1,Q8_0")
     ap.add_argument("--rows", default="8,64,256")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--activations", choices=("fp32", "int8"), help="default: fp32, int8 with --step"
+    )
     ap.add_argument("--attention", action="store_true", help="time paged_attention instead")
     ap.add_argument("--step", action="store_true", help="time a decode step's layers instead")
     ap.add_argument("--whole", action="store_true", help="--step: whole steps, builds alternating")
@@ -261,7 +266,7 @@ def main() -> int:
             attention_ab(mods, args.threads)
             return 0
         if args.step:
-            step_ab(mods, args.batch, args.steps, args.whole)
+            step_ab(mods, args.batch, args.steps, args.whole, args.activations or "int8")
             return 0
         rng = np.random.default_rng(0)
         print("| shape N x K | format | M | A GMAC/s | B GMAC/s | B vs A |")
@@ -271,7 +276,7 @@ def main() -> int:
                 qtype = QuantType.parse(name)
                 if k % qtype.block_values:
                     continue
-                op = QuantLinear(random_blocks(qtype, n, k, rng), None)
+                op = QuantLinear(random_blocks(qtype, n, k, rng), None, args.activations or "fp32")
                 for m in (int(r) for r in args.rows.split(",")):
                     x = torch.randn(m, k)
                     times: list[list[float]] = [[], []]
@@ -279,7 +284,7 @@ def main() -> int:
                     for _ in range(30 if m < 64 else 12):
                         outs = []
                         for i, mod in enumerate(mods):
-                            op._qlinear = mod.qlinear
+                            op._qlinear, op._qlinear_int8 = mod.qlinear, mod.qlinear_int8
                             t = time.perf_counter()
                             outs.append(op(x))
                             times[i].append(time.perf_counter() - t)

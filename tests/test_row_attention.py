@@ -348,9 +348,12 @@ def test_the_compiled_path_agrees_with_the_torch_path(tiny_quantized: CausalLM) 
 # ---- the layers in one call (model/fused.py) --------------------------------------------
 
 
-def _mixed_step(model: CausalLM, hooks: ForwardHooks | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step mixing a 5-row prefill chunk with two decodes, on a cache written by an
-    earlier chunked prefill: (logits of every row, the cache after)."""
+def _mixed_step(
+    model: CausalLM, hooks: ForwardHooks | None, decodes: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step mixing a 5-row prefill chunk with two decodes (or, with `decodes`, that many
+    decodes alone: a step small enough for fused_layers' one-region path), on a cache
+    written by an earlier chunked prefill: (logits of every row, the cache after)."""
     c = model.config
     layout = KVLayout(c.num_hidden_layers, 24, BS, c.num_key_value_heads, c.head_dim, "float32")
     cache = KVCache(layout, num_host_blocks=0)
@@ -366,8 +369,11 @@ def _mixed_step(model: CausalLM, hooks: ForwardHooks | None) -> tuple[torch.Tens
         step = [SeqSpec(9, 1, tables[0]), SeqSpec(13, 1, tables[1]), SeqSpec(4, 5, tables[2])]
         flat = torch.cat([ids[0, 9:10], ids[1, 13:14], ids[2, 4:9]])
         pos = torch.tensor([9, 13, 4, 5, 6, 7, 8])
+        if decodes:
+            step = [SeqSpec(9, 1, tables[0]), SeqSpec(13, 1, tables[1]), SeqSpec(4, 1, tables[2])]
+            step, flat, pos = step[:decodes], flat[:decodes], pos[:decodes]
         meta = AttentionMetadata.build(step, BS, per_row=True)
-        logits = model(flat, pos, cache.device_tensor, meta, torch.arange(7), hooks)
+        logits = model(flat, pos, cache.device_tensor, meta, torch.arange(len(flat)), hooks)
     return logits, cache.device_tensor.clone()
 
 
@@ -393,8 +399,11 @@ def test_the_layers_in_one_call_give_the_bits_of_the_calls_per_layer(
     bit for bit, on a step mixing prefill rows and decodes - with a projection of two
     formats and a qkv bias too."""
     path = make_tiny_gguf(tmp_path, arch, quant=quant, quant_overrides=overrides)
-    model = load_model(EngineConfig(model=str(path), quantization="gguf", activations=activations))
-    assert model.fused
+    config = EngineConfig(
+        model=str(path), quantization="gguf", activations=activations, num_threads=2
+    )
+    model = load_model(config)
+    assert model.fused and torch.get_num_threads() == 2
     if arch == "Qwen2ForCausalLM":
         qkv = [layer.fused_ops()[0] for layer in model.layers]
         assert all(op.bias is not None for op in qkv)
@@ -405,3 +414,9 @@ def test_the_layers_in_one_call_give_the_bits_of_the_calls_per_layer(
     one_call = _mixed_step(model, None)
     assert "_fused_layers_call" in model.__dict__  # the one-call path ran
     assert torch.equal(one_call[0], per_layer[0]) and torch.equal(one_call[1], per_layer[1])
+    # 1-3 decodes: the layers run in one thread team (_kernels.c fused_layers_team)
+    for decodes in (1, 2, 3):
+        per_layer = _mixed_step(model, ForwardHooks(on_layer_done=lambda _: None), decodes)
+        team = _mixed_step(model, None, decodes)
+        assert team[0].shape[0] == decodes
+        assert torch.equal(team[0], per_layer[0]) and torch.equal(team[1], per_layer[1])

@@ -287,8 +287,8 @@ static int64_t row_blocks(const Attn *a, int64_t T, RowBlock *out) {
     return count;
 }
 
-/* Returns 0, or -1 when the scratch could not be allocated (nothing written then). */
-KERNEL int paged_attention(const Attn *a, int64_t T, int threads) {
+int attention_plan(AttnPlan *p, const Attn *a, int64_t T, int threads) {
+    *p = (AttnPlan){0};
     if (a->D % 8 != 0 || a->D > 256 || a->H % a->Hkv != 0) return -2;
     int64_t longest = 1, work = 0;
     for (int64_t t = 0; t < T; t++) {
@@ -324,18 +324,47 @@ KERNEL int paged_attention(const Attn *a, int64_t T, int threads) {
         for (int64_t k = 0; k < split; k++)
             items[n_items++] = (Item){i, k * (a->Hkv / split), a->Hkv / split};
     }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t i = 0; i < n_items; i++) {
+    *p = (AttnPlan){longest, per_thread, n_items, blocks, items, scratch, threads};
+    return 0;
+}
+
 #ifdef _OPENMP
-        float *s = scratch + (int64_t)omp_get_thread_num() * per_thread;
+#define THREAD_ME omp_get_thread_num()
 #else
-        float *s = scratch;
+#define THREAD_ME 0
 #endif
-        attend_any(a, blocks[items[i].block], items[i].g, items[i].ng, s, longest);
+
+void attention_team(const AttnPlan *p, const Attn *a) {
+    const RowBlock *blocks = p->blocks;
+    const Item *items = p->items;
+    if (p->threads == 1) {
+#pragma omp single
+        for (int64_t i = 0; i < p->n_items; i++)
+            attend_any(a, blocks[items[i].block], items[i].g, items[i].ng, p->scratch, p->longest);
+        return;
     }
-    free(items);
-    free(blocks);
-    free(scratch);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < p->n_items; i++)
+        attend_any(a, blocks[items[i].block], items[i].g, items[i].ng,
+                   p->scratch + (int64_t)THREAD_ME * p->per_thread, p->longest);
+}
+
+void attention_plan_free(AttnPlan *p) {
+    free(p->items);
+    free(p->blocks);
+    free(p->scratch);
+    *p = (AttnPlan){0};
+}
+
+/* Returns 0; -1 when the scratch could not be allocated (nothing written then); -2 for a
+ * head size the kernel cannot take. */
+int paged_attention(const Attn *a, int64_t T, int threads) {
+    AttnPlan p;
+    const int rc = attention_plan(&p, a, T, threads);
+    if (rc != 0) return rc;
+#pragma omp parallel num_threads(p.threads)
+    attention_team(&p, a);
+    attention_plan_free(&p);
     return 0;
 }
 

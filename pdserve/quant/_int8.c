@@ -59,13 +59,8 @@ int int8_supported(void) {
 
 /* ---- the activations -------------------------------------------------------------------- */
 
-typedef struct {
-    int8_t *q; /* [M][K] */
-    float *d;  /* [M][B]: the block's scale dx = max|x| / 127 */
-    float *s;  /* [M][B]: dx * sum q */
-    float *h;  /* [M][2B]: dx * sum q of each half block (the SUB16 kind's) */
-    int64_t K, B;
-} Rows8;
+/* Rows8 (_kernels.h) holds, per row: q the values rounded; d [B] each block's scale dx =
+ * max|x| / 127; s [B] dx * sum q; h [2B] dx * sum q of each half block (the SUB16 kind's). */
 
 /* One row: blocks of 32 rounded to int8 (nearest, ties to even) by 127 / max|x|. */
 A8 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s,
@@ -211,6 +206,18 @@ A8 static void rows_groups(const uint8_t *W, int kind, int64_t B, const Rows8 *a
         case SUB16: TILE_RN(SUB16); break;
         default: TILE_RN(BYTES); break;
     }
+}
+
+A8 void int8_round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, Rows8 *r) {
+    r->K = K, r->B = K / QK;
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * ldx, K, r->q + m * K, r->d + m * r->B, r->s + m * r->B,
+                     r->h + 2 * m * r->B);
+}
+
+A8 void int8_group(const uint8_t *W, int kind, const Rows8 *a, int64_t M, int64_t g, float *y,
+                int64_t ldy, int64_t N, int accumulate) {
+    rows_groups(W, kind, a->B, a, 0, M, g, 1, y, ldy, N, accumulate);
 }
 
 /* Rows up to this many are streaming-bound (a decode step's few rows): their columns go

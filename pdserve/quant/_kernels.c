@@ -433,8 +433,154 @@ typedef struct {
     float *qkv, *att, *gate_up; /* scratch: [T][qkv N], [T][H D], [T][gate_up N] */
 } Step;
 
+/* ---- a decode step's layers on one thread team --------------------------------------- */
+
+/* A step of up to this many rows (a decode of 1-3 sequences) runs all its layers in one
+ * OpenMP parallel region, a barrier where each call returned: the ~150 products and
+ * attention calls of SmolLM2's step each opened a region, whose fork and join cost ~1.2
+ * us more than a barrier. Whole b=1 steps 1.05-1.07x (bench/bench_kernel_ab.py --step
+ * --whole). Few rows also take the exact kernel's register path (FEW_ROWS), so every
+ * part is one kind of item: 16 columns (int8) or 4 (exact). */
+#define TEAM_ROWS (FEW_ROWS - 1)
+
+typedef struct { /* one thread's scratch */
+    float *xt;    /* the prologue's rows: [TEAM_ROWS][cap] */
+    Rows8 a;      /* those rows rounded to int8 */
+} Mine;
+
+/* The largest K of any op of the layers: the scratch rows' width. */
+static int64_t widest_input(const Layer *layers, int64_t n) {
+    int64_t cap = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const Op *ops[4] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down};
+        for (int k = 0; k < 4; k++) cap = ops[k]->K > cap ? ops[k]->K : cap;
+    }
+    return cap;
+}
+
+/* Items of a part: groups of 16 columns (int8) or tiles of 4 (exact, as gemv). */
+static int64_t part_items(const Part *p) { return p->layout < 0 ? (p->rows + 15) / 16 : (p->rows + 3) / 4; }
+
+/* What one thread does of run_op: the prologue and the int8 rounding of the op's rows
+ * for itself (a few rows: cheaper than a barrier), then the items it takes from each
+ * part's runs, each item's bias added as it is done; then the team's barrier. Each
+ * output gets run_op's operations (the same kernels, prologue and bias add per
+ * element after its product), so the same bits. */
+static void op_team(const Op *op, const Prologue *pre, const float *x, int64_t ldx, int64_t M,
+                    float *y, int64_t ldy, int acc, Mine *mine, const Runs *runs, int me) {
+    if (pre->kind != PRE_NONE) {
+        for (int64_t m = 0; m < M; m++) prologue_row(pre, x + m * ldx, op->K, mine->xt + m * op->K);
+        x = mine->xt, ldx = op->K;
+    }
+    int rounded = 0;
+    for (int64_t i = 0; i < op->parts; i++) {
+        const Part *p = &op->part[i];
+        float *yp = (float *)((char *)y + p->offset);
+        const int64_t col0 = p->offset / (int64_t)sizeof(float), width = p->layout < 0 ? 16 : 4;
+        if (p->layout < 0 && !rounded) int8_round_rows(x, ldx, M, op->K, &mine->a), rounded = 1;
+        const QWeight w = {(int)p->layout, (const uint8_t *)(intptr_t)p->qs,
+                           (const float *)(intptr_t)p->d, (const float *)(intptr_t)p->m,
+                           p->rows, op->K, op->K / QK};
+        for (int64_t t; (t = runs_take(runs[i], me)) >= 0;) {
+            const int64_t n0 = t * width, cols = n0 + width <= p->rows ? width : p->rows - n0;
+            if (p->layout < 0)
+                int8_group(w.qs, (int)p->d, &mine->a, M, t, yp, ldy, p->rows, acc);
+            else
+                rows_direct(&w, x, ldx, M, n0, (int)cols, yp, ldy, acc);
+            if (op->bias) {
+                const float *b = (const float *)(intptr_t)op->bias + col0;
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t n = n0; n < n0 + cols; n++) yp[m * ldy + n] += b[n];
+            }
+        }
+    }
+#pragma omp barrier
+}
+
+#ifdef _OPENMP
+#define TEAM_ME omp_get_thread_num()
+#else
+#define TEAM_ME 0
+#endif
+
+/* fused_layers for a step of at most TEAM_ROWS rows on `threads` threads in one region:
+ * per layer the team's barriers stand where the calls returned. Every part's work runs
+ * (see `Runs`) are laid out before the region, a line per thread for each part of each
+ * op of each layer. */
+static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, int threads) {
+    const int64_t cap = widest_input(layers, n), T = s->T;
+    const int64_t n_runs = n * 4 * MAX_PARTS;
+    uint64_t *words = aligned_alloc(64, sizeof(uint64_t) * RUN_STRIDE * (size_t)(n_runs * threads));
+    Runs *runs = malloc(sizeof(Runs) * (size_t)n_runs);
+    Mine *mine = calloc((size_t)threads, sizeof(Mine));
+    int rc = words == NULL || runs == NULL || mine == NULL ? -1 : 0;
+    for (int t = 0; rc == 0 && t < threads; t++) {
+        mine[t].xt = malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap));
+        mine[t].a = (Rows8){malloc((size_t)(TEAM_ROWS * cap)),
+                            malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap / QK)),
+                            malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap / QK)),
+                            malloc(sizeof(float) * (size_t)(2 * TEAM_ROWS * cap / QK)), 0, 0};
+        if (!mine[t].xt || !mine[t].a.q || !mine[t].a.d || !mine[t].a.s || !mine[t].a.h) rc = -1;
+    }
+    /* One plan serves every layer: only q, the caches and the output differ. */
+    AttnPlan plan = {0};
+    if (rc == 0) {
+        const Layer *l = &layers[0];
+        const Attn shape = {s->qkv, l->qkv.N, s->kv, s->kv, l->H, l->Hkv, l->D, s->bs, s->rows,
+                            s->tables, s->ldt, s->att, l->H * l->D, (float)l->scale};
+        rc = attention_plan(&plan, &shape, T, threads);
+    }
+    for (int64_t i = 0; rc == 0 && i < n; i++) {
+        const Op *ops[4] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down};
+        for (int k = 0; k < 4; k++)
+            for (int64_t j = 0; j < ops[k]->parts; j++) {
+                const int64_t r = (i * 4 + k) * MAX_PARTS + j;
+                runs[r] = runs_init(words + r * threads * RUN_STRIDE, threads, part_items(&ops[k]->part[j]));
+            }
+    }
+    if (rc == 0) {
+#pragma omp parallel num_threads(threads)
+        {
+            const int me = TEAM_ME;
+            Mine *my = &mine[me];
+            for (int64_t i = 0; i < n; i++) {
+                const Layer *l = &layers[i];
+                const Runs *lr = runs + i * 4 * MAX_PARTS;
+                const int64_t hidden = l->o.N;
+                const Prologue norm1 = {PRE_RMSNORM, (const float *)(intptr_t)l->norm1, (float)l->eps1};
+                const Prologue norm2 = {PRE_RMSNORM, (const float *)(intptr_t)l->norm2, (float)l->eps2};
+                const Prologue none = {PRE_NONE, NULL, 0.0f}, swiglu = {PRE_SWIGLU, NULL, 0.0f};
+                float *kc = s->kv + 2 * i * s->kv_layer, *vc = kc + s->kv_layer;
+                op_team(&l->qkv, &norm1, s->h, hidden, T, s->qkv, l->qkv.N, 0, my, lr, me);
+#pragma omp single
+                rope_write_kv(s->qkv, l->qkv.N, T, l->H, l->Hkv, l->D, s->positions, s->cos,
+                              s->sin, kc, vc, s->slots);
+                const Attn a = {s->qkv, l->qkv.N, kc, vc, l->H, l->Hkv, l->D, s->bs, s->rows,
+                                s->tables, s->ldt, s->att, l->H * l->D, (float)l->scale};
+                attention_team(&plan, &a);
+                op_team(&l->o, &none, s->att, l->H * l->D, T, s->h, hidden, 1, my, lr + MAX_PARTS,
+                        me);
+                op_team(&l->gate_up, &norm2, s->h, hidden, T, s->gate_up, l->gate_up.N, 0, my,
+                        lr + 2 * MAX_PARTS, me);
+                op_team(&l->down, &swiglu, s->gate_up, l->gate_up.N, T, s->h, hidden, 1, my,
+                        lr + 3 * MAX_PARTS, me);
+            }
+        }
+    }
+    attention_plan_free(&plan);
+    for (int t = 0; mine != NULL && t < threads; t++) {
+        free(mine[t].xt);
+        free(mine[t].a.q), free(mine[t].a.d), free(mine[t].a.s), free(mine[t].a.h);
+    }
+    free(mine);
+    free(runs);
+    free(words);
+    return rc;
+}
+
 /* DecoderLayer.forward_fused for layers [0, n): the same calls in the same order. */
 static int fused_layers(const Layer *layers, int64_t n, const Step *s, int threads) {
+    if (threads > 1 && s->T <= TEAM_ROWS && n > 0) return fused_layers_team(layers, n, s, threads);
     for (int64_t i = 0; i < n; i++) {
         const Layer *l = &layers[i];
         const int64_t hidden = l->o.N;

@@ -145,6 +145,25 @@ typedef struct {
 } Attn;
 
 int paged_attention(const Attn *a, int64_t T, int threads);
+
+/* How paged_attention splits a step's rows into work items, planned once per step: the
+ * rows and tables are every layer's, so a step's layers share one plan (fused_layers).
+ * `threads`: the team that will run it (1 when the work is too small to share). */
+typedef struct {
+    int64_t longest;     /* the longest key range + 1 (a softmax sum's slot) */
+    int64_t per_thread;  /* scratch floats per thread */
+    int64_t n_items;
+    void *blocks, *items; /* the row blocks and items (_attention.c) */
+    float *scratch;      /* threads x per_thread */
+    int threads;
+} AttnPlan;
+/* Returns 0; -1 when memory could not be allocated (nothing to free then); -2 for a head
+ * size the kernel cannot take. Only a's shape, rows and tables are read. */
+int attention_plan(AttnPlan *p, const Attn *a, int64_t T, int threads);
+/* The plan's items for a (a layer's q, caches and output) - called by every thread of a
+ * running team of p->threads threads or fewer (an orphaned `omp for`; ends in a barrier). */
+void attention_team(const AttnPlan *p, const Attn *a);
+void attention_plan_free(AttnPlan *p);
 void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                    const int64_t *positions, const float *cos, const float *sin, float *kc,
                    float *vc, const int64_t *slots);
@@ -155,5 +174,19 @@ void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, in
 int int8_supported(void);
 int qlinear_int8(const uint8_t *W, int kind, int64_t N, int64_t K, const float *x,
                  int64_t ldx, int64_t M, float *y, int64_t ldy, int accumulate, int threads);
+
+/* Rows of activations rounded to int8 (see _int8.c) and their scales; room for M rows of
+ * up to `cap` values: q [M][cap] bytes, d and s [M][cap / 32] floats, h [M][cap / 16]. */
+typedef struct {
+    int8_t *q;
+    float *d, *s, *h;
+    int64_t K, B; /* the values per row now held, K / 32 */
+} Rows8;
+/* The pieces of qlinear_int8 a caller that runs its own thread team uses (fused_layers):
+ * rows [0, M) of x rounded into r (one thread), and y (+)= those rows times the 16
+ * output columns of group g (one thread; N: W's columns). */
+void int8_round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, Rows8 *r);
+void int8_group(const uint8_t *W, int kind, const Rows8 *a, int64_t M, int64_t g, float *y,
+                int64_t ldy, int64_t N, int accumulate);
 
 #endif
