@@ -20,7 +20,7 @@ from helpers.tiny_models import quantize_blocks
 
 from pdserve.model.default import default_model_path
 from pdserve.quant.formats import QuantType, QuantWeight
-from pdserve.quant.linear import QuantLinear
+from pdserve.quant.linear import QuantEmbedding, QuantLinear
 
 pytestmark = pytest.mark.kernels
 
@@ -78,6 +78,25 @@ def test_the_weights_are_read_as_their_exact_fp32_values(qtype: QuantType) -> No
     eye = torch.eye(k)
     assert torch.equal(op(eye[:3]), w.T[:3])
     assert torch.equal(op(eye), w.T)
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+def test_an_embedding_lookup_gives_the_rows_dequantized_values(qtype: QuantType) -> None:
+    """The compiled lookup (embed_rows) returns gguf-py's values of the rows asked, in
+    their order, repeats included, bit for bit; the torch path agrees; an id outside the
+    vocabulary is refused with the limit and nothing is returned."""
+    gen = torch.Generator().manual_seed(12)
+    k = qtype.block_values * 2
+    qw, w = quantized(torch.randn(37, k, generator=gen) * 5, qtype)
+    emb = QuantEmbedding(qw)
+    ids = torch.tensor([36, 0, 5, 5, 17])
+    assert torch.equal(emb[ids], w[ids]) and torch.equal(emb[[2]], w[[2]])
+    assert emb[torch.tensor([], dtype=torch.long)].shape == (0, k)
+    assert torch.equal(qw.rows(ids).dequantize(), w[ids])
+    with pytest.raises(IndexError, match=r"token id 37 is outside \[0, 37\)"):
+        emb[torch.tensor([3, 37])]
+    with pytest.raises(IndexError, match=r"token id -1 is outside \[0, 37\)"):
+        emb[torch.tensor([-1])]
 
 
 def shipped_tensors() -> dict[str, gguf.ReaderTensor]:

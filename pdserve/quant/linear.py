@@ -279,11 +279,19 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
 
 
 class QuantEmbedding:
-    """Token embeddings in GGUF blocks: a lookup dequantizes only the rows it reads.
-    Indexes like the [vocab, hidden] tensor it stands for."""
+    """Token embeddings in GGUF blocks: a lookup dequantizes only the rows it reads (in
+    one compiled call when the kernels are here: the values `dequantize` gives, bit for
+    bit). Indexes like the [vocab, hidden] tensor it stands for."""
 
     def __init__(self, weight: QuantWeight) -> None:
         self.weight = weight
+        mod = kernels()
+        self._embed_rows = None if mod is None else mod.embed_rows
+        # The compiled lookup reads the rows as laid out, with fp32 scales and minimums
+        # (as the kernels do).
+        self._qs = weight.qs.contiguous()
+        self._d = weight.d.to(torch.float32).contiguous()
+        self._m = None if weight.m is None else weight.m.to(torch.float32).contiguous()
 
     @property
     def shape(self) -> torch.Size:
@@ -291,4 +299,14 @@ class QuantEmbedding:
 
     def __getitem__(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         index = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
-        return self.weight.rows(index).dequantize()
+        if self._embed_rows is None or index.dim() != 1:
+            return self.weight.rows(index).dequantize()
+        index = index.to(torch.long).contiguous()
+        n, k = self.weight.shape
+        out = torch.empty(index.shape[0], k)
+        self._embed_rows(
+            int(self.weight.qtype.layout), self._qs.data_ptr(), self._d.data_ptr(),
+            0 if self._m is None else self._m.data_ptr(), n, k, index.data_ptr(),
+            index.shape[0], out.data_ptr(),
+        )  # fmt: skip
+        return out
