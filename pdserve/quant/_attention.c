@@ -26,9 +26,6 @@
  * paged_attention). */
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "_kernels.h"
 
@@ -327,12 +324,6 @@ int attention_plan(AttnPlan *p, const Attn *a, int64_t T, int threads) {
     *p = (AttnPlan){longest, per_thread, n_items, blocks, items, scratch, threads};
     return 0;
 }
-
-#ifdef _OPENMP
-#define THREAD_ME omp_get_thread_num()
-#else
-#define THREAD_ME 0
-#endif
 
 void attention_team(const AttnPlan *p, const Attn *a) {
     const RowBlock *blocks = p->blocks;

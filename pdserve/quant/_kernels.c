@@ -42,9 +42,6 @@
 #include <Python.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "_kernels.h"
 
@@ -303,11 +300,7 @@ KERNEL static void gemm(const QWeight *w, const float *x, int64_t ldx, int64_t M
     pass = pass < 16 ? 16 : pass > 256 ? 256 : pass;
 #pragma omp parallel num_threads(threads)
     {
-#ifdef _OPENMP
-        float *buf = bufs + (int64_t)omp_get_thread_num() * 3 * K;
-#else
-        float *buf = bufs;
-#endif
+        float *buf = bufs + (int64_t)THREAD_ME * 3 * K;
         for (int64_t m0 = 0; m0 < M; m0 += pass) {
             const int64_t m1 = m0 + pass < M ? m0 + pass : M;
 #pragma omp for schedule(dynamic, chunk_of(tiles, threads, 4))
@@ -458,8 +451,9 @@ static int64_t widest_input(const Layer *layers, int64_t n) {
     return cap;
 }
 
-/* Items of a part: groups of 16 columns (int8) or tiles of 4 (exact, as gemv). */
-static int64_t part_items(const Part *p) { return p->layout < 0 ? (p->rows + 15) / 16 : (p->rows + 3) / 4; }
+/* A part's item: a group of 16 columns (int8) or a tile of 4 (exact, as gemv). */
+static int64_t part_width(const Part *p) { return p->layout < 0 ? 16 : 4; }
+static int64_t part_items(const Part *p) { return (p->rows + part_width(p) - 1) / part_width(p); }
 
 /* What one thread does of run_op: the prologue and the int8 rounding of the op's rows
  * for itself (a few rows: cheaper than a barrier), then the items it takes from each
@@ -476,7 +470,7 @@ static void op_team(const Op *op, const Prologue *pre, const float *x, int64_t l
     for (int64_t i = 0; i < op->parts; i++) {
         const Part *p = &op->part[i];
         float *yp = (float *)((char *)y + p->offset);
-        const int64_t col0 = p->offset / (int64_t)sizeof(float), width = p->layout < 0 ? 16 : 4;
+        const int64_t col0 = p->offset / (int64_t)sizeof(float), width = part_width(p);
         if (p->layout < 0 && !rounded) int8_round_rows(x, ldx, M, op->K, &mine->a), rounded = 1;
         const QWeight w = {(int)p->layout, (const uint8_t *)(intptr_t)p->qs,
                            (const float *)(intptr_t)p->d, (const float *)(intptr_t)p->m,
@@ -496,12 +490,6 @@ static void op_team(const Op *op, const Prologue *pre, const float *x, int64_t l
     }
 #pragma omp barrier
 }
-
-#ifdef _OPENMP
-#define TEAM_ME omp_get_thread_num()
-#else
-#define TEAM_ME 0
-#endif
 
 /* fused_layers for a step of at most TEAM_ROWS rows on `threads` threads in one region:
  * per layer the team's barriers stand where the calls returned. Every part's work runs
@@ -541,7 +529,7 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, int 
     if (rc == 0) {
 #pragma omp parallel num_threads(threads)
         {
-            const int me = TEAM_ME;
+            const int me = THREAD_ME;
             Mine *my = &mine[me];
             for (int64_t i = 0; i < n; i++) {
                 const Layer *l = &layers[i];
@@ -728,6 +716,20 @@ static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* 0 when every ids[i] (i < n) is in [0, bound); else -1 with an IndexError naming the
+ * first one outside ("<fn>: <what> <id> is outside [0, <bound>)"). */
+static int ids_within(const char *fn, const char *what, const int64_t *ids, int64_t n,
+                      int64_t bound) {
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= bound) {
+            PyErr_Format(PyExc_IndexError, "%s: %s %lld is outside [0, %lld)", fn, what,
+                         (long long)ids[i], (long long)bound);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* rms_norm_rows(x, ldx, T, rows, n, K, w, eps, out): out[i] = RMSNorm(x[rows[i]]) * w for
  * i < n (x [T][ldx], rows int64, out [n][K] contiguous): the gather of the rows that
  * sample and the model's final norm in one call, the same operations as a projection's
@@ -743,13 +745,7 @@ static PyObject *py_rms_norm_rows(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     }
     const int64_t *rows = PTR(const int64_t *, v[3]);
-    for (int64_t i = 0; i < n; i++) {
-        if (rows[i] < 0 || rows[i] >= T) {
-            PyErr_Format(PyExc_IndexError, "rms_norm_rows: row %lld is outside [0, %lld)",
-                         (long long)rows[i], (long long)T);
-            return NULL;
-        }
-    }
+    if (ids_within("rms_norm_rows", "row", rows, n, T) < 0) return NULL;
     const Prologue pre = {PRE_RMSNORM, PTR(const float *, v[6]), (float)v[7].f};
     const float *x = PTR(const float *, v[0]);
     float *out = PTR(float *, v[8]);
@@ -773,13 +769,7 @@ static PyObject *py_embed_rows(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     const int64_t *ids = PTR(const int64_t *, v[6]);
-    for (int64_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= N) {
-            PyErr_Format(PyExc_IndexError, "embed_rows: token id %lld is outside [0, %lld)",
-                         (long long)ids[i], (long long)N);
-            return NULL;
-        }
-    }
+    if (ids_within("embed_rows", "token id", ids, n, N) < 0) return NULL;
     const QWeight w = {(int)v[0].i, PTR(const uint8_t *, v[1]), PTR(const float *, v[2]),
                        PTR(const float *, v[3]), N, K, K / QK};
     float *out = PTR(float *, v[8]);

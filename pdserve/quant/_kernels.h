@@ -108,20 +108,23 @@ static inline int64_t runs_take(Runs r, int me) {
     }
 }
 
+/* The calling thread's number in its OpenMP team (0 in a build without OpenMP). */
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_ME omp_get_thread_num()
+#else
+#define THREAD_ME 0
+#endif
+
 /* BODY for every item of [0, n) on `threads` OpenMP threads, each walking its run (Runs
  * above); `item` names the item (int64_t) in BODY. */
-#ifdef _OPENMP
-#define RUNS_ME_ omp_get_thread_num()
-#else
-#define RUNS_ME_ 0
-#endif
 #define FOR_EACH_RUN_ITEM(threads, n, item, BODY)                                      \
     do {                                                                               \
         const int threads_ = (threads);                                                \
         uint64_t words_[threads_ * RUN_STRIDE] __attribute__((aligned(64)));           \
         const Runs runs_ = runs_init(words_, threads_, (n));                           \
         _Pragma("omp parallel num_threads(threads_)")                                  \
-        for (int64_t item; (item = runs_take(runs_, RUNS_ME_)) >= 0;) BODY;            \
+        for (int64_t item; (item = runs_take(runs_, THREAD_ME)) >= 0;) BODY;            \
     } while (0)
 
 /* Dynamic-schedule chunk: `tiles` in about threads * per_thread chunks. */

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -286,12 +287,13 @@ class QuantEmbedding:
     def __init__(self, weight: QuantWeight) -> None:
         self.weight = weight
         mod = kernels()
-        self._embed_rows = None if mod is None else mod.embed_rows
-        # The compiled lookup reads the rows as laid out, with fp32 scales and minimums
-        # (as the kernels do).
-        self._qs = weight.qs.contiguous()
-        self._d = weight.d.to(torch.float32).contiguous()
-        self._m = None if weight.m is None else weight.m.to(torch.float32).contiguous()
+        # The compiled lookup and what it reads: the rows as laid out, fp32 scales and
+        # minimums (as the kernels do). None where the kernels are not built.
+        self._compiled: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        if mod is not None:
+            d, m = weight.d.to(torch.float32), weight.m
+            mins = None if m is None else m.to(torch.float32).contiguous()
+            self._compiled = (mod.embed_rows, weight.qs.contiguous(), d.contiguous(), mins)
 
     @property
     def shape(self) -> torch.Size:
@@ -299,14 +301,15 @@ class QuantEmbedding:
 
     def __getitem__(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         index = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
-        if self._embed_rows is None or index.dim() != 1:
+        if self._compiled is None or index.dim() != 1:
             return self.weight.rows(index).dequantize()
+        embed_rows, qs, d, m = self._compiled
         index = index.to(torch.long).contiguous()
         n, k = self.weight.shape
         out = torch.empty(index.shape[0], k)
-        self._embed_rows(
-            int(self.weight.qtype.layout), self._qs.data_ptr(), self._d.data_ptr(),
-            0 if self._m is None else self._m.data_ptr(), n, k, index.data_ptr(),
-            index.shape[0], out.data_ptr(),
+        embed_rows(
+            int(self.weight.qtype.layout), qs.data_ptr(), d.data_ptr(),
+            0 if m is None else m.data_ptr(), n, k, index.data_ptr(), index.shape[0],
+            out.data_ptr(),
         )  # fmt: skip
         return out
