@@ -1,14 +1,20 @@
-"""The median time of a served decode step, batch 1, for comparing two trees.
+"""The median time of a served decode step, for comparing two trees or the KV pool's pages.
 
-    .venv/bin/python bench/bench_decode_step.py [--activations int8] [--rounds 4]
+    .venv/bin/python bench/bench_decode_step.py [--activations int8] [--rounds 4] [--batch 1]
     cd /tmp/old && PYTHONPATH=/tmp/old /work/main/.venv/bin/python \\
         /work/main/bench/bench_decode_step.py       # a worktree of another commit
+    .venv/bin/python bench/bench_decode_step.py --kv-pages --rounds 12
 
-The shipped model as `--quantization gguf` (with `--activations`); `--rounds` requests
-of 256 random prompt tokens, one at a time, each decoding 128 greedy tokens; prints the
-median of their `Engine.step()` times after each prefill. Whole steps as served (the
-layers in one compiled call, metadata, LM head, sampling): what `bench_engine.py`'s b=1
-row measures, in a process short enough to alternate with another tree's several times.
+The shipped model as `--quantization gguf` (with `--activations`); `--rounds` rounds of
+`--batch` requests of 256 random prompt tokens, each decoding 128 greedy tokens; prints
+the median of their `Engine.step()` times after the prefill. Whole steps as served (the
+layers, final norm and LM head in one compiled call, metadata, sampling): what
+`bench_engine.py`'s decode rows measure, in a process short enough to alternate with
+another tree's several times.
+
+`--kv-pages`: the same engine's rounds alternate between its KV pool (on 2 MB pages,
+`quant/memory.py`) and a copy on ordinary pages (`torch.zeros`, what the pool was
+before); prints each round's medians and the median of the paired ratios.
 """
 
 from __future__ import annotations
@@ -27,10 +33,47 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import resolve_model
 
 
+def decode_round(engine: Engine, batch: int) -> float:
+    """`batch` requests prefilled, then decoded together: the median step, in ms."""
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(100, 40000, (256,)).tolist(), params)
+    scheduler = engine.core.scheduler
+    while scheduler.waiting or any(
+        r.num_computed_tokens < len(r.prompt_token_ids) for r in scheduler.running
+    ):
+        engine.step()  # the prefills
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def kv_pages_ab(engine: Engine, rounds: int, batch: int) -> None:
+    """See the module docstring (`--kv-pages`)."""
+    cache = engine.core.runner.cache
+    pages = {"2 MB": cache.device_tensor, "4 KB": torch.zeros_like(cache.device_tensor)}
+    times: dict[str, list[float]] = {name: [] for name in pages}
+    for i in range(rounds):
+        for name in list(pages) if i % 2 == 0 else list(pages)[::-1]:
+            cache.device_tensor = pages[name]  # each round prefills its own KV
+            times[name].append(decode_round(engine, batch))
+    cache.device_tensor = pages["2 MB"]
+    for name, ts in times.items():
+        print(f"KV on {name} pages, b={batch}: " + " ".join(f"{t:.2f}" for t in ts) + " ms")
+    ratios = [a / b for a, b in zip(times["4 KB"], times["2 MB"], strict=True)]
+    print(f"2 MB pages faster by {statistics.median(ratios):.3f}x (median of paired ratios, "
+          f"{min(ratios):.3f}-{max(ratios):.3f})")  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--activations", default="fp32", choices=("fp32", "int8"))
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--kv-pages", action="store_true", help="the pool's pages, A/B")
     args = ap.parse_args()
     cfg = EngineConfig(
         model=str(resolve_model(None)),
@@ -40,18 +83,13 @@ def main() -> int:
         cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_cache=False),
     )
     engine = Engine.from_config(cfg)
-    times = []
-    for _ in range(args.rounds):
-        params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-        engine.add_request(torch.randint(100, 40000, (256,)).tolist(), params)
-        engine.step()  # the prefill
-        while engine.has_unfinished():
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
+    if args.kv_pages:
+        kv_pages_ab(engine, args.rounds, args.batch)
+        return 0
+    times = [decode_round(engine, args.batch) for _ in range(args.rounds)]
     where = pdserve.__file__.rsplit("/pdserve/", 1)[0]
-    print(f"{where}: --activations {args.activations}, b=1 decode step median "
-          f"{statistics.median(times) * 1e3:.2f} ms")  # fmt: skip
+    print(f"{where}: --activations {args.activations}, b={args.batch} decode step median "
+          f"{statistics.median(times):.2f} ms")  # fmt: skip
     return 0
 
 

@@ -12,16 +12,18 @@ outputs are asserted bit-identical - a kernel change that keeps the contract
 B's time over A's as a speed-up, for the shipped model's projection shapes (hot in
 cache: the kernels' own rate). `--activations int8` times `_int8.c`'s kernels instead.
 
-`--step` times a whole decode step's layers instead (`fused_layers`, pdserve/model/fused.py):
+`--step` times a whole decode step's layers instead (`fused_layers`, pdserve/model/fused.py,
+with the final norm and LM head it runs after them; both builds must take the binding's
+current arguments):
 the shipped model served as `--quantization gguf --activations int8` (or the
 `--activations` given), `--batch`
 sequences of 256 random prompt tokens decoding; each step's layers run twice from the
 same input, once per build (which goes first alternates), the outputs asserted
 bit-identical - the real weights on their 2 MB pages and the real KV cache. Prints the
-layers' time per build and what the rest of a step took (LM head, metadata, sampling,
-Python). With `--whole`, each step runs one build's layers instead, the builds taking
-turns, and whole steps are timed: what a change costs or saves around the layers too
-(a cache it leaves colder, say). No bit check then.
+layers' time per build (the LM head with them) and what the rest of a step took
+(metadata, sampling, Python). With `--whole`, each step runs one build's layers
+instead, the builds taking turns, and whole steps are timed: what a change costs or
+saves around the layers too (a cache it leaves colder, say). No bit check then.
 
 `AB_CFLAGS_A` / `AB_CFLAGS_B` add compiler flags to one build (`-DNAME=value` to try a
 variant of a constant without a second folder).
@@ -51,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -198,23 +201,28 @@ def step_ab(mods: list[ModuleType], batch: int, steps: int, whole: bool, activat
     call = FusedLayers.__call__
     turn = [0]
 
-    def both(self: FusedLayers, h: torch.Tensor, *rest: object) -> torch.Tensor:
-        h0, outs = h.clone(), [torch.empty(0), torch.empty(0)]
+    Out = tuple[torch.Tensor, torch.Tensor | None]
+
+    def both(self: FusedLayers, h: torch.Tensor, *rest: Any) -> Out:
+        h0 = h.clone()
+        outs: list[list[torch.Tensor | None]] = [[], []]
         order = (0, 1) if turn[0] % 2 == 0 else (1, 0)
         turn[0] += 1
         for i in order:
             h.copy_(h0)
             self._call = mods[i].fused_layers
             t = time.perf_counter()
-            call(self, h, *rest)  # type: ignore[arg-type]
+            out = call(self, h, *rest)
             times[i].append(time.perf_counter() - t)
-            outs[i] = h.clone()
-        assert torch.equal(outs[0], outs[1]), "step outputs differ"
-        return h
+            outs[i] = [h.clone(), *out]
+        same = [(a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                for a, b in zip(*outs, strict=True)]  # fmt: skip
+        assert all(same), "step outputs differ (h, hidden, logits)"
+        return out
 
-    def one(self: FusedLayers, h: torch.Tensor, *rest: object) -> torch.Tensor:
+    def one(self: FusedLayers, h: torch.Tensor, *rest: Any) -> Out:
         self._call = mods[turn[0] % 2].fused_layers
-        return call(self, h, *rest)  # type: ignore[arg-type]
+        return call(self, h, *rest)
 
     FusedLayers.__call__ = one if whole else both  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
@@ -238,7 +246,7 @@ def step_ab(mods: list[ModuleType], batch: int, steps: int, whole: bool, activat
     tr = statistics.median(rest[batch:-1])  # the last step samples nothing
     print(f"decode b={batch}, {len(times[0]) - batch} steps: layers A {ta * 1e3:.2f} ms, "
           f"B {tb * 1e3:.2f} ms, B vs A {ta / tb:.2f}x; the rest of a step "
-          f"(LM head, metadata, sampling, Python) {tr * 1e3:.2f} ms")  # fmt: skip
+          f"(metadata, sampling, Python) {tr * 1e3:.2f} ms")  # fmt: skip
 
 
 def main() -> int:

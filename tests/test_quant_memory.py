@@ -1,5 +1,6 @@
 """`HugePageArena`: pieces keep their bits, sit 64-byte aligned in mappings advised
-MADV_HUGEPAGE, and a quantized model's streamed weights are placed there."""
+MADV_HUGEPAGE, and a quantized model's streamed weights are placed there; the CPU KV
+pool (`huge_page_zeros`) is on such pages too."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import load_model
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout
 from pdserve.quant.linear import QuantLinear
-from pdserve.quant.memory import HUGE_PAGE, HugePageArena
+from pdserve.quant.memory import HUGE_PAGE, HugePageArena, huge_page_zeros
 
 
 def _vm_flags(address: int) -> list[str]:
@@ -57,3 +60,22 @@ def test_a_quantized_model_streams_its_weights_from_the_arena() -> None:
                     assert "hg" in _vm_flags(address), (activations, call)
         if activations == "fp32":
             assert model.embed_tokens.weight is model.lm_head_op.weights[0]
+
+
+def test_the_cpu_kv_pool_is_zeroed_on_advised_huge_pages() -> None:
+    """`huge_page_zeros` gives the layout's shape and dtype, zeroed and contiguous, on a 2 MB
+    boundary in an advised mapping; a CPU KVCache's device tier is such a tensor, and a
+    given transfer region is used as it is."""
+    layout = KVLayout(
+        num_layers=2, num_blocks=9, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32"
+    )
+    cache = KVCache(layout, num_host_blocks=2)
+    pool = cache.device_tensor
+    assert tuple(pool.shape) == layout.shape and pool.dtype == torch.float32
+    assert pool.is_contiguous() and pool.data_ptr() % HUGE_PAGE == 0
+    assert "hg" in _vm_flags(pool.data_ptr()) and not pool.any()
+    assert cache.host_tensor is not None and "hg" not in _vm_flags(cache.host_tensor.data_ptr())
+    half = huge_page_zeros((5, 7), torch.float16)
+    assert half.shape == (5, 7) and half.dtype == torch.float16 and not half.any()
+    region = torch.zeros(layout.shape)
+    assert KVCache(layout, 0, device_tensor=region).device_tensor is region

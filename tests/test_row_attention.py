@@ -348,6 +348,35 @@ def test_the_compiled_path_agrees_with_the_torch_path(tiny_quantized: CausalLM) 
 # ---- the layers in one call (model/fused.py) --------------------------------------------
 
 
+def test_the_one_call_refuses_rows_to_sample_outside_its_step_before_it_runs(
+    tiny_quantized: CausalLM,
+) -> None:
+    """The call's tail (the final norm and LM head of the rows that sample): a row outside
+    [0, T) or more rows than T are refused with the limit named, and nothing is written
+    (the hidden states, the cache). Asked right, it gives the hidden states and logits of
+    the rows asked for, in their order; without the head, no logits."""
+    c = tiny_quantized.config
+    layout = KVLayout(c.num_hidden_layers, 4, BS, c.num_key_value_heads, c.head_dim, "float32")
+    cache = KVCache(layout, num_host_blocks=0)
+    meta = AttentionMetadata.build([SeqSpec(0, 2, [1])], BS, per_row=True)
+    h = torch.randn(2, c.hidden_size, generator=torch.Generator().manual_seed(3))
+    before, pos, call = h.clone(), torch.arange(2), tiny_quantized._fused_layers()
+    with pytest.raises(IndexError, match=r"^fused_layers: row 2 is outside \[0, 2\)$"):
+        call(h, pos, cache.device_tensor, meta, torch.tensor([0, 2]))
+    with pytest.raises(IndexError, match=r"^fused_layers: row -1 is outside \[0, 2\)$"):
+        call(h, pos, cache.device_tensor, meta, torch.tensor([-1]))
+    with pytest.raises(ValueError, match=r"^fused_layers: 3 rows to sample, of 2$"):
+        call(h, pos, cache.device_tensor, meta, torch.tensor([0, 1, 1]))
+    assert torch.equal(h, before) and not cache.device_tensor.any()
+    hidden, logits = call(h, pos, cache.device_tensor, meta, torch.tensor([1, 0]))
+    assert torch.equal(hidden, norm_rows(h, torch.tensor([1, 0]), tiny_quantized.norm))
+    assert logits is not None and torch.equal(logits, tiny_quantized.compute_logits(hidden))
+    assert cache.device_tensor.any()  # the layers ran and wrote their K/V
+    h2 = before.clone()
+    hidden, logits = call(h2, pos, cache.device_tensor, meta, torch.tensor([1]), head=False)
+    assert logits is None and hidden.shape == (1, c.hidden_size)
+
+
 def _mixed_step(
     model: CausalLM, hooks: ForwardHooks | None, decodes: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:

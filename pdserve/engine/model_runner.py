@@ -66,10 +66,7 @@ class ModelRunner:
             per_row=self.model.fused,
         ).to(self.device)
         sampled = [s for s in seqs if s.samples]
-        if not sampled:
-            # Only partial prompt chunks: run the layers, skip the LM head.
-            logit_rows = []
-        hidden = self.model.hidden_states(
+        args = (
             self._ids(input_ids),
             self._ids(positions),
             self.cache.device_tensor,
@@ -77,12 +74,15 @@ class ModelRunner:
             self._ids(logit_rows),
             self.hooks,
         )
-        if not sampled:
+        if not sampled:  # only partial prompt chunks: the layers, no LM head
+            self.model.hidden_states(*args)
             return StepResult([], None, None)
-        return StepResult(sampled, self.model.compute_logits(hidden), hidden)
+        hidden, logits = self.model.hidden_and_logits(*args)
+        return StepResult(sampled, logits, hidden)
 
     def _ids(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        ids = torch.tensor(values, dtype=torch.long)
+        return ids if self.device.type == "cpu" else ids.to(self.device, non_blocking=True)
 
     def _flatten(
         self, seqs: Sequence[ScheduledSeq]

@@ -22,6 +22,7 @@ from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer.aggregate import copy_runs
 from pdserve.kv.transfer.layout import token_view, torch_dtype
 from pdserve.kv.transfer.plan import runs_between
+from pdserve.quant.memory import huge_page_zeros
 
 
 class KVCache:
@@ -41,7 +42,9 @@ class KVCache:
         self.layout = layout
         self.block_size = layout.block_size
         dtype = torch_dtype(layout)
-        if device_tensor is None:
+        if device_tensor is None and torch.device(device).type == "cpu":
+            device_tensor = huge_page_zeros(layout.shape, dtype)  # see quant/memory.py
+        elif device_tensor is None:
             device_tensor = torch.zeros(layout.shape, dtype=dtype, device=device)
         elif tuple(device_tensor.shape) != layout.shape or device_tensor.dtype != dtype:
             raise ValueError(

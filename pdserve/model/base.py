@@ -113,8 +113,25 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: [num_layers, 2, blocks, bs, Hkv, D];
         logits_indices: rows to produce logits for. Returns [len(logits_indices), vocab]."""
-        rows = self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices, hooks)
-        return self.compute_logits(rows)
+        return self.hidden_and_logits(input_ids, positions, kv_caches, meta, logits_indices, hooks)[
+            1
+        ]
+
+    def hidden_and_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        hooks: ForwardHooks | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden_states` and the LM head's logits of those rows, [len(logits_indices),
+        vocab]. On the one-call path the head runs inside that call."""
+        hidden, logits = self._run(
+            input_ids, positions, kv_caches, meta, logits_indices, hooks, head=True
+        )
+        return hidden, self.compute_logits(hidden) if logits is None else logits
 
     def hidden_states(
         self,
@@ -127,6 +144,20 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """`forward` without the LM head: the final-norm hidden states of the rows in
         `logits_indices`, [len(logits_indices), hidden] (what the length head reads)."""
+        return self._run(input_ids, positions, kv_caches, meta, logits_indices, hooks, False)[0]
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        hooks: ForwardHooks | None,
+        head: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the final-norm hidden states of the `logits_indices` rows, their logits where
+        `head` and the one compiled call computed them, else None)."""
         h = self.embed_tokens[input_ids]
         on_layer_done = hooks.on_layer_done if hooks else None
         if meta.ranges is not None:  # the compiled path (see `fused`)
@@ -134,26 +165,29 @@ class CausalLM(nn.Module):
                 raise ValueError("per-row attention metadata, but this model is not fused")
             h = h.contiguous()
             if self.layers_in_one_call and on_layer_done is None and kv_caches.is_contiguous():
-                h = self._fused_layers()(h, positions, kv_caches, meta)
-                return norm_rows(h, logits_indices, self.norm)
+                rows = logits_indices.contiguous()
+                return self._fused_layers()(h, positions, kv_caches, meta, rows, head)
             for i, fused in enumerate(cast(list[DecoderLayer], self.layers)):
                 h = fused.forward_fused(h, positions, self.rotary, kv_caches[i], meta)
                 if on_layer_done is not None:
                     on_layer_done(i)
-            return norm_rows(h, logits_indices, self.norm)
+            return norm_rows(h, logits_indices, self.norm), None
         cos, sin = self.rotary.lookup(positions)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, cos, sin, kv_caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.norm(h[logits_indices])
+        return self.norm(h[logits_indices]), None
 
     def _fused_layers(self) -> FusedLayers:
-        """Every layer's `forward_fused` as one compiled call (model/fused.py), built on
-        first use and kept: the ops it points at are built once, by finalize."""
+        """Every layer's `forward_fused`, the final norm and the LM head as one compiled
+        call (model/fused.py), built on first use and kept: the ops it points at are built
+        once, by finalize."""
         layers = self.__dict__.get("_fused_layers_call")
         if layers is None:
-            layers = FusedLayers(cast(list[DecoderLayer], self.layers), self.rotary)
+            layers = FusedLayers(
+                cast(list[DecoderLayer], self.layers), self.rotary, self.norm, self.lm_head_op
+            )
             self.__dict__["_fused_layers_call"] = layers
         return cast(FusedLayers, layers)
 

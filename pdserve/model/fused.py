@@ -41,14 +41,23 @@ def _op_record(op: QuantLinear) -> bytes:
     return _OP.pack(len(calls), op.out_features, op.in_features, bias, *words)
 
 
-class FusedLayers:
-    """`forward_fused` over every layer, in one compiled call (see the module docstring)."""
+# Decode steps of up to this many rows reuse one scratch buffer for the layers'
+# intermediates (three fresh tensors per step were ~10 us each with the caches cold).
+SCRATCH_ROWS = 64
 
-    def __init__(self, layers: Sequence[DecoderLayer], rotary: RotaryEmbedding) -> None:
+
+class FusedLayers:
+    """`forward_fused` over every layer, then the final norm and the LM head of the rows
+    that sample, in one compiled call (see the module docstring)."""
+
+    def __init__(
+        self, layers: Sequence[DecoderLayer], rotary: RotaryEmbedding, norm: RMSNorm, head: object
+    ) -> None:
         mod = kernels()
         assert mod is not None
         self._call = mod.fused_layers
         self._rotary = rotary
+        self._norm = norm
         records = []
         for layer in layers:
             ops = layer.fused_ops()
@@ -62,10 +71,21 @@ class FusedLayers:
             records.append(b"".join(_op_record(op) for op in ops) + tail)
         self._records = torch.frombuffer(bytearray(b"".join(records)), dtype=torch.uint8)
         self._layers = len(records)
+        # The LM head runs in the call where it is a compiled op (a head dequantized to a
+        # full-precision matrix is left to the caller: `logits` None).
+        self._head: torch.Tensor | None = None
+        self._vocab = 0
+        if isinstance(head, QuantLinear):
+            self._head = torch.frombuffer(bytearray(_op_record(head)), dtype=torch.uint8)
+            self._vocab = head.out_features
+        w = norm.weight
+        assert w.dtype == torch.float32 and w.is_contiguous() and w.dim() == 1
+        self._hidden = w.shape[0]
         first = layers[0]
         self._qkv_n = first.self_attn.q_size + 2 * first.self_attn.kv_size
         self._att_n = first.self_attn.q_size
         self._gate_up_n = 2 * first.mlp.intermediate
+        self._scratch = torch.empty(SCRATCH_ROWS * (self._qkv_n + self._att_n + self._gate_up_n))
 
     def __call__(
         self,
@@ -73,23 +93,40 @@ class FusedLayers:
         positions: torch.Tensor,
         kv_caches: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """h: contiguous fp32 [T, hidden], updated in place and returned; positions: int64
-        [T]; kv_caches: contiguous [layers, 2, blocks, bs, Hkv, D]; meta with `ranges`."""
+        sample: torch.Tensor,
+        head: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h: contiguous fp32 [T, hidden], updated in place; positions: int64 [T];
+        kv_caches: contiguous [layers, 2, blocks, bs, Hkv, D]; meta with `ranges`; sample:
+        int64 rows of h, each in [0, T) (IndexError otherwise), at most T of them.
+
+        Returns (the final-norm hidden states of the `sample` rows, [len(sample), hidden];
+        their logits, [len(sample), vocab], or None without `head` or where the LM head is
+        not a compiled op)."""
         ranges = meta.ranges
         assert ranges is not None and kv_caches.is_contiguous() and h.is_contiguous()
-        t = h.shape[0]
-        qkv = torch.empty(t, self._qkv_n)
-        att = torch.empty(t, self._att_n)
-        gate_up = torch.empty(t, self._gate_up_n)
+        assert sample.dtype == torch.long and sample.is_contiguous()
+        t, n = h.shape[0], sample.shape[0]
+        width = self._qkv_n + self._att_n + self._gate_up_n
+        scratch = self._scratch if t <= SCRATCH_ROWS else torch.empty(t * width)
+        qkv = scratch.data_ptr()
+        att = qkv + 4 * t * self._qkv_n
+        gate_up = att + 4 * t * self._att_n
+        hidden = torch.empty(n, self._hidden)
+        head_record = self._head if head and n > 0 else None
+        logits = None if head_record is None else torch.empty(n, self._vocab)
+        norm = self._norm
         self._call(
             self._records.data_ptr(), self._layers, h.data_ptr(), t, positions.data_ptr(),
             meta.slot_mapping.data_ptr(), self._rotary.cos.data_ptr(), self._rotary.sin.data_ptr(),
-            kv_caches.data_ptr(), kv_caches[0, 0].numel(), kv_caches.shape[3],
+            kv_caches.data_ptr(), kv_caches.stride(1), kv_caches.shape[3],
             ranges.rows.data_ptr(), ranges.tables.data_ptr(), ranges.tables.stride(0),
-            qkv.data_ptr(), att.data_ptr(), gate_up.data_ptr(), torch.get_num_threads(),
+            qkv, att, gate_up, torch.get_num_threads(),
+            norm.weight.data_ptr(), float(norm.eps), sample.data_ptr(), n, hidden.data_ptr(),
+            0 if head_record is None else head_record.data_ptr(),
+            0 if logits is None else logits.data_ptr(),
         )  # fmt: skip
-        return h
+        return hidden, logits
 
 
 def norm_rows(h: torch.Tensor, rows: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

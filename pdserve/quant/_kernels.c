@@ -426,6 +426,23 @@ typedef struct {
     float *qkv, *att, *gate_up; /* scratch: [T][qkv N], [T][H D], [T][gate_up N] */
 } Step;
 
+/* What follows the layers in the same call: the final RMSNorm of the rows that sample and
+ * the LM head over them (see py_fused_layers). */
+typedef struct {
+    Prologue norm;       /* PRE_RMSNORM with the final norm's weight and eps */
+    const int64_t *rows; /* [n] rows of h, each in [0, T) */
+    int64_t n;
+    float *hidden;       /* [n][hidden]: RMSNorm(h[rows[i]]) * w */
+    const Op *head;      /* NULL: no LM head here */
+    float *logits;       /* [n][head N] */
+} Tail;
+
+/* The tail's norm on one thread: the operations of rms_norm_rows, so the same bits. */
+static void tail_norm(const Tail *t, const float *h, int64_t hidden) {
+    for (int64_t i = 0; i < t->n; i++)
+        prologue_row(&t->norm, h + t->rows[i] * hidden, hidden, t->hidden + i * hidden);
+}
+
 /* ---- a decode step's layers on one thread team --------------------------------------- */
 
 /* A step of up to this many rows (a decode of 1-3 sequences) runs all its layers in one
@@ -495,9 +512,12 @@ static void op_team(const Op *op, const Prologue *pre, const float *x, int64_t l
  * per layer the team's barriers stand where the calls returned. Every part's work runs
  * (see `Runs`) are laid out before the region, a line per thread for each part of each
  * op of each layer. */
-static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, int threads) {
-    const int64_t cap = widest_input(layers, n), T = s->T;
-    const int64_t n_runs = n * 4 * MAX_PARTS;
+static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, const Tail *tail,
+                             int threads) {
+    const Op *head = tail->n > 0 ? tail->head : NULL;
+    const int64_t widest = widest_input(layers, n), T = s->T;
+    const int64_t cap = head != NULL && head->K > widest ? head->K : widest;
+    const int64_t n_runs = (n * 4 + 1) * MAX_PARTS; /* the head's runs last */
     uint64_t *words = aligned_alloc(64, sizeof(uint64_t) * RUN_STRIDE * (size_t)(n_runs * threads));
     Runs *runs = malloc(sizeof(Runs) * (size_t)n_runs);
     Mine *mine = calloc((size_t)threads, sizeof(Mine));
@@ -526,6 +546,11 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, int 
                 runs[r] = runs_init(words + r * threads * RUN_STRIDE, threads, part_items(&ops[k]->part[j]));
             }
     }
+    const Runs *head_runs = runs + n * 4 * MAX_PARTS;
+    for (int64_t j = 0; rc == 0 && head != NULL && j < head->parts; j++) {
+        const int64_t r = n * 4 * MAX_PARTS + j;
+        runs[r] = runs_init(words + r * threads * RUN_STRIDE, threads, part_items(&head->part[j]));
+    }
     if (rc == 0) {
 #pragma omp parallel num_threads(threads)
         {
@@ -553,6 +578,14 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, int 
                 op_team(&l->down, &swiglu, s->gate_up, l->gate_up.N, T, s->h, hidden, 1, my,
                         lr + 3 * MAX_PARTS, me);
             }
+            const int64_t hidden = layers[n - 1].o.N;
+#pragma omp single
+            tail_norm(tail, s->h, hidden);
+            if (head != NULL) {
+                const Prologue none = {PRE_NONE, NULL, 0.0f};
+                op_team(head, &none, tail->hidden, hidden, tail->n, tail->logits, head->N, 0, my,
+                        head_runs, me);
+            }
         }
     }
     attention_plan_free(&plan);
@@ -566,9 +599,13 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, int 
     return rc;
 }
 
-/* DecoderLayer.forward_fused for layers [0, n): the same calls in the same order. */
-static int fused_layers(const Layer *layers, int64_t n, const Step *s, int threads) {
-    if (threads > 1 && s->T <= TEAM_ROWS && n > 0) return fused_layers_team(layers, n, s, threads);
+/* DecoderLayer.forward_fused for layers [0, n): the same calls in the same order; then the
+ * tail (the final norm of its rows, the LM head over them: rms_norm_rows's and
+ * QuantLinear.run's operations). */
+static int fused_layers(const Layer *layers, int64_t n, const Step *s, const Tail *tail,
+                        int threads) {
+    if (threads > 1 && s->T <= TEAM_ROWS && n > 0)
+        return fused_layers_team(layers, n, s, tail, threads);
     for (int64_t i = 0; i < n; i++) {
         const Layer *l = &layers[i];
         const int64_t hidden = l->o.N;
@@ -591,7 +628,13 @@ static int fused_layers(const Layer *layers, int64_t n, const Step *s, int threa
                          threads)))
             return rc;
     }
-    return 0;
+    if (n == 0 || tail->n == 0) return 0;
+    const int64_t hidden = layers[n - 1].o.N;
+    tail_norm(tail, s->h, hidden);
+    if (tail->head == NULL) return 0;
+    const Prologue none = {PRE_NONE, NULL, 0.0f};
+    return run_op(tail->head, &none, tail->hidden, hidden, tail->n, tail->logits, tail->head->N, 0,
+                  threads);
 }
 
 /* ---- Python bindings ----------------------------------------------------------------- */
@@ -691,31 +734,6 @@ static PyObject *py_qlinear_int8(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, bs, rows, tables,
- * ldt, qkv, att, gate_up, threads): DecoderLayer.forward_fused for n layers in one call
- * (`layers`: n Layer records, pdserve/model/fused.py; the rest as fused_layers' Step).
- * The caller checks every shape and keeps every tensor alive. */
-static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[18];
-    if (read_args(args, nargs, 18, v, NULL, 0) < 0) return NULL;
-    const Step s = {PTR(float *, v[2]), v[3].i, PTR(const int64_t *, v[4]),
-                    PTR(const int64_t *, v[5]), PTR(const float *, v[6]),
-                    PTR(const float *, v[7]), PTR(float *, v[8]), v[9].i, v[10].i,
-                    PTR(const int32_t *, v[11]), PTR(const int32_t *, v[12]), v[13].i,
-                    PTR(float *, v[14]), PTR(float *, v[15]), PTR(float *, v[16])};
-    const int threads = v[17].i > 0 ? (int)v[17].i : 1;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS;
-    rc = fused_layers(PTR(const Layer *, v[0]), v[1].i, &s, threads);
-    Py_END_ALLOW_THREADS;
-    if (rc == -1) return PyErr_NoMemory();
-    if (rc != 0) {
-        PyErr_SetString(PyExc_ValueError, "fused_layers: a head size the attention cannot take");
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
 /* 0 when every ids[i] (i < n) is in [0, bound); else -1 with an IndexError naming the
  * first one outside ("<fn>: <what> <id> is outside [0, <bound>)"). */
 static int ids_within(const char *fn, const char *what, const int64_t *ids, int64_t n,
@@ -728,6 +746,45 @@ static int ids_within(const char *fn, const char *what, const int64_t *ids, int6
         }
     }
     return 0;
+}
+
+/* fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, bs, rows, tables,
+ * ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits):
+ * DecoderLayer.forward_fused for n layers in one call (`layers`: n Layer records,
+ * pdserve/model/fused.py; the rest up to `threads` as fused_layers' Step), then the tail:
+ * hidden[i] = RMSNorm(h[sample[i]]) * norm_w for i < n_sample (sample int64, each in
+ * [0, T), n_sample <= T), and with `head` (an Op record; 0 for none) logits = hidden @
+ * head^T. A sample row outside [0, T) is refused before anything runs. The caller checks
+ * every shape and keeps every tensor alive. */
+static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Arg v[25];
+    const int floats[] = {19};
+    if (read_args(args, nargs, 25, v, floats, 1) < 0) return NULL;
+    const Step s = {PTR(float *, v[2]), v[3].i, PTR(const int64_t *, v[4]),
+                    PTR(const int64_t *, v[5]), PTR(const float *, v[6]),
+                    PTR(const float *, v[7]), PTR(float *, v[8]), v[9].i, v[10].i,
+                    PTR(const int32_t *, v[11]), PTR(const int32_t *, v[12]), v[13].i,
+                    PTR(float *, v[14]), PTR(float *, v[15]), PTR(float *, v[16])};
+    const int threads = v[17].i > 0 ? (int)v[17].i : 1;
+    const Tail tail = {{PRE_RMSNORM, PTR(const float *, v[18]), (float)v[19].f},
+                       PTR(const int64_t *, v[20]), v[21].i, PTR(float *, v[22]),
+                       PTR(const Op *, v[23]), PTR(float *, v[24])};
+    if (tail.n < 0 || tail.n > s.T) {
+        PyErr_Format(PyExc_ValueError, "fused_layers: %lld rows to sample, of %lld",
+                     (long long)tail.n, (long long)s.T);
+        return NULL;
+    }
+    if (ids_within("fused_layers", "row", tail.rows, tail.n, s.T) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = fused_layers(PTR(const Layer *, v[0]), v[1].i, &s, &tail, threads);
+    Py_END_ALLOW_THREADS;
+    if (rc == -1) return PyErr_NoMemory();
+    if (rc != 0) {
+        PyErr_SetString(PyExc_ValueError, "fused_layers: a head size the attention cannot take");
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* rms_norm_rows(x, ldx, T, rows, n, K, w, eps, out): out[i] = RMSNorm(x[rows[i]]) * w for
@@ -830,7 +887,9 @@ static PyMethodDef methods[] = {
      " accumulate): y (+)= int8(P(x)) @ W^T, W packed by pack_int8"},
     {"fused_layers", (PyCFunction)(void (*)(void))py_fused_layers, METH_FASTCALL,
      "fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, bs, rows, tables,"
-     " ldt, qkv, att, gate_up, threads): n fused decoder layers in one call"},
+     " ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits):"
+     " n fused decoder layers, then the final norm and LM head of the rows that sample, in one"
+     " call"},
     {"rms_norm_rows", (PyCFunction)(void (*)(void))py_rms_norm_rows, METH_FASTCALL,
      "rms_norm_rows(x, ldx, T, rows, n, K, w, eps, out): RMSNorm of the rows `rows` of x"},
     {"embed_rows", (PyCFunction)(void (*)(void))py_embed_rows, METH_FASTCALL,
