@@ -113,9 +113,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: [num_layers, 2, blocks, bs, Hkv, D];
         logits_indices: rows to produce logits for. Returns [len(logits_indices), vocab]."""
-        return self.hidden_and_logits(input_ids, positions, kv_caches, meta, logits_indices, hooks)[
-            1
-        ]
+        args = (input_ids, positions, kv_caches, meta, logits_indices, hooks)
+        _, logits = self.hidden_and_logits(*args)
+        return logits
 
     def hidden_and_logits(
         self,
@@ -128,9 +128,8 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden_states` and the LM head's logits of those rows, [len(logits_indices),
         vocab]. On the one-call path the head runs inside that call."""
-        hidden, logits = self._run(
-            input_ids, positions, kv_caches, meta, logits_indices, hooks, head=True
-        )
+        args = (input_ids, positions, kv_caches, meta, logits_indices, hooks)
+        hidden, logits = self._run(*args, head=True)
         return hidden, self.compute_logits(hidden) if logits is None else logits
 
     def hidden_states(
@@ -144,7 +143,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """`forward` without the LM head: the final-norm hidden states of the rows in
         `logits_indices`, [len(logits_indices), hidden] (what the length head reads)."""
-        return self._run(input_ids, positions, kv_caches, meta, logits_indices, hooks, False)[0]
+        args = (input_ids, positions, kv_caches, meta, logits_indices, hooks)
+        hidden, _ = self._run(*args, head=False)
+        return hidden
 
     def _run(
         self,

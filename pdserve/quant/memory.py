@@ -18,14 +18,15 @@ model. Where madvise or huge pages are not available the pieces are ordinary mem
 with the same bits.
 
 The KV pool: a batch-1 step reads ~12 MB of it (256 tokens of context, 30 layers), in
-12 KB blocks. On 2 MB pages whole steps were 1.05x faster at batch 1 (12 pairs, every
-pair faster) and 1.02x at batch 8 (bench/bench_kernel_ab.py --step --whole --kv-pages,
-the same process alternating the pool's two copies).
+12 KB blocks. On 2 MB pages whole steps were 1.05x faster at batch 1 in two runs of
+three (1.00x in the third) and 1.02x at batch 8 (bench/bench_decode_step.py --kv-pages:
+one process alternating the pool's two copies).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 
 import torch
@@ -64,10 +65,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous zeroed CPU tensor on memory advised MADV_HUGEPAGE, every page faulted in
     now (as torch.zeros does: a pool too large for the machine fails here, not mid-serve).
     Its memory is unmapped when the last tensor over it is dropped."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     chunk = _huge_chunk(max(nbytes, 1))
     chunk.zero_()  # commit the pages: the mapping's zeros are only promised until touched
     return chunk[:nbytes].view(dtype).view(shape)
