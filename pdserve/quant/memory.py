@@ -19,8 +19,8 @@ with the same bits.
 
 The KV pool: a batch-1 step reads ~12 MB of it (256 tokens of context, 30 layers), in
 12 KB blocks. On 2 MB pages whole steps were 1.05x faster at batch 1 in two runs of
-three (1.00x in the third) and 1.02x at batch 8 (bench/bench_decode_step.py --kv-pages:
-one process alternating the pool's two copies).
+three (1.00x in the third) and 1.02-1.08x at batch 8 (bench/bench_decode_step.py
+--kv-pages: one process alternating the pool's two copies).
 """
 
 from __future__ import annotations
