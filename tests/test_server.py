@@ -743,6 +743,32 @@ def test_full_waiting_queue_answers_503_and_keeps_the_rest() -> None:
         s.stop()
 
 
+def test_a_second_signal_cancels_what_is_in_flight_and_exits_without_a_traceback() -> None:
+    """Ctrl-C twice: the first drains; the second cancels the requests still in flight,
+    each answered with why, and the server exits 0 once its application has shut down.
+    Its log has no traceback: a forced exit used to skip the lifespan shutdown, and the
+    cancelled lifespan task printed one."""
+    s = Server("--shutdown-timeout", "60", "--enable-debug-endpoints")
+    children = psutil.Process(s.proc.pid).children(recursive=True)
+    status, _ = s.post("/v1/completions", b'{"prompt": "hi", "max_tokens": 4}', key=None)
+    assert status == 200  # a request served before (the traceback needed one)
+    long = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    stream = sse(s.url + "/v1/completions", long)
+    assert next(stream)["choices"]
+    wait_for(lambda: s.get("/debug/engine")[1]["num_running"] == 1)
+    s.proc.send_signal(signal.SIGINT)
+    wait_for(lambda: s.get("/health")[0] == 503)
+    s.proc.send_signal(signal.SIGINT)
+    cut = list(stream)
+    assert cut[-1] == "[DONE]" and cut[-2]["error"]["code"] == 503
+    assert cut[-2]["error"]["message"] == "the server is shutting down: stopped by a second signal"
+    assert s.proc.wait(30) == 0
+    err = s.proc.stderr.read() if s.proc.stderr else ""
+    assert "Traceback" not in err and "cancelled 1 requests" in err, err[-2000:]
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert alive == []
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_with_no_child_left() -> None:
     s = Server("--shutdown-timeout", "4", "--enable-debug-endpoints")
     url = s.url + "/v1/completions"

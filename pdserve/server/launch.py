@@ -256,15 +256,24 @@ class _DrainingServer(uvicorn.Server):
         self.timeout = timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
+        self._stopping = False  # a second signal came: stopping without the drain
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Runs as a signal handler on the loop's thread: only schedule work here.
-        if self._loop is None or self.admission.draining:
+        # Runs as a signal handler on the loop's thread: only schedule work here. The
+        # first signal drains; the second stops now: the requests still in flight are
+        # cancelled (each answered with why) and the application still shuts down - a
+        # forced exit skips that, and its cancelled lifespan task printed a traceback. A
+        # third forces the exit.
+        if self._loop is None or self._stopping:
             self.should_exit = self.force_exit = True
+            return
+        if self.admission.draining:
+            self._stopping = True
+            self._loop.call_soon_threadsafe(self._stop_now)
             return
         self.admission.draining = True
         self._loop.call_soon_threadsafe(self._start_drain)
@@ -272,6 +281,15 @@ class _DrainingServer(uvicorn.Server):
     def _start_drain(self) -> None:
         self.admission.start_draining()
         self._drain = asyncio.create_task(self._drain_then_exit())
+
+    def _stop_now(self) -> None:
+        if self._drain is not None:
+            self._drain.cancel()
+        error = RequestCancelledError("the server is shutting down: stopped by a second signal")
+        cancelled = self.client.cancel_all(error)
+        if cancelled:
+            print(f"pdserve: shutting down: cancelled {cancelled} requests", file=sys.stderr)
+        self.should_exit = True
 
     async def _drain_then_exit(self) -> None:
         adm = self.admission
