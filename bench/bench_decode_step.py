@@ -22,33 +22,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
 import pdserve
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import resolve_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_engine import ours_decode  # the decode rows' own loop
 
 
 def decode_round(engine: Engine, batch: int) -> float:
-    """`batch` requests prefilled, then decoded together: the median step, in ms."""
-    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(torch.randint(100, 40000, (256,)).tolist(), params)
-    scheduler = engine.core.scheduler
-    while scheduler.waiting or any(
-        r.num_computed_tokens < len(r.prompt_token_ids) for r in scheduler.running
-    ):
-        engine.step()  # the prefills
-    times = []
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    """`batch` requests prefilled, then 128 steps decoding together: the median, in ms."""
+    return ours_decode(engine, batch, steps=127)
 
 
 def kv_pages_ab(engine: Engine, rounds: int, batch: int) -> None:

@@ -179,8 +179,10 @@ def ours_prefill(engine: Engine, n: int) -> float:
     return n / (time.perf_counter() - t)
 
 
-def ours_decode(engine: Engine, batch: int) -> float:
-    params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+def ours_decode(engine: Engine, batch: int, steps: int = DECODE_STEPS) -> float:
+    """`batch` requests of DECODE_CONTEXT random tokens prefilled, then `steps` decode
+    steps of them together: the median step, in ms."""
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(torch.randint(100, 40000, (DECODE_CONTEXT,)).tolist(), params)
     while len(engine.core.scheduler.waiting) or any(
