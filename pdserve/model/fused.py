@@ -25,6 +25,7 @@ import torch
 
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from pdserve.model.linear import Linear
 from pdserve.quant.kernels import kernels
 from pdserve.quant.linear import QuantLinear
 
@@ -54,7 +55,7 @@ class FusedLayers:
     that sample, in one compiled call (see the module docstring)."""
 
     def __init__(
-        self, layers: Sequence[DecoderLayer], rotary: RotaryEmbedding, norm: RMSNorm, head: object
+        self, layers: Sequence[DecoderLayer], rotary: RotaryEmbedding, norm: RMSNorm, head: Linear
     ) -> None:
         mod = kernels()
         assert mod is not None
@@ -88,7 +89,8 @@ class FusedLayers:
         self._qkv_n = first.self_attn.q_size + 2 * first.self_attn.kv_size
         self._att_n = first.self_attn.q_size
         self._gate_up_n = 2 * first.mlp.intermediate
-        self._scratch = torch.empty(SCRATCH_ROWS * (self._qkv_n + self._att_n + self._gate_up_n))
+        self._width = self._qkv_n + self._att_n + self._gate_up_n  # scratch floats per row
+        self._scratch = torch.empty(SCRATCH_ROWS * self._width)
 
     def __call__(
         self,
@@ -110,8 +112,7 @@ class FusedLayers:
         assert ranges is not None and kv_caches.is_contiguous() and h.is_contiguous()
         assert sample.dtype == torch.long and sample.is_contiguous()
         t, n = h.shape[0], sample.shape[0]
-        width = self._qkv_n + self._att_n + self._gate_up_n
-        scratch = self._scratch if t <= SCRATCH_ROWS else torch.empty(t * width)
+        scratch = self._scratch if t <= SCRATCH_ROWS else torch.empty(t * self._width)
         qkv = scratch.data_ptr()
         att = qkv + 4 * t * self._qkv_n
         gate_up = att + 4 * t * self._att_n

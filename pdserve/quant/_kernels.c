@@ -437,10 +437,15 @@ typedef struct {
     float *logits;       /* [n][head N] */
 } Tail;
 
-/* The tail's norm on one thread: the operations of rms_norm_rows, so the same bits. */
+/* out[i] = the prologue `pre` of row rows[i] of x, i < n, on one thread: rms_norm_rows
+ * and the tail's final norm. */
+static void norm_rows_of(const Prologue *pre, const float *x, int64_t ldx, const int64_t *rows,
+                         int64_t n, int64_t K, float *out) {
+    for (int64_t i = 0; i < n; i++) prologue_row(pre, x + rows[i] * ldx, K, out + i * K);
+}
+
 static void tail_norm(const Tail *t, const float *h, int64_t hidden) {
-    for (int64_t i = 0; i < t->n; i++)
-        prologue_row(&t->norm, h + t->rows[i] * hidden, hidden, t->hidden + i * hidden);
+    norm_rows_of(&t->norm, h, hidden, t->rows, t->n, hidden, t->hidden);
 }
 
 /* ---- a decode step's layers on one thread team --------------------------------------- */
@@ -807,7 +812,7 @@ static PyObject *py_rms_norm_rows(PyObject *self, PyObject *const *args, Py_ssiz
     const float *x = PTR(const float *, v[0]);
     float *out = PTR(float *, v[8]);
     Py_BEGIN_ALLOW_THREADS;
-    for (int64_t i = 0; i < n; i++) prologue_row(&pre, x + rows[i] * ldx, K, out + i * K);
+    norm_rows_of(&pre, x, ldx, rows, n, K, out);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
