@@ -35,6 +35,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import ours_decode  # the decode rows' own loop
 
 
+def served_engine(activations: str) -> Engine:
+    """The shipped model as `pdserve serve --quantization gguf --activations ...` loads it;
+    prompts prefill whole, before decodes join (bench_engine.py's decode rows)."""
+    cfg = EngineConfig(
+        model=str(resolve_model(None)),
+        quantization="gguf",
+        activations=activations,
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_prefill_tokens_with_decodes=0),
+        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_cache=False),
+    )
+    return Engine.from_config(cfg)
+
+
 def decode_round(engine: Engine, batch: int) -> float:
     """`batch` requests prefilled, then 128 steps decoding together: the median, in ms."""
     return ours_decode(engine, batch, steps=127)
@@ -64,14 +77,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--kv-pages", action="store_true", help="the pool's pages, A/B")
     args = ap.parse_args()
-    cfg = EngineConfig(
-        model=str(resolve_model(None)),
-        quantization="gguf",
-        activations=args.activations,
-        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_prefill_tokens_with_decodes=0),
-        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_cache=False),
-    )
-    engine = Engine.from_config(cfg)
+    engine = served_engine(args.activations)
     if args.kv_pages:
         kv_pages_ab(engine, args.rounds, args.batch)
         return 0

@@ -181,22 +181,12 @@ def attention_ab(mods: list[ModuleType], threads: int) -> None:
 
 def step_ab(mods: list[ModuleType], batch: int, steps: int, whole: bool, activations: str) -> None:
     """See the module docstring (`--step`, `--whole`)."""
-    import dataclasses
+    from bench_decode_step import served_engine
 
-    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.engine.engine import Engine
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.model.fused import FusedLayers
-    from pdserve.model.loader import resolve_model
 
-    cfg = EngineConfig(
-        model=str(resolve_model(None)),
-        quantization="gguf",
-        activations=activations,
-        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_prefill_tokens_with_decodes=0),
-        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_cache=False),
-    )
-    engine = Engine.from_config(dataclasses.replace(cfg))
+    engine = served_engine(activations)
     times: list[list[float]] = [[], []]
     call = FusedLayers.__call__
     turn = [0]

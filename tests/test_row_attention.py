@@ -54,7 +54,7 @@ class Case:
         t = sum(q for _, q in seqs)
         self.qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen)
         self.positions = torch.cat([torch.arange(c, c + q) for c, q in seqs])
-        angles = torch.outer(torch.arange(64.0), torch.rand(d // 2, generator=gen))
+        angles = torch.outer(torch.arange(512.0), torch.rand(d // 2, generator=gen))
         self.cos = torch.cat([angles.cos()] * 2, dim=1)
         self.sin = torch.cat([angles.sin()] * 2, dim=1)
 
@@ -112,20 +112,32 @@ def test_sliding_window() -> None:
 DECODES = [(c, 1) for c in (0, 5, 15, 16, 17, 31, 40, 63)]
 
 
-@pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decodes"])
+# Rows long enough that a lone decode's attention is shared between the threads (from
+# ~114 keys: attention_plan's work threshold), a continued prompt's and a fresh one's.
+LONG = [(200, 24), (0, 140)]
+
+
+@pytest.mark.parametrize(
+    ("seqs", "window"),
+    [(MIXED, None), (DECODES, None), (LONG, None), ([(180, 40)], 130)],
+    # window: each row of the chunk starts at its own key, 130 keys before its end
+    ids=["mixed", "decodes", "long", "window"],
+)
 def test_each_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads(
-    seqs: list[tuple[int, int]],
+    seqs: list[tuple[int, int]], window: int | None
 ) -> None:
     """Row t of a prefill chunk, recomputed as a decode (one query row over the same
     keys), gives the same bits; a decode in a step of eight gives its bits alone; so
-    does a 1-thread run."""
-    case = Case(seqs, 9, 3, 64)
+    does a 1-thread run. And the rows are torch's attention, computed in float64, to
+    within fp32 rounding."""
+    case = Case(seqs, 9, 3, 64, window=window)
     batch = case.compiled()
     assert torch.equal(case.compiled(threads=1), batch)
+    torch.testing.assert_close(batch, case.reference(), atol=2e-6, rtol=1e-5)
     row = 0
     for spec in case.specs:
         for i in range(spec.query_len):
-            alone = Case(seqs, 9, 3, 64)  # same seed: same cache and qkv
+            alone = Case(seqs, 9, 3, 64, window=window)  # same seed: same cache and qkv
             # The rows before this one are already in the cache; this row is a decode.
             before = [SeqSpec(spec.num_cached, i, spec.block_table)] if i else []
             if before:
