@@ -1,6 +1,8 @@
-"""The median time of a served decode step, for comparing two trees or the KV pool's pages.
+"""The median time of a served decode step (or a prefill's rate), for comparing two trees
+or the KV pool's pages.
 
     .venv/bin/python bench/bench_decode_step.py [--activations int8] [--rounds 4] [--batch 1]
+    .venv/bin/python bench/bench_decode_step.py --prefill 2048 --rounds 5
     cd /tmp/old && PYTHONPATH=/tmp/old /work/main/.venv/bin/python \\
         /work/main/bench/bench_decode_step.py       # a worktree of another commit
     .venv/bin/python bench/bench_decode_step.py --kv-pages --rounds 12
@@ -11,6 +13,9 @@ the median of their `Engine.step()` times after the prefill. Whole steps as serv
 layers, final norm and LM head in one compiled call, metadata, sampling): what
 `bench_engine.py`'s decode rows measure, in a process short enough to alternate with
 another tree's several times.
+
+`--prefill N`: instead, `--rounds` prefills of N random prompt tokens (`bench_engine.py`'s
+prefill rows: one step, the first token sampled); prints their median rate.
 
 `--kv-pages`: the same engine's rounds alternate between its KV pool (on 2 MB pages,
 `quant/memory.py`) and a copy on ordinary pages (`torch.zeros`, what the pool was
@@ -32,7 +37,7 @@ from pdserve.engine.engine import Engine
 from pdserve.model.loader import resolve_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine import ours_decode  # the decode rows' own loop
+from bench_engine import ours_decode, ours_prefill  # the engine benchmark's own loops
 
 
 def served_engine(activations: str) -> Engine:
@@ -76,13 +81,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--kv-pages", action="store_true", help="the pool's pages, A/B")
+    ap.add_argument("--prefill", type=int, default=0, help="prompt tokens: time prefills")
     args = ap.parse_args()
     engine = served_engine(args.activations)
+    where = pdserve.__file__.rsplit("/pdserve/", 1)[0]
     if args.kv_pages:
         kv_pages_ab(engine, args.rounds, args.batch)
         return 0
+    if args.prefill:
+        ours_prefill(engine, 128)  # warm-up
+        rates = [ours_prefill(engine, args.prefill) for _ in range(args.rounds)]
+        print(f"{where}: --activations {args.activations}, prefill {args.prefill} tokens "
+              f"median {statistics.median(rates):.0f} tok/s")  # fmt: skip
+        return 0
     times = [decode_round(engine, args.batch) for _ in range(args.rounds)]
-    where = pdserve.__file__.rsplit("/pdserve/", 1)[0]
     print(f"{where}: --activations {args.activations}, b={args.batch} decode step median "
           f"{statistics.median(times):.2f} ms")  # fmt: skip
     return 0

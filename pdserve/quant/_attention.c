@@ -85,6 +85,20 @@ INLINE float softmax_numerator(float *s, int64_t n) {
 #define ROWS 8
 #define KEY_TILE 32
 
+/* WIDE: the query heads that share a KV head computed together, up to GROUP_HEADS at a
+ * time - one load of each key vector feeds their dot products, one load of each value
+ * vector their sums - every (head, lane) chain the same operations as alone, so the
+ * same bits. Their 24 accumulators need AVX-512VL's 32 vector registers (with AVX2's 16
+ * they spill: 0.90-0.98x), so WIDE is a second build of the attention (attend_wide),
+ * taken where the CPU has them, for row blocks of several rows (a 512-token prefill
+ * chunk: 1.09x; decode rows gained nothing, 0.97-1.04x; bench/bench_kernel_ab.py
+ * --attention). The calls below pass GH as a constant (3, 2 or 1) so each is unrolled. */
+#define GROUP_HEADS 3
+
+static int wide_supported(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+}
+
 typedef struct {
     int64_t first, count; /* rows [first, first + count), all of one sequence */
 } RowBlock;
@@ -106,16 +120,10 @@ typedef struct {
     float *acc;          /* [R][nh][D] running sums of p * v */
 } Block;
 
-/* q.k for 8 keys at once, as 8 lanes: each lane is exactly dot(q, k_m) (the same FMA
- * chain, then the same three pairwise adds as hsum8 - lo+hi, then lanes 0+2 and 1+3,
- * then those two - done for 8 keys by shuffles), without a scalar sum per key. */
-INLINE __m256 dot8(const float *q, const float *const k[8], const int64_t D) {
-    __m256 acc[8];
-    for (int m = 0; m < 8; m++) acc[m] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k[m]));
-    for (int64_t i = 8; i < D; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int m = 0; m < 8; m++) acc[m] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[m] + i), acc[m]);
-    }
+/* acc[m]: key m's 8 partial sums of a dot product. Returns lane m = key m's sum, each
+ * reduced as hsum8 reduces (lo+hi, then lanes 0+2 and 1+3, then those two), for the 8
+ * keys at once by shuffles, without a scalar sum per key. */
+INLINE __m256 reduce8(const __m256 acc[8]) {
     __m256 x[4]; /* x[m]: key m's lo + hi in lanes 0-3, key m+4's in lanes 4-7 */
     for (int m = 0; m < 4; m++)
         x[m] = _mm256_add_ps(_mm256_permute2f128_ps(acc[m], acc[m + 4], 0x20),
@@ -130,10 +138,31 @@ INLINE __m256 dot8(const float *q, const float *const k[8], const int64_t D) {
                          _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* q.k for 8 keys at once and GH query heads (q, q + D, ...): out[x] lane m is exactly
+ * dot(q_x, k_m) - the same FMA chain (8 lanes over D) and reduce8, however many heads go
+ * together; GH > 1 loads each key vector once for all of them (see WIDE). */
+INLINE void dot8(const float *q, const float *const k[8], const int64_t D, const int GH,
+                 __m256 *out) {
+    __m256 acc[GROUP_HEADS][8];
+    for (int x = 0; x < GH; x++) {
+        const __m256 qv = _mm256_loadu_ps(q + x * D);
+        for (int m = 0; m < 8; m++) acc[x][m] = _mm256_mul_ps(qv, _mm256_loadu_ps(k[m]));
+    }
+    for (int64_t i = 8; i < D; i += 8) {
+        __m256 qv[GROUP_HEADS];
+        for (int x = 0; x < GH; x++) qv[x] = _mm256_loadu_ps(q + x * D + i);
+        for (int m = 0; m < 8; m++) {
+            const __m256 kv = _mm256_loadu_ps(k[m] + i);
+            for (int x = 0; x < GH; x++) acc[x][m] = _mm256_fmadd_ps(qv[x], kv, acc[x][m]);
+        }
+    }
+    for (int x = 0; x < GH; x++) out[x] = reduce8(acc[x]);
+}
+
 /* Scores of keys j0 .. j0 + cnt - 1 (addresses k of KV head b->g; padded to 8 with valid
  * addresses) for every (row, head) of the block whose range holds them. */
 INLINE void score_group(Block *b, const float *const k[8], int64_t j0, int64_t cnt,
-                        const int64_t DV) {
+                        const int64_t DV, const int WIDE) {
     const Attn *a = b->a;
     const int64_t D = DV ? DV : b->D, G = b->G;
     const __m256 scale = _mm256_set1_ps(a->scale);
@@ -153,16 +182,22 @@ INLINE void score_group(Block *b, const float *const k[8], int64_t j0, int64_t c
             const __m256i mask = _mm256_and_si256(in, live);
             const float *q = a->q + (b->t0 + r) * a->ldq + b->g * G * D;
             float *s = b->s + r * b->nh * b->stride + (j0 - start);
-            for (int64_t h = kv * G; h < (kv + 1) * G; h++) {
-                const __m256 dot = dot8(q + h * D, kh, D);
-                _mm256_maskstore_ps(s + h * b->stride, mask, _mm256_mul_ps(dot, scale));
+            for (int64_t h = kv * G; h < (kv + 1) * G;) {
+                __m256 dots[GROUP_HEADS];
+                const int64_t left = (kv + 1) * G - h;
+                const int gh = !WIDE ? 1 : left >= 3 ? 3 : (int)left;
+                if (gh == 3) dot8(q + h * D, kh, D, 3, dots);
+                else if (gh == 2) dot8(q + h * D, kh, D, 2, dots);
+                else dot8(q + h * D, kh, D, 1, dots);
+                for (int x = 0; x < gh; x++, h++)
+                    _mm256_maskstore_ps(s + h * b->stride, mask, _mm256_mul_ps(dots[x], scale));
             }
         }
     }
 }
 
 /* Scores of every (row, head) of the block: s = q.k * scale, keys in order. */
-INLINE void block_scores(Block *b, const int64_t DV) {
+INLINE void block_scores(Block *b, const int64_t DV, const int WIDE) {
     const Attn *a = b->a;
     const float *k8[8];
     int64_t cnt = 0, first = 0, ahead = 0; /* ahead: floats to this slot of the next block */
@@ -185,24 +220,65 @@ INLINE void block_scores(Block *b, const int64_t DV) {
         if (cnt == 0) first = b->lo + i;
         k8[cnt++] = k;
         if (cnt == 8) {
-            score_group(b, k8, first, 8, DV);
+            score_group(b, k8, first, 8, DV, WIDE);
             cnt = 0;
         }
     });
     if (cnt > 0) {
         for (int64_t m = cnt; m < 8; m++) k8[m] = k8[0];
-        score_group(b, k8, first, cnt, DV);
+        score_group(b, k8, first, cnt, DV, WIDE);
     }
 }
 
-/* acc[r][h] += sum of p_j v_j over the keys of [j0, j1) in row r's range, in order. */
-INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV) {
+/* acc of GH query heads h0 .. h0 + GH - 1 (sharing KV head kv) of row r, value lanes
+ * [d0, d0 + 64), += sum of p_j v_j over keys [lo, hi), in order: each (head, lane) chain
+ * as alone, one load of each value vector feeding the GH heads (see WIDE). */
+INLINE void value_heads(Block *b, int64_t r, int64_t kv, int64_t h0, int64_t d0, int64_t lo,
+                        int64_t hi, const int GH, const int64_t D) {
+    const Attn *a = b->a;
+    __m256 acc[GROUP_HEADS][8];
+    const float *p[GROUP_HEADS];
+    float *out[GROUP_HEADS];
+    for (int x = 0; x < GH; x++) {
+        const int64_t rh = r * b->nh + kv * b->G + h0 + x;
+        p[x] = b->s + rh * b->stride + (lo - b->start[r]);
+        out[x] = b->acc + rh * D + d0;
+        for (int i = 0; i < 8; i++) acc[x][i] = _mm256_loadu_ps(out[x] + 8 * i);
+    }
+    FOR_EACH_KEY(a, a->vc, b->table, b->g, lo, hi, j, v, {
+        const float *vv = v + kv * D + d0;
+        __m256 pj[GROUP_HEADS];
+        for (int x = 0; x < GH; x++) pj[x] = _mm256_broadcast_ss(p[x] + j);
+        for (int i = 0; i < 8; i++) {
+            const __m256 vi = _mm256_loadu_ps(vv + 8 * i);
+            for (int x = 0; x < GH; x++) acc[x][i] = _mm256_fmadd_ps(pj[x], vi, acc[x][i]);
+        }
+    });
+    for (int x = 0; x < GH; x++)
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(out[x] + 8 * i, acc[x][i]);
+}
+
+/* acc[r][h] += sum of p_j v_j over the keys of [j0, j1) in row r's range, in order. WIDE
+ * (D a multiple of 64): the heads of a KV head three at a time (value_heads). */
+INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV, const int WIDE) {
     const Attn *a = b->a;
     const int64_t D = DV ? DV : b->D, G = b->G;
     for (int64_t r = 0; r < b->R; r++) {
         const int64_t lo = j0 > b->start[r] ? j0 : b->start[r];
         const int64_t end = b->start[r] + b->n[r], hi = j1 < end ? j1 : end;
         if (lo >= hi) continue;
+        if (WIDE) {
+            for (int64_t kv = 0; kv < b->ng; kv++)
+                for (int64_t d0 = 0; d0 < D; d0 += 64)
+                    for (int64_t h0 = 0; h0 < G;) {
+                        const int64_t gh = G - h0 >= 3 ? 3 : G - h0;
+                        if (gh == 3) value_heads(b, r, kv, h0, d0, lo, hi, 3, D);
+                        else if (gh == 2) value_heads(b, r, kv, h0, d0, lo, hi, 2, D);
+                        else value_heads(b, r, kv, h0, d0, lo, hi, 1, D);
+                        h0 += gh;
+                    }
+            continue;
+        }
         for (int64_t h = 0, off = 0; h < b->nh; h++, off += h % G == 0 ? D : 0) {
             const float *p = b->s + (r * b->nh + h) * b->stride + (lo - b->start[r]);
             float *out = b->acc + (r * b->nh + h) * D;
@@ -220,7 +296,7 @@ INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV) {
 
 /* One row block, KV heads [g, g + ng). scratch: ROWS * H * (longest + D) floats. */
 INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scratch,
-                   int64_t longest, const int64_t DV) {
+                   int64_t longest, const int64_t DV, const int WIDE) {
     Block b = {.a = a, .g = g, .ng = ng, .G = a->H / a->Hkv, .D = DV ? DV : a->D,
                .t0 = rb.first, .R = rb.count, .stride = longest};
     const int64_t D = b.D, NH = b.nh = ng * b.G;
@@ -240,13 +316,13 @@ INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scr
     }
     memset(b.acc, 0, sizeof(float) * (size_t)(b.R * NH * D));
     if (b.lo < b.hi) {
-        block_scores(&b, DV);
+        block_scores(&b, DV, WIDE);
         for (int64_t r = 0; r < b.R; r++)
             for (int64_t h = 0; h < NH; h++)
                 if (b.n[r] > 0) b.s[(r * NH + h) * b.stride + longest - 1] =
                     softmax_numerator(b.s + (r * NH + h) * b.stride, b.n[r]);
         for (int64_t j = b.lo; j < b.hi; j += KEY_TILE)
-            block_values(&b, j, j + KEY_TILE < b.hi ? j + KEY_TILE : b.hi, DV);
+            block_values(&b, j, j + KEY_TILE < b.hi ? j + KEY_TILE : b.hi, DV, WIDE);
     }
     for (int64_t r = 0; r < b.R; r++) {
         for (int64_t h = 0; h < NH; h++) {
@@ -266,10 +342,24 @@ INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scr
 KERNEL static void attend_any(const Attn *a, RowBlock rb, int64_t g, int64_t ng,
                               float *scratch, int64_t longest) {
     switch (a->D) {
-        case 64: attend(a, rb, g, ng, scratch, longest, 64); break;
-        case 128: attend(a, rb, g, ng, scratch, longest, 128); break;
-        default: attend(a, rb, g, ng, scratch, longest, 0); break;
+        case 64: attend(a, rb, g, ng, scratch, longest, 64, 0); break;
+        case 128: attend(a, rb, g, ng, scratch, longest, 128, 0); break;
+        default: attend(a, rb, g, ng, scratch, longest, 0, 0); break;
     }
+}
+
+/* attend_any's WIDE build (see WIDE), for a head size of 64 or 128. */
+KERNEL_WIDE static void attend_wide(const Attn *a, RowBlock rb, int64_t g, int64_t ng,
+                                    float *scratch, int64_t longest) {
+    if (a->D == 64) attend(a, rb, g, ng, scratch, longest, 64, 1);
+    else attend(a, rb, g, ng, scratch, longest, 128, 1);
+}
+
+/* The block's attention, WIDE where the plan says so and the block has several rows. */
+static void attend_item(const AttnPlan *p, const Attn *a, RowBlock rb, int64_t g, int64_t ng,
+                        float *scratch) {
+    if (p->wide && rb.count > 1) attend_wide(a, rb, g, ng, scratch, p->longest);
+    else attend_any(a, rb, g, ng, scratch, p->longest);
 }
 
 /* Consecutive rows of one sequence, up to ROWS at a time. Returns the count. */
@@ -321,7 +411,8 @@ int attention_plan(AttnPlan *p, const Attn *a, int64_t T, int threads) {
         for (int64_t k = 0; k < split; k++)
             items[n_items++] = (Item){i, k * (a->Hkv / split), a->Hkv / split};
     }
-    *p = (AttnPlan){longest, per_thread, n_items, blocks, items, scratch, threads};
+    const int wide = (a->D == 64 || a->D == 128) && wide_supported();
+    *p = (AttnPlan){longest, per_thread, n_items, blocks, items, scratch, threads, wide};
     return 0;
 }
 
@@ -331,13 +422,13 @@ void attention_team(const AttnPlan *p, const Attn *a) {
     if (p->threads == 1) {
 #pragma omp single
         for (int64_t i = 0; i < p->n_items; i++)
-            attend_any(a, blocks[items[i].block], items[i].g, items[i].ng, p->scratch, p->longest);
+            attend_item(p, a, blocks[items[i].block], items[i].g, items[i].ng, p->scratch);
         return;
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < p->n_items; i++)
-        attend_any(a, blocks[items[i].block], items[i].g, items[i].ng,
-                   p->scratch + (int64_t)THREAD_ME * p->per_thread, p->longest);
+        attend_item(p, a, blocks[items[i].block], items[i].g, items[i].ng,
+                    p->scratch + (int64_t)THREAD_ME * p->per_thread);
 }
 
 void attention_plan_free(AttnPlan *p) {

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #define KERNEL __attribute__((target("avx2,fma,f16c")))
+#define KERNEL_WIDE __attribute__((target("avx2,fma,f16c,avx512f,avx512vl")))
 #define INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
 INLINE float hsum8(__m256 v) {
@@ -159,6 +160,7 @@ typedef struct {
     void *blocks, *items; /* the row blocks and items (_attention.c) */
     float *scratch;      /* threads x per_thread */
     int threads;
+    int wide;            /* prefill row blocks take attend_wide (_attention.c, WIDE) */
 } AttnPlan;
 /* Returns 0; -1 when memory could not be allocated (nothing to free then); -2 for a head
  * size the kernel cannot take. Only a's shape, rows and tables are read. */
