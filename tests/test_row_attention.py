@@ -366,7 +366,7 @@ def test_the_one_call_refuses_rows_to_sample_outside_its_step_before_it_runs(
     """The call's tail (the final norm and LM head of the rows that sample): a row outside
     [0, T) or more rows than T are refused with the limit named, and nothing is written
     (the hidden states, the cache). Asked right, it gives the hidden states and logits of
-    the rows asked for, in their order; without the head, no logits."""
+    the rows asked for, in their order; with no rows to sample, no head runs."""
     c = tiny_quantized.config
     layout = KVLayout(c.num_hidden_layers, 4, BS, c.num_key_value_heads, c.head_dim, "float32")
     cache = KVCache(layout, num_host_blocks=0)
@@ -385,8 +385,8 @@ def test_the_one_call_refuses_rows_to_sample_outside_its_step_before_it_runs(
     assert logits is not None and torch.equal(logits, tiny_quantized.compute_logits(hidden))
     assert cache.device_tensor.any()  # the layers ran and wrote their K/V
     h2 = before.clone()
-    hidden, logits = call(h2, pos, cache.device_tensor, meta, torch.tensor([1]), head=False)
-    assert logits is None and hidden.shape == (1, c.hidden_size)
+    hidden, logits = call(h2, pos, cache.device_tensor, meta, torch.tensor([], dtype=torch.long))
+    assert logits is None and hidden.shape == (0, c.hidden_size)
 
 
 def _mixed_step(

@@ -74,10 +74,9 @@ class ModelRunner:
             self._ids(logit_rows),
             self.hooks,
         )
-        if not sampled:  # only partial prompt chunks: the layers, no LM head
-            self.model.hidden_states(*args)
-            return StepResult([], None, None)
         hidden, logits = self.model.hidden_and_logits(*args)
+        if not sampled:  # only partial prompt chunks: no rows, so no LM head ran
+            return StepResult([], None, None)
         return StepResult(sampled, logits, hidden)
 
     def _ids(self, values: list[int]) -> torch.Tensor:

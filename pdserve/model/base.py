@@ -126,39 +126,10 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor,
         hooks: ForwardHooks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`hidden_states` and the LM head's logits of those rows, [len(logits_indices),
-        vocab]. On the one-call path the head runs inside that call."""
-        args = (input_ids, positions, kv_caches, meta, logits_indices, hooks)
-        hidden, logits = self._run(*args, head=True)
-        return hidden, self.compute_logits(hidden) if logits is None else logits
-
-    def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: torch.Tensor,
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-        hooks: ForwardHooks | None = None,
-    ) -> torch.Tensor:
-        """`forward` without the LM head: the final-norm hidden states of the rows in
-        `logits_indices`, [len(logits_indices), hidden] (what the length head reads)."""
-        args = (input_ids, positions, kv_caches, meta, logits_indices, hooks)
-        hidden, _ = self._run(*args, head=False)
-        return hidden
-
-    def _run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: torch.Tensor,
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-        hooks: ForwardHooks | None,
-        head: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the final-norm hidden states of the `logits_indices` rows, their logits where
-        `head` and the one compiled call computed them, else None)."""
+        """The final-norm hidden states of the `logits_indices` rows, [len(logits_indices),
+        hidden] (what the length head reads), and their logits, [len(logits_indices),
+        vocab]. On the one-call path the head runs inside that call (and not at all for no
+        rows: a step of partial prompt chunks)."""
         h = self.embed_tokens[input_ids]
         on_layer_done = hooks.on_layer_done if hooks else None
         if meta.ranges is not None:  # the compiled path (see `fused`)
@@ -167,18 +138,21 @@ class CausalLM(nn.Module):
             h = h.contiguous()
             if self.layers_in_one_call and on_layer_done is None and kv_caches.is_contiguous():
                 rows = logits_indices.contiguous()
-                return self._fused_layers()(h, positions, kv_caches, meta, rows, head)
+                hidden, logits = self._fused_layers()(h, positions, kv_caches, meta, rows)
+                return hidden, self.compute_logits(hidden) if logits is None else logits
             for i, fused in enumerate(cast(list[DecoderLayer], self.layers)):
                 h = fused.forward_fused(h, positions, self.rotary, kv_caches[i], meta)
                 if on_layer_done is not None:
                     on_layer_done(i)
-            return norm_rows(h, logits_indices, self.norm), None
+            hidden = norm_rows(h, logits_indices, self.norm)
+            return hidden, self.compute_logits(hidden)
         cos, sin = self.rotary.lookup(positions)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, cos, sin, kv_caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.norm(h[logits_indices]), None
+        hidden = self.norm(h[logits_indices])
+        return hidden, self.compute_logits(hidden)
 
     def _fused_layers(self) -> FusedLayers:
         """Every layer's `forward_fused`, the final norm and the LM head as one compiled

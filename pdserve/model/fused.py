@@ -99,15 +99,14 @@ class FusedLayers:
         kv_caches: torch.Tensor,
         meta: AttentionMetadata,
         sample: torch.Tensor,
-        head: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: contiguous fp32 [T, hidden], updated in place; positions: int64 [T];
         kv_caches: contiguous [layers, 2, blocks, bs, Hkv, D]; meta with `ranges`; sample:
         int64 rows of h, each in [0, T) (IndexError otherwise), at most T of them.
 
         Returns (the final-norm hidden states of the `sample` rows, [len(sample), hidden];
-        their logits, [len(sample), vocab], or None without `head` or where the LM head is
-        not a compiled op)."""
+        their logits, [len(sample), vocab], or None with no rows to sample or where the LM
+        head is not a compiled op)."""
         ranges = meta.ranges
         assert ranges is not None and kv_caches.is_contiguous() and h.is_contiguous()
         assert sample.dtype == torch.long and sample.is_contiguous()
@@ -117,7 +116,7 @@ class FusedLayers:
         att = qkv + 4 * t * self._qkv_n
         gate_up = att + 4 * t * self._att_n
         hidden = torch.empty(n, self._hidden)
-        head_record = self._head if head and n > 0 else None
+        head_record = self._head if n > 0 else None
         logits = None if head_record is None else torch.empty(n, self._vocab)
         norm = self._norm
         self._call(
