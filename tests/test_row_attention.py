@@ -54,7 +54,8 @@ class Case:
         t = sum(q for _, q in seqs)
         self.qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen)
         self.positions = torch.cat([torch.arange(c, c + q) for c, q in seqs])
-        angles = torch.outer(torch.arange(512.0), torch.rand(d // 2, generator=gen))
+        longest = max(512, max(c + q for c, q in seqs))
+        angles = torch.outer(torch.arange(float(longest)), torch.rand(d // 2, generator=gen))
         self.cos = torch.cat([angles.cos()] * 2, dim=1)
         self.sin = torch.cat([angles.sin()] * 2, dim=1)
 
@@ -115,6 +116,26 @@ DECODES = [(c, 1) for c in (0, 5, 15, 16, 17, 31, 40, 63)]
 # Rows long enough that a lone decode's attention is shared between the threads (from
 # ~114 keys: attention_plan's work threshold), a continued prompt's and a fresh one's.
 LONG = [(200, 24), (0, 140)]
+
+
+@pytest.mark.parametrize(
+    ("h", "hkv", "d", "context"),
+    [(9, 3, 64, 300), (4, 4, 128, 300), (4, 2, 16, 1100), (6, 3, 24, 600)],
+    ids=["smollm2", "d128", "d16", "d24"],
+)
+def test_a_lone_decode_has_one_threads_bits_on_two_and_three(
+    h: int, hkv: int, d: int, context: int
+) -> None:
+    """A step of one decode long enough to be shared between threads runs in phases
+    (scores by key range, values by lanes of the V records, _attention.c's LONE): its
+    bits are the 1-thread path's, on 2 and 3 threads, for head sizes whose lane split
+    falls inside a KV head (d24: 9 vectors a record) and the generic head size; and it is
+    torch's attention in float64 to within fp32 rounding."""
+    case = Case([(context, 1)], h, hkv, d)
+    one = case.compiled(threads=1)
+    assert torch.equal(case.compiled(threads=2), one)
+    assert torch.equal(case.compiled(threads=3), one)
+    torch.testing.assert_close(one, case.reference(), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

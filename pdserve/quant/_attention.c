@@ -23,7 +23,8 @@
  * softmax in three passes, no online rescaling, so nothing depends on a block size.
  * Rows of one sequence are attended in blocks that share each key load (see ROWS); a
  * decode row takes all its KV heads at once, so each key is read in one piece (see
- * paged_attention). */
+ * paged_attention); a step of one decode row is shared between the threads in three
+ * phases (see LONE). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -197,7 +198,7 @@ INLINE void score_group(Block *b, const float *const k[8], int64_t j0, int64_t c
 }
 
 /* Scores of every (row, head) of the block: s = q.k * scale, keys in order. */
-INLINE void block_scores(Block *b, const int64_t DV, const int WIDE) {
+INLINE void block_scores(Block *b, const int64_t DV, const int WIDE, const int ASK_VALUES) {
     const Attn *a = b->a;
     const float *k8[8];
     int64_t cnt = 0, first = 0, ahead = 0; /* ahead: floats to this slot of the next block */
@@ -214,7 +215,8 @@ INLINE void block_scores(Block *b, const int64_t DV, const int WIDE) {
         ahead = (blk + 1) * a->bs < b->hi ? ((int64_t)b->table[blk + 1] - b->table[blk]) * block : 0;
     }, {
         const char *v = (const char *)(a->vc + (k - a->kc));
-        for (int64_t l = 0; l < lines; l++) _mm_prefetch(v + 64 * l, _MM_HINT_T1);
+        if (ASK_VALUES)
+            for (int64_t l = 0; l < lines; l++) _mm_prefetch(v + 64 * l, _MM_HINT_T1);
         if (ahead != 0)
             for (int64_t l = 0; l < lines; l++) _mm_prefetch((const char *)(k + ahead) + 64 * l, _MM_HINT_T1);
         if (cnt == 0) first = b->lo + i;
@@ -316,7 +318,7 @@ INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scr
     }
     memset(b.acc, 0, sizeof(float) * (size_t)(b.R * NH * D));
     if (b.lo < b.hi) {
-        block_scores(&b, DV, WIDE);
+        block_scores(&b, DV, WIDE, 1);
         for (int64_t r = 0; r < b.R; r++)
             for (int64_t h = 0; h < NH; h++)
                 if (b.n[r] > 0) b.s[(r * NH + h) * b.stride + longest - 1] =
@@ -362,6 +364,105 @@ static void attend_item(const AttnPlan *p, const Attn *a, RowBlock rb, int64_t g
     else attend_any(a, rb, g, ng, scratch, p->longest);
 }
 
+/* LONE: a step of one decode row (batch 1) on a team of P threads, in three phases with
+ * a barrier between, each split evenly: the scores of every head by key ranges (each
+ * thread reads whole K records: all KV heads of its keys, contiguous), the softmax by
+ * heads, the value sums by lanes (thread c owns a contiguous 1/P of each V record's
+ * Hkv * D floats, all its keys). Split by KV head instead, one thread took two of
+ * SmolLM2's three, and read a third of each record at a stride. Every score, softmax
+ * and value lane is the same float operations as in `attend` (a score does not depend
+ * on the keys beside it in its group of 8; a lane's sum is its own chain over the keys
+ * in order), so the same bits. */
+#define VALUE_VECS 4 /* lanes a pass: 4 vectors x up to 3 heads = 12 accumulators */
+
+/* Lanes [d0, d0 + 8 nv) of KV head kv's query heads [h, h + GH), over the row's keys
+ * [lo, hi): out = (sum of p_j v_j, keys in order) / sum. s: [H][stride] probabilities,
+ * each head's sum in its slot stride - 1. */
+INLINE void lone_values(const Attn *a, const int32_t *table, const float *s, int64_t stride,
+                        int64_t lo, int64_t hi, int64_t kv, int64_t h, int64_t d0, int nv,
+                        const int GH) {
+    __m256 acc[3][VALUE_VECS];
+    for (int x = 0; x < GH; x++)
+        for (int i = 0; i < nv; i++) acc[x][i] = _mm256_setzero_ps();
+    const int64_t block = a->bs * a->Hkv * a->D;
+    int64_t ahead = 0; /* floats to this slot of the next block */
+    FOR_EACH_KEY_RUN(a, a->vc, table, kv, lo, hi, j, v, blk, {
+        ahead = (blk + 1) * a->bs < hi ? ((int64_t)table[blk + 1] - table[blk]) * block : 0;
+    }, {
+        if (ahead != 0) /* these lanes of this slot of the next block (else they stall) */
+            for (int i = 0; i < nv; i += 2) _mm_prefetch((const char *)(v + ahead + d0 + 8 * i), _MM_HINT_T1);
+        __m256 pj[3];
+        for (int x = 0; x < GH; x++) pj[x] = _mm256_broadcast_ss(s + (h + x) * stride + j);
+        for (int i = 0; i < nv; i++) {
+            const __m256 vi = _mm256_loadu_ps(v + d0 + 8 * i);
+            for (int x = 0; x < GH; x++) acc[x][i] = _mm256_fmadd_ps(pj[x], vi, acc[x][i]);
+        }
+    });
+    for (int x = 0; x < GH; x++) {
+        const __m256 t = _mm256_set1_ps(s[(h + x) * stride + stride - 1]);
+        float *out = a->out + (h + x) * a->D + d0;
+        for (int i = 0; i < nv; i++) _mm256_storeu_ps(out + 8 * i, _mm256_div_ps(acc[x][i], t));
+    }
+}
+
+/* Thread c's lanes of the V records: [c L / P, (c + 1) L / P) of L = Hkv * D, at vector
+ * bounds, a KV head's heads three at a time. */
+KERNEL static void lone_value_part(const Attn *a, const int32_t *table, const float *s,
+                                   int64_t stride, int64_t lo, int64_t hi, int64_t c, int64_t P) {
+    const int64_t vecs = a->Hkv * a->D / 8, G = a->H / a->Hkv;
+    const int64_t first = c * vecs / P * 8, end = (c + 1) * vecs / P * 8;
+    for (int64_t l = first; l < end;) {
+        const int64_t kv = l / a->D, d0 = l % a->D;
+        const int64_t room = (a->D - d0) / 8, left = (end - l) / 8;
+        const int nv = (int)(room < left ? room : left) < VALUE_VECS
+                           ? (int)(room < left ? room : left) : VALUE_VECS;
+        for (int64_t h = kv * G; h < (kv + 1) * G;) {
+            const int64_t gh = (kv + 1) * G - h;
+            if (gh >= 3 && nv == VALUE_VECS)
+                lone_values(a, table, s, stride, lo, hi, kv, h, d0, VALUE_VECS, 3), h += 3;
+            else if (gh >= 3) lone_values(a, table, s, stride, lo, hi, kv, h, d0, nv, 3), h += 3;
+            else if (gh == 2) lone_values(a, table, s, stride, lo, hi, kv, h, d0, nv, 2), h += 2;
+            else lone_values(a, table, s, stride, lo, hi, kv, h, d0, nv, 1), h += 1;
+        }
+        l += 8 * nv;
+    }
+}
+
+/* Thread c's keys' scores, every head: keys [lo, hi) of the row cut in P ranges at
+ * multiples of 8 from lo. */
+KERNEL static void lone_score_part(const Attn *a, float *s, int64_t longest, int64_t c,
+                                   int64_t P) {
+    Block b = {.a = a, .g = 0, .ng = a->Hkv, .G = a->H / a->Hkv, .D = a->D, .nh = a->H,
+               .t0 = 0, .R = 1, .stride = longest, .s = s};
+    b.table = a->tables + (int64_t)a->rows[0] * a->ldt;
+    b.start[0] = a->rows[1];
+    b.n[0] = a->rows[2] - a->rows[1];
+    const int64_t groups = (b.n[0] + 7) / 8;
+    b.lo = b.start[0] + c * groups / P * 8;
+    b.hi = b.start[0] + (c + 1) * groups / P * 8;
+    b.hi = b.hi < a->rows[2] ? b.hi : a->rows[2];
+    if (b.lo < b.hi) block_scores(&b, 0, 0, 0);
+}
+
+/* A head's probabilities, and their sum in its last slot. */
+KERNEL static void lone_softmax(float *s, int64_t n, int64_t stride) {
+    s[stride - 1] = softmax_numerator(s, n);
+}
+
+/* The LONE phases, on every thread of the team. */
+static void lone_team(const AttnPlan *p, const Attn *a) {
+    float *s = p->scratch; /* [H][longest]: shared by the team */
+    const int64_t P = p->threads, n = a->rows[2] - a->rows[1], lo = a->rows[1];
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < P; c++) lone_score_part(a, s, p->longest, c, P);
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < a->H; h++) lone_softmax(s + h * p->longest, n, p->longest);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < P; c++)
+        lone_value_part(a, a->tables + (int64_t)a->rows[0] * a->ldt, s, p->longest, lo,
+                        lo + n, c, P);
+}
+
 /* Consecutive rows of one sequence, up to ROWS at a time. Returns the count. */
 static int64_t row_blocks(const Attn *a, int64_t T, RowBlock *out) {
     int64_t count = 0;
@@ -400,7 +501,7 @@ int attention_plan(AttnPlan *p, const Attn *a, int64_t T, int threads) {
      * contiguous piece instead of D of every Hkv * D floats per head (1.1-1.2x on decode
      * steps of 8-32 sequences, bench/bench_kernel_ab.py --attention); unless there are
      * fewer such blocks than two per thread, when the heads are split to give every
-     * thread work. A block of several rows (a prefill chunk) is split by head: its rows
+     * thread work (a step of one decode row goes by phases instead, see LONE). A block of several rows (a prefill chunk) is split by head: its rows
      * share each key load already, and its scores for all heads would not stay in L2.
      * Which item computes a (row, head) changes none of its float operations. */
     const int64_t nb = row_blocks(a, T, blocks);
@@ -412,13 +513,18 @@ int attention_plan(AttnPlan *p, const Attn *a, int64_t T, int threads) {
             items[n_items++] = (Item){i, k * (a->Hkv / split), a->Hkv / split};
     }
     const int wide = (a->D == 64 || a->D == 128) && wide_supported();
-    *p = (AttnPlan){longest, per_thread, n_items, blocks, items, scratch, threads, wide};
+    const int lone = T == 1 && threads > 1 && a->rows[2] > a->rows[1];
+    *p = (AttnPlan){longest, per_thread, n_items, blocks, items, scratch, threads, wide, lone};
     return 0;
 }
 
 void attention_team(const AttnPlan *p, const Attn *a) {
     const RowBlock *blocks = p->blocks;
     const Item *items = p->items;
+    if (p->lone) {
+        lone_team(p, a);
+        return;
+    }
     if (p->threads == 1) {
 #pragma omp single
         for (int64_t i = 0; i < p->n_items; i++)

@@ -161,6 +161,7 @@ typedef struct {
     float *scratch;      /* threads x per_thread */
     int threads;
     int wide;            /* prefill row blocks take attend_wide (_attention.c, WIDE) */
+    int lone;            /* one decode row on several threads, in phases (_attention.c, LONE) */
 } AttnPlan;
 /* Returns 0; -1 when memory could not be allocated (nothing to free then); -2 for a head
  * size the kernel cannot take. Only a's shape, rows and tables are read. */
