@@ -214,3 +214,34 @@ def test_bad_shapes_and_blocks_are_refused_with_the_numbers() -> None:
         QuantWeight.quantize(torch.randn(8, 256), QuantType.Q4_K)
     with pytest.raises(ValueError, match="Q5_0 blocks are repacked at load; no file bytes kept"):
         QuantWeight.quantize(torch.randn(8, 64), QuantType.Q5_0).to_blocks()
+
+
+def test_argmax_rows_picks_numpys_index_on_ties_nans_and_tails() -> None:
+    """The compiled step's greedy token (_kernels.c's argmax_rows, taken in the call that
+    ran the LM head): numpy's argmax on each row - the first of equal maxima (+0 and -0
+    equal), the first NaN where there is one, all -inf, and lengths that leave a tail
+    after the 8-wide loop."""
+    from pdserve.quant.kernels import kernels
+
+    mod = kernels()
+    assert mod is not None
+    gen = torch.Generator().manual_seed(5)
+    n = 1003  # 125 vectors and a 3-float tail
+    x = torch.randn(8, n + 5, generator=gen)  # ld > n: the last 5 floats are not read
+    x[:, n:] = 1e9
+    x[1, [7, 300, 1001]] = 50.0  # three equal maxima: the first
+    x[2, [100, 900]] = float("nan")  # NaNs beat every number: the first NaN
+    x[2, 5] = 1e30
+    x[3, :] = float("-inf")  # no number above -inf: index 0
+    x[4, :] = -1.0
+    x[4, 2] = -0.0
+    x[4, 1001] = 0.0  # -0 and +0 are equal: the first
+    x[5, 1002] = 99.0  # the maximum in the tail
+    x[6, 1002] = float("nan")  # a NaN in the tail only
+    x[7, :8] = 7.0  # a tie inside one vector
+    out = torch.full((8,), -1, dtype=torch.long)
+    mod.argmax_rows(x.data_ptr(), x.stride(0), 8, n, out.data_ptr())
+    assert out.tolist() == x[:, :n].numpy().argmax(axis=-1).tolist()
+    assert out.tolist() == [int(x[0, :n].argmax()), 7, 100, 0, 2, 1002, 1002, 0]
+    with pytest.raises(ValueError, match=r"^argmax_rows: need 0 < n <= ld and rows >= 0$"):
+        mod.argmax_rows(x.data_ptr(), 4, 8, n, out.data_ptr())

@@ -304,3 +304,38 @@ def test_int8_activations_serve_a_gguf_the_same_batched_or_alone(tmp_path: Path)
     together = texts(prompts)
     alone = {p: texts([p])[p] for p in prompts}
     assert together == alone and all(together.values())
+
+
+@pytest.mark.kernels
+def test_a_greedy_step_takes_its_tokens_from_the_argmax_of_its_one_call(tmp_path: Path) -> None:
+    """Every row greedy: the compiled call that ran the LM head also took each row's
+    argmax, and those are the tokens (numpy's argmax of the same logits); a step with a
+    sampled row does not ask for it and samples as before."""
+    path = make_tiny_gguf(tmp_path, quant="Q8_0")
+    engine = Engine.from_config(EngineConfig(model=str(path), quantization="gguf"))
+    runner = engine.core.runner
+    execute, steps = runner.execute, []
+
+    def spy(sched):  # type: ignore[no-untyped-def]
+        steps.append(execute(sched))
+        return steps[-1]
+
+    runner.execute = spy  # type: ignore[method-assign]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    rids = [engine.add_request(engine.tokenizer.encode(p), greedy) for p in ("a b c", "one")]
+    tokens: dict[str, list[int]] = {r: [] for r in rids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id] = list(o.token_ids)
+    taken: dict[str, list[int]] = {r: [] for r in rids}
+    for step in steps:
+        assert step.argmax is not None and step.logits is not None
+        assert step.argmax.tolist() == step.logits.numpy().argmax(axis=-1).tolist()
+        for seq, t in zip(step.sampled, step.argmax.tolist(), strict=True):
+            taken[seq.request.request_id].append(t)
+    assert taken == tokens and all(len(t) == 6 for t in tokens.values())
+    steps.clear()
+    engine.add_request(engine.tokenizer.encode("a b c"), SamplingParams(max_tokens=3, seed=1))
+    while engine.has_unfinished():
+        engine.step()
+    assert steps and all(s.argmax is None and s.logits is not None for s in steps)

@@ -387,7 +387,8 @@ def test_the_one_call_refuses_rows_to_sample_outside_its_step_before_it_runs(
     """The call's tail (the final norm and LM head of the rows that sample): a row outside
     [0, T) or more rows than T are refused with the limit named, and nothing is written
     (the hidden states, the cache). Asked right, it gives the hidden states and logits of
-    the rows asked for, in their order; with no rows to sample, no head runs."""
+    the rows asked for, in their order, and asked for them their argmax (numpy's); with
+    no rows to sample, no head runs."""
     c = tiny_quantized.config
     layout = KVLayout(c.num_hidden_layers, 4, BS, c.num_key_value_heads, c.head_dim, "float32")
     cache = KVCache(layout, num_host_blocks=0)
@@ -401,13 +402,19 @@ def test_the_one_call_refuses_rows_to_sample_outside_its_step_before_it_runs(
     with pytest.raises(ValueError, match=r"^fused_layers: 3 rows to sample, of 2$"):
         call(h, pos, cache.device_tensor, meta, torch.tensor([0, 1, 1]))
     assert torch.equal(h, before) and not cache.device_tensor.any()
-    hidden, logits = call(h, pos, cache.device_tensor, meta, torch.tensor([1, 0]))
+    hidden, logits, argmax = call(h, pos, cache.device_tensor, meta, torch.tensor([1, 0]))
     assert torch.equal(hidden, norm_rows(h, torch.tensor([1, 0]), tiny_quantized.norm))
     assert logits is not None and torch.equal(logits, tiny_quantized.compute_logits(hidden))
+    assert argmax is None  # not asked
     assert cache.device_tensor.any()  # the layers ran and wrote their K/V
     h2 = before.clone()
-    hidden, logits = call(h2, pos, cache.device_tensor, meta, torch.tensor([], dtype=torch.long))
-    assert logits is None and hidden.shape == (0, c.hidden_size)
+    hidden, logits, argmax = call(h2, pos, cache.device_tensor, meta, torch.tensor([1, 0]), True)
+    assert logits is not None and argmax is not None
+    assert argmax.tolist() == logits.numpy().argmax(axis=-1).tolist()
+    h3 = before.clone()
+    empty = torch.tensor([], dtype=torch.long)
+    hidden, logits, argmax = call(h3, pos, cache.device_tensor, meta, empty, True)
+    assert logits is None and argmax is None and hidden.shape == (0, c.hidden_size)
 
 
 def _mixed_step(

@@ -503,7 +503,7 @@ class EngineCore:
         outputs: list[EngineOutput] = []
         if result.logits is not None and result.hidden is not None:
             self._predict(result.sampled, result.hidden)
-            outputs = self._sample(result.sampled, result.logits)
+            outputs = self._sample(result.sampled, result.logits, result.argmax)
         # The step's KV is committed and ended requests are gone: replicate the rest.
         self.replicator.after_step(self.scheduler.running)
         return outputs
@@ -530,10 +530,12 @@ class EngineCore:
             for req, pred in zip(reqs, self.length_head.predict(states, lens), strict=True):
                 req.prediction = pred
 
-    def _sample(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[EngineOutput]:
+    def _sample(
+        self, sampled: list[ScheduledSeq], logits: torch.Tensor, argmax: torch.Tensor | None
+    ) -> list[EngineOutput]:
         """Sample, append and stop-check the step's tokens; then the role's first-token
-        hook."""
-        tokens = sample(logits, [self._sampling_row(s) for s in sampled])
+        hook. argmax: the rows' argmax, when the step took it (`sample`)."""
+        tokens = sample(logits, [self._sampling_row(s) for s in sampled], argmax)
         firsts: list[Request] = []
         outputs = [self._append(s.request, t, firsts) for s, t in zip(sampled, tokens, strict=True)]
         for req in firsts:  # the role's say once a prompt is done (prefill: the hand-off)

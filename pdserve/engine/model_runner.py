@@ -31,6 +31,7 @@ class StepResult:
     sampled: list[ScheduledSeq]  # sequences that sample this step, in row order
     logits: torch.Tensor | None  # [len(sampled), vocab]
     hidden: torch.Tensor | None  # [len(sampled), hidden]: final-norm states (length head)
+    argmax: torch.Tensor | None = None  # [len(sampled)] int64: each logits row's argmax
 
 
 class ModelRunner:
@@ -66,6 +67,9 @@ class ModelRunner:
             per_row=self.model.fused,
         ).to(self.device)
         sampled = [s for s in seqs if s.samples]
+        # Every row greedy: the compiled step takes the argmax too (FinalStates.argmax); a
+        # greedy row with penalties or logprobs leaves it unused (the sampler decides).
+        greedy = all(s.request.params.temperature == 0.0 for s in sampled)
         args = (
             self._ids(input_ids),
             self._ids(positions),
@@ -73,11 +77,12 @@ class ModelRunner:
             meta,
             self._ids(logit_rows),
             self.hooks,
+            greedy,
         )
-        hidden, logits = self.model.hidden_and_logits(*args)
+        out = self.model.hidden_and_logits(*args)
         if not sampled:  # only partial prompt chunks: no rows, so no LM head ran
             return StepResult([], None, None)
-        return StepResult(sampled, logits, hidden)
+        return StepResult(sampled, out.logits, out.hidden, out.argmax)
 
     def _ids(self, values: list[int]) -> torch.Tensor:
         ids = torch.tensor(values, dtype=torch.long)

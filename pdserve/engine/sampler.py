@@ -21,7 +21,7 @@ Contracts:
 - Logprobs are those of the raw model distribution (log-softmax of the unpenalised logits at
   temperature 1), as vLLM reports them by default.
 - Hot path: when every row is greedy with no penalties, no logprobs and no min_tokens mask,
-  `sample` is one batched argmax.
+  `sample` is one batched argmax (or takes the one the compiled step computed, `argmax`).
 """
 
 from __future__ import annotations
@@ -69,14 +69,18 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
-    """One token per row of `logits` ([len(rows), vocab]); see the module docstring."""
+def sample(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], argmax: torch.Tensor | None = None
+) -> list[SampledToken]:
+    """One token per row of `logits` ([len(rows), vocab]); see the module docstring.
+    argmax: each row's argmax of `logits`, already taken (the compiled step's), or None."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(
             f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}"
         )
     if all(_is_plain_greedy(row) for row in rows):
-        return [SampledToken(t) for t in _argmax(logits)]
+        ids = _argmax(logits) if argmax is None else cast(list[int], argmax.tolist())
+        return [SampledToken(t) for t in ids]
     x = logits.to(torch.float32, copy=True)
     apply_penalties(x, rows)
     mask_min_tokens(x, rows)
@@ -85,9 +89,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax, the first of equal maxima. Host logits go through numpy: torch's
-    argmax over a 49k vocabulary costs ~43 us, numpy's ~4 (a batch-1 step samples this
-    way every token)."""
+    """Each row's argmax, the first of equal maxima (a NaN counting as the largest). Host
+    logits go through numpy: torch's argmax over a 49k vocabulary costs ~43 us, numpy's ~4
+    (a batch-1 step samples this way every token, unless its compiled call took the argmax
+    itself: _kernels.c's argmax_rows, the same choice)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return cast(list[int], logits.numpy().argmax(axis=-1).tolist())
     return cast(list[int], logits.argmax(dim=-1).tolist())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import nn
@@ -35,6 +35,16 @@ class ForwardHooks:
     layer `layer_idx` has written this step's K/V into the cache."""
 
     on_layer_done: Callable[[int], None] | None = None
+
+
+class FinalStates(NamedTuple):
+    """What a step leaves for sampling, for its rows that sample."""
+
+    hidden: torch.Tensor  # [rows, hidden]: final-norm states (what the length head reads)
+    logits: torch.Tensor  # [rows, vocab]
+    # [rows] int64: each logits row's argmax, where it was asked for (`greedy`) and the one
+    # compiled call ran the LM head (it takes it while the logits are in cache); else None
+    argmax: torch.Tensor | None = None
 
 
 class CausalLM(nn.Module):
@@ -114,8 +124,7 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T]; kv_caches: [num_layers, 2, blocks, bs, Hkv, D];
         logits_indices: rows to produce logits for. Returns [len(logits_indices), vocab]."""
         args = (input_ids, positions, kv_caches, meta, logits_indices, hooks)
-        _, logits = self.hidden_and_logits(*args)
-        return logits
+        return self.hidden_and_logits(*args).logits
 
     def hidden_and_logits(
         self,
@@ -125,11 +134,12 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
         hooks: ForwardHooks | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        greedy: bool = False,
+    ) -> FinalStates:
         """The final-norm hidden states of the `logits_indices` rows, [len(logits_indices),
-        hidden] (what the length head reads), and their logits, [len(logits_indices),
-        vocab]. On the one-call path the head runs inside that call (and not at all for no
-        rows: a step of partial prompt chunks)."""
+        hidden], and their logits, [len(logits_indices), vocab]. On the one-call path the
+        head runs inside that call (and not at all for no rows: a step of partial prompt
+        chunks), and with `greedy` so does each row's argmax (FinalStates.argmax)."""
         h = self.embed_tokens[input_ids]
         on_layer_done = hooks.on_layer_done if hooks else None
         if meta.ranges is not None:  # the compiled path (see `fused`)
@@ -138,21 +148,24 @@ class CausalLM(nn.Module):
             h = h.contiguous()
             if self.layers_in_one_call and on_layer_done is None and kv_caches.is_contiguous():
                 rows = logits_indices.contiguous()
-                hidden, logits = self._fused_layers()(h, positions, kv_caches, meta, rows)
-                return hidden, self.compute_logits(hidden) if logits is None else logits
+                call = self._fused_layers()
+                hidden, logits, argmax = call(h, positions, kv_caches, meta, rows, greedy)
+                if logits is None:
+                    return FinalStates(hidden, self.compute_logits(hidden))
+                return FinalStates(hidden, logits, argmax)
             for i, fused in enumerate(cast(list[DecoderLayer], self.layers)):
                 h = fused.forward_fused(h, positions, self.rotary, kv_caches[i], meta)
                 if on_layer_done is not None:
                     on_layer_done(i)
             hidden = norm_rows(h, logits_indices, self.norm)
-            return hidden, self.compute_logits(hidden)
+            return FinalStates(hidden, self.compute_logits(hidden))
         cos, sin = self.rotary.lookup(positions)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, cos, sin, kv_caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         hidden = self.norm(h[logits_indices])
-        return hidden, self.compute_logits(hidden)
+        return FinalStates(hidden, self.compute_logits(hidden))
 
     def _fused_layers(self) -> FusedLayers:
         """Every layer's `forward_fused`, the final norm and the LM head as one compiled

@@ -8,7 +8,9 @@ allocation per layer, 0.75 ms of a 30-layer step - a tenth of a batch-1 decode s
 `fused_layers` in _kernels.c, which loops over the layers itself: the same bits as the
 per-layer path (tests/test_row_attention.py), without the Python between them. The call
 also ends the step: the final norm of the rows that sample and, where the LM head is a
-compiled op, the head over them (two more Python calls, ~0.1 ms of a b=1 step).
+compiled op, the head over them (two more Python calls, ~0.1 ms of a b=1 step), and when
+asked each of their rows' argmax: a greedy step's tokens, taken while the logits are still
+in cache (numpy's argmax after the call: ~50 us of a b=1 step).
 
 Contract: built from the model's finalized ops, whose tensors the model keeps for its
 life; the records hold their addresses, so the ops must not be replaced afterwards
@@ -99,14 +101,17 @@ class FusedLayers:
         kv_caches: torch.Tensor,
         meta: AttentionMetadata,
         sample: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        greedy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """h: contiguous fp32 [T, hidden], updated in place; positions: int64 [T];
         kv_caches: contiguous [layers, 2, blocks, bs, Hkv, D]; meta with `ranges`; sample:
         int64 rows of h, each in [0, T) (IndexError otherwise), at most T of them.
 
         Returns (the final-norm hidden states of the `sample` rows, [len(sample), hidden];
         their logits, [len(sample), vocab], or None with no rows to sample or where the LM
-        head is not a compiled op)."""
+        head is not a compiled op; with `greedy` and logits, each logits row's argmax,
+        int64 [len(sample)] - the first largest, a NaN counting as the largest, as
+        numpy's argmax - else None)."""
         ranges = meta.ranges
         assert ranges is not None and kv_caches.is_contiguous() and h.is_contiguous()
         assert sample.dtype == torch.long and sample.is_contiguous()
@@ -118,6 +123,7 @@ class FusedLayers:
         hidden = torch.empty(n, self._hidden)
         head_record = self._head if n > 0 else None
         logits = None if head_record is None else torch.empty(n, self._vocab)
+        argmax = torch.empty(n, dtype=torch.long) if greedy and logits is not None else None
         norm = self._norm
         self._call(
             self._records.data_ptr(), self._layers, h.data_ptr(), t, positions.data_ptr(),
@@ -128,8 +134,9 @@ class FusedLayers:
             norm.weight.data_ptr(), float(norm.eps), sample.data_ptr(), n, hidden.data_ptr(),
             0 if head_record is None else head_record.data_ptr(),
             0 if logits is None else logits.data_ptr(),
+            0 if argmax is None else argmax.data_ptr(),
         )  # fmt: skip
-        return hidden, logits
+        return hidden, logits, argmax
 
 
 def norm_rows(h: torch.Tensor, rows: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

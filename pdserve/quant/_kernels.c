@@ -435,6 +435,7 @@ typedef struct {
     float *hidden;       /* [n][hidden]: RMSNorm(h[rows[i]]) * w */
     const Op *head;      /* NULL: no LM head here */
     float *logits;       /* [n][head N] */
+    int64_t *argmax;     /* [n]: each row's argmax_row of its logits; NULL: not asked */
 } Tail;
 
 /* out[i] = the prologue `pre` of row rows[i] of x, i < n, on one thread: rms_norm_rows
@@ -446,6 +447,41 @@ static void norm_rows_of(const Prologue *pre, const float *x, int64_t ldx, const
 
 static void tail_norm(const Tail *t, const float *h, int64_t hidden) {
     norm_rows_of(&t->norm, h, hidden, t->rows, t->n, hidden, t->hidden);
+}
+
+/* The index of the first largest of x[0, n), n > 0, as numpy's and torch's argmax pick
+ * it: equal maxima (+0 and -0 too) go to the first; a NaN counts as the largest, so the
+ * first NaN when there is one. A greedy step's token, taken where the LM head has just
+ * left the logits in cache (numpy's argmax of a 49k row after the step: ~50 us). */
+KERNEL static int64_t argmax_row(const float *x, int64_t n) {
+    __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        top = _mm256_max_ps(top, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float m = hmax8(top);
+    int any_nan = _mm256_movemask_ps(nan) != 0;
+    for (int64_t i = j; i < n; i++) {
+        if (x[i] != x[i]) any_nan = 1;
+        else if (x[i] > m) m = x[i];
+    }
+    const __m256 want = _mm256_set1_ps(m);
+    for (j = 0; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        const int hit = _mm256_movemask_ps(any_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
+                                                   : _mm256_cmp_ps(v, want, _CMP_EQ_OQ));
+        if (hit != 0) return j + __builtin_ctz((unsigned)hit);
+    }
+    for (int64_t i = j; i < n; i++)
+        if (any_nan ? x[i] != x[i] : x[i] == m) return i;
+    return 0;
+}
+
+/* out[i] = argmax_row of row i of x [rows][ld], its first n floats. */
+static void argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t i = 0; i < rows; i++) out[i] = argmax_row(x + i * ld, n);
 }
 
 /* ---- a decode step's layers on one thread team --------------------------------------- */
@@ -590,6 +626,10 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
                 const Prologue none = {PRE_NONE, NULL, 0.0f};
                 op_team(head, &none, tail->hidden, hidden, tail->n, tail->logits, head->N, 0, my,
                         head_runs, me);
+                if (tail->argmax != NULL) {
+#pragma omp single nowait
+                    argmax_rows(tail->logits, head->N, tail->n, head->N, tail->argmax);
+                }
             }
         }
     }
@@ -638,8 +678,11 @@ static int fused_layers(const Layer *layers, int64_t n, const Step *s, const Tai
     tail_norm(tail, s->h, hidden);
     if (tail->head == NULL) return 0;
     const Prologue none = {PRE_NONE, NULL, 0.0f};
-    return run_op(tail->head, &none, tail->hidden, hidden, tail->n, tail->logits, tail->head->N, 0,
-                  threads);
+    const int rc = run_op(tail->head, &none, tail->hidden, hidden, tail->n, tail->logits,
+                          tail->head->N, 0, threads);
+    if (rc == 0 && tail->argmax != NULL)
+        argmax_rows(tail->logits, tail->head->N, tail->n, tail->head->N, tail->argmax);
+    return rc;
 }
 
 /* ---- Python bindings ----------------------------------------------------------------- */
@@ -754,17 +797,19 @@ static int ids_within(const char *fn, const char *what, const int64_t *ids, int6
 }
 
 /* fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, bs, rows, tables,
- * ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits):
+ * ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits,
+ * argmax):
  * DecoderLayer.forward_fused for n layers in one call (`layers`: n Layer records,
  * pdserve/model/fused.py; the rest up to `threads` as fused_layers' Step), then the tail:
  * hidden[i] = RMSNorm(h[sample[i]]) * norm_w for i < n_sample (sample int64, each in
  * [0, T), n_sample <= T), and with `head` (an Op record; 0 for none) logits = hidden @
- * head^T. A sample row outside [0, T) is refused before anything runs. The caller checks
- * every shape and keeps every tensor alive. */
+ * head^T, and with `argmax` (int64 [n_sample]; 0 for none, and with no head) each logits
+ * row's argmax (argmax_rows). A sample row outside [0, T) is refused before anything runs.
+ * The caller checks every shape and keeps every tensor alive. */
 static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[25];
+    Arg v[26];
     const int floats[] = {19};
-    if (read_args(args, nargs, 25, v, floats, 1) < 0) return NULL;
+    if (read_args(args, nargs, 26, v, floats, 1) < 0) return NULL;
     const Step s = {PTR(float *, v[2]), v[3].i, PTR(const int64_t *, v[4]),
                     PTR(const int64_t *, v[5]), PTR(const float *, v[6]),
                     PTR(const float *, v[7]), PTR(float *, v[8]), v[9].i, v[10].i,
@@ -773,7 +818,7 @@ static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize
     const int threads = v[17].i > 0 ? (int)v[17].i : 1;
     const Tail tail = {{PRE_RMSNORM, PTR(const float *, v[18]), (float)v[19].f},
                        PTR(const int64_t *, v[20]), v[21].i, PTR(float *, v[22]),
-                       PTR(const Op *, v[23]), PTR(float *, v[24])};
+                       PTR(const Op *, v[23]), PTR(float *, v[24]), PTR(int64_t *, v[25])};
     if (tail.n < 0 || tail.n > s.T) {
         PyErr_Format(PyExc_ValueError, "fused_layers: %lld rows to sample, of %lld",
                      (long long)tail.n, (long long)s.T);
@@ -789,6 +834,25 @@ static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "fused_layers: a head size the attention cannot take");
         return NULL;
     }
+    Py_RETURN_NONE;
+}
+
+/* argmax_rows(x, ld, rows, n, out): out[i] (int64) = the index of the first largest of the
+ * first n floats of row i of x [rows][ld] (a NaN counting as the largest), i < rows: numpy's
+ * argmax, for the sampler's greedy rows. */
+static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Arg v[5];
+    if (read_args(args, nargs, 5, v, NULL, 0) < 0) return NULL;
+    const int64_t ld = v[1].i, rows = v[2].i, n = v[3].i;
+    if (n <= 0 || rows < 0 || ld < n) {
+        PyErr_SetString(PyExc_ValueError, "argmax_rows: need 0 < n <= ld and rows >= 0");
+        return NULL;
+    }
+    const float *x = PTR(const float *, v[0]);
+    int64_t *out = PTR(int64_t *, v[4]);
+    Py_BEGIN_ALLOW_THREADS;
+    argmax_rows(x, ld, rows, n, out);
+    Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
 
@@ -892,9 +956,11 @@ static PyMethodDef methods[] = {
      " accumulate): y (+)= int8(P(x)) @ W^T, W packed by pack_int8"},
     {"fused_layers", (PyCFunction)(void (*)(void))py_fused_layers, METH_FASTCALL,
      "fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, bs, rows, tables,"
-     " ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits):"
-     " n fused decoder layers, then the final norm and LM head of the rows that sample, in one"
-     " call"},
+     " ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits,"
+     " argmax): n fused decoder layers, then the final norm and LM head of the rows that"
+     " sample (and their argmax), in one call"},
+    {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
+     "argmax_rows(x, ld, rows, n, out): each row's first largest (numpy's argmax)"},
     {"rms_norm_rows", (PyCFunction)(void (*)(void))py_rms_norm_rows, METH_FASTCALL,
      "rms_norm_rows(x, ldx, T, rows, n, K, w, eps, out): RMSNorm of the rows `rows` of x"},
     {"embed_rows", (PyCFunction)(void (*)(void))py_embed_rows, METH_FASTCALL,
