@@ -9,15 +9,16 @@ weights requantized at load; a "+int8" suffix: those weights with `--activations
 against HF transformers in fp32:
 * prefill throughput (tokens/s) at prompt lengths 128 / 512 / 2048, batch 1;
 * decode step time (ms) at batch 1 / 8 / 32 / 64 with ~256 tokens of context;
-* the machine's floors: memory bandwidth (large tensor reads, the best of several),
+* the machine's floors: memory bandwidth (bench/reads.py's plain reads of 1-4 GiB, the
+  best of several),
   fp32 matmul rate (large square matmul), and from them the decode-step floor (the
   bytes that step must read / bandwidth: the weights in the format that setting reads
   - values and the scales the kernels read - and the KV cache its sequences attend,
   fp32 K and V of every layer over the mean context of the timed steps) and the
   prefill floor (FLOPs / fp32 matmul rate; the quantized kernels compute in fp32 too);
 * beside the table, batch 1 against a second floor: a cold read of that step's bytes
-  (`cold_read_bandwidth`), what the machine gives a stream of that size, taken between
-  the timed runs (the median).
+  (`cold_read_bandwidth`, bench/reads.py's read after 64 MB of others), what the machine
+  gives a stream of that size, taken between the timed runs (the median).
 
 Each figure is the median over `--repeats` runs; ours and HF's runs alternate so
 machine drift hits both. Reported as ratios; absolute times are for context only.
@@ -26,6 +27,7 @@ machine drift hits both. Reported as ratios; absolute times are for context only
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import functools
 import json
@@ -34,8 +36,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import reads
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
@@ -76,38 +82,36 @@ def median_of(fn: Callable[[], float], repeats: int) -> float:
 # ---- machine floors ---------------------------------------------------------------
 
 
-def memory_bandwidth() -> tuple[float, float]:
-    """(read, copy) bytes/s over tensors far larger than the 32 MiB L3.
+@functools.cache
+def _reads() -> ctypes.CDLL:
+    return reads.build()
 
-    read: a full reduction, which reads every byte once, as decode reads weights.
-    copy: a tensor copy, read + write bytes counted. The best of 5 runs at 1, 2 and
-    4 GiB: torch's reduction parallelises differently by size, and the best reading
-    is the strictest floor to hold ourselves to."""
+
+def memory_bandwidth() -> tuple[float, float]:
+    """(read, copy) bytes/s over buffers far larger than the 32 MiB L3.
+
+    read: bench/reads.py's plain read of 1, 2 and 4 GiB (every byte once, as decode
+    reads weights), the best of 5 at each size: the strictest floor to hold ourselves
+    to. copy: a tensor copy, read + write bytes counted, the best of 5 at each size."""
+    threads = torch.get_num_threads()
     best_read, best_copy = 0.0, 0.0
     for gib in (1, 2, 4):
+        best_read = max(best_read, reads.flat_read_bandwidth(_reads(), gib << 30, threads))
         src = torch.ones(gib * 2**28)
-        nbytes = src.numel() * 4
-        best_read = max(best_read, nbytes / _best_time(src.sum))
         dst = torch.empty_like(src)
-        best_copy = max(best_copy, 2 * nbytes / _best_time(functools.partial(dst.copy_, src)))
+        copy = functools.partial(dst.copy_, src)
+        best_copy = max(best_copy, 2 * src.numel() * 4 / _best_time(copy))
         del src, dst
     return best_read, best_copy
 
 
 def cold_read_bandwidth(nbytes: int) -> float:
     """Bytes/s of one read of `nbytes` (a batch-1 decode step's weights and KV) right after
-    64 MB of other reads: how a step's own stream finds memory now. `memory_bandwidth`'s
-    best of GiB-sized reads, taken once at the start, is the strictest floor; this
-    machine's bandwidth moves by 2x within minutes, so this one is taken between the
-    timed runs (see main). The best of 5."""
-    buf, other = torch.ones(nbytes // 4), torch.ones(2**24)
-    best = float("inf")
-    for _ in range(6):
-        other.sum()
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    64 MB of other reads (bench/reads.py): how a step's own stream finds memory now.
+    `memory_bandwidth`'s best of GiB-sized reads, taken once at the start, is the
+    strictest floor; this machine's bandwidth moves by 2x within minutes, so this one is
+    taken between the timed runs (see main). The best of 5."""
+    return reads.flat_read_bandwidth(_reads(), nbytes, torch.get_num_threads())
 
 
 def _best_time(fn: Callable[[], object], runs: int = 5) -> float:

@@ -18,8 +18,8 @@ figures, alternating round by round so that the machine's drift hits all of them
 
 Also the machine's fp32 multiply-add rate on one and two threads (16 independent FMA
 chains per thread), and from it the attention's compute floor: its 4 * H * D * context
-FLOPs a layer (scores and value sums) on two threads, at that rate. The skeleton and
-the rate are a small C program compiled here (gcc, OpenMP, AVX2), as bench_kernel_ab.py builds.
+FLOPs a layer (scores and value sums) on two threads, at that rate. The reads and the
+rate are bench/reads.py's small C program, compiled here.
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,122 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode_step import served_engine
 from bench_engine import DECODE_CONTEXT, DECODE_STEPS, ours_decode
+from reads import build
 
 from pdserve.model.base import CausalLM
 from pdserve.quant.linear import QuantLinear
 
-SOURCE = r"""
-#include <immintrin.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-
-static __m256i read_range(const char *p, int64_t n, __m256i acc) {
-    for (int64_t i = 0; i + 128 <= n; i += 128) {
-        acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i *)(p + i)));
-        acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i *)(p + i + 32)));
-        acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i *)(p + i + 64)));
-        acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i *)(p + i + 96)));
-    }
-    return acc;
-}
-
-static char *pages(int64_t n) { /* on 2 MB pages, as the weights and the KV pool are */
-    const int64_t huge = 2 << 20, size = (n + huge - 1) / huge * huge;
-    char *p = aligned_alloc(huge, size);
-    if (p == NULL) return NULL;
-    madvise(p, size, MADV_HUGEPAGE);
-    memset(p, 1, size);
-    return p;
-}
-
-/* seg[i] bytes of kind kind[i], read in order; out: [0] the best flat read, [1] the best
- * op-by-op read, [2 + k] the mean time of kind k's segments per pass (seconds). */
-int skeleton(const int64_t *seg, const int32_t *kind, int n, int kinds, int reps, double *out) {
-    int64_t total = 0;
-    for (int i = 0; i < n; i++) total += (seg[i] + 255) / 256 * 256;
-    char *buf = pages(total), *other = pages(64 << 20);
-    if (buf == NULL || other == NULL) return -1;
-    double flat = 1e9, ops = 1e9, *per = out + 2, sink = 0;
-    for (int k = 0; k < kinds; k++) per[k] = 0;
-    for (int rep = 0; rep < reps; rep++) {
-        for (int mode = 0; mode < 2; mode++) {
-#pragma omp parallel num_threads(2) reduction(+ : sink)
-            {
-                const int me = omp_get_thread_num();
-                const char *mine = other + (int64_t)me * (32 << 20);
-                __m256i a = read_range(mine, 32 << 20, _mm256_setzero_si256());
-#pragma omp barrier
-                const double t0 = omp_get_wtime();
-                if (mode == 0) {
-                    const int64_t half = total / 2 / 128 * 128;
-                    a = read_range(buf + me * half, half, a);
-#pragma omp barrier
-                } else {
-                    const char *p = buf;
-                    for (int i = 0; i < n; i++) {
-                        const int64_t half = seg[i] / 2 / 128 * 128;
-                        const double ts = omp_get_wtime();
-                        a = read_range(p + me * half, half, a);
-                        p += (seg[i] + 255) / 256 * 256;
-#pragma omp barrier
-                        if (me == 0) per[kind[i]] += omp_get_wtime() - ts;
-                    }
-                }
-                const double t = omp_get_wtime() - t0;
-                if (me == 0 && mode == 0 && t < flat) flat = t;
-                if (me == 0 && mode == 1 && t < ops) ops = t;
-                sink += _mm256_extract_epi32(a, 0);
-            }
-        }
-    }
-    for (int k = 0; k < kinds; k++) per[k] /= reps;
-    out[0] = flat, out[1] = ops;
-    free(buf), free(other);
-    return sink == 0.5; /* never: keeps the reads */
-}
-
-static float chains(int64_t n) {
-    __m256 a[16];
-    for (int i = 0; i < 16; i++) a[i] = _mm256_set1_ps(1.0f + i * 1e-3f);
-    const __m256 m = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
-    for (int64_t k = 0; k < n; k++)
-        for (int i = 0; i < 16; i++) a[i] = _mm256_fmadd_ps(a[i], m, c);
-    float s = 0;
-    for (int i = 0; i < 16; i++) s += a[i][0];
-    return s;
-}
-
-/* fp32 FLOP/s of `threads` threads, each running 16 independent FMA chains (8 reach
- * about 2/3 of that here: the multiply-add's latency, not its throughput, bounds them). */
-double fma_rate(int threads) {
-    const int64_t n = 10000000;
-    float s = 0;
-    const double t0 = omp_get_wtime();
-#pragma omp parallel num_threads(threads) reduction(+ : s)
-    s += chains(n);
-    const double t = omp_get_wtime() - t0;
-    return s == 0.5f ? 0 : 16.0 * 8 * 2 * n * threads / t;
-}
-"""
-
 KINDS = ("q/k/v", "KV", "o", "gate/up", "down", "LM head")
-
-
-def build() -> ctypes.CDLL:
-    """SOURCE compiled and loaded (the library stays mapped after its folder is gone)."""
-    with tempfile.TemporaryDirectory(prefix="pdserve-skeleton-") as d:
-        src, so = Path(d) / "skeleton.c", Path(d) / "skeleton.so"
-        src.write_text(SOURCE)
-        flags = ["-O2", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-        subprocess.run(["gcc", *flags, str(src), "-o", str(so)], check=True)
-        lib = ctypes.CDLL(str(so))
-    lib.skeleton.restype = ctypes.c_int
-    lib.fma_rate.restype = ctypes.c_double
-    lib.fma_rate.argtypes = [ctypes.c_int]
-    return lib
 
 
 def step_segments(model: CausalLM, context: int) -> list[tuple[int, int]]:

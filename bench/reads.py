@@ -1,0 +1,169 @@
+"""The machine's read floor measured by plain reads in C, compiled here (gcc, OpenMP, AVX2,
+as bench_kernel_ab.py builds): what `bench_engine.py`'s floors and
+`bench_step_skeleton.py` read with.
+
+* `flat_read_bandwidth(nbytes)`: one read of `nbytes` on 2 MB pages, each thread a
+  contiguous share, right after 64 MB of other reads (so nothing of it is in the 32 MB
+  L3), the best of several. torch's `sum` was the probe before: it reads a 110 MB tensor
+  at 0.7-0.8x of this loop's rate in the same minute, and a 4 GiB one at ~0.85x - a
+  reduction in fp32 with its own arithmetic, not a read - so floors taken with it were
+  too low a bar.
+* `skeleton`: a decode step's reads op by op (see bench_step_skeleton.py).
+* `fma_rate(threads)`: fp32 multiply-adds a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+static __m256i read_range(const char *p, int64_t n, __m256i acc) {
+    for (int64_t i = 0; i + 128 <= n; i += 128) {
+        acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i *)(p + i)));
+        acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i *)(p + i + 32)));
+        acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i *)(p + i + 64)));
+        acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i *)(p + i + 96)));
+    }
+    return acc;
+}
+
+/* Thread me's contiguous share (of nt) of p[0, n). */
+static __m256i read_share(const char *p, int64_t n, int me, int nt, __m256i acc) {
+    const int64_t part = n / nt / 128 * 128;
+    return read_range(p + me * part, part, acc);
+}
+
+static char *pages(int64_t n) { /* on 2 MB pages, as the weights and the KV pool are */
+    const int64_t huge = 2 << 20, size = (n + huge - 1) / huge * huge;
+    char *p = aligned_alloc(huge, size);
+    if (p == NULL) return NULL;
+    madvise(p, size, MADV_HUGEPAGE);
+    memset(p, 1, size);
+    return p;
+}
+
+/* The best of `reps` reads of n bytes on `threads` threads (each a contiguous share),
+ * each right after 64 MB of other reads, in seconds; -1 when the buffers could not be
+ * had. */
+double flat_read(int64_t n, int threads, int reps) {
+    char *buf = pages(n), *other = pages(64 << 20);
+    if (buf == NULL || other == NULL) return -1;
+    double best = 1e9, sink = 0;
+    for (int rep = 0; rep < reps; rep++) {
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+        {
+            const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+            __m256i a = read_share(other, 64 << 20, me, nt, _mm256_setzero_si256());
+#pragma omp barrier
+            const double t0 = omp_get_wtime();
+            a = read_share(buf, n, me, nt, a);
+#pragma omp barrier
+            const double t = omp_get_wtime() - t0;
+            if (me == 0 && t < best) best = t;
+            sink += _mm256_extract_epi32(a, 0);
+        }
+    }
+    free(buf), free(other);
+    return sink == 0.5 ? 0 : best; /* never 0: keeps the reads */
+}
+
+/* seg[i] bytes of kind kind[i], read in order; out: [0] the best flat read, [1] the best
+ * op-by-op read, [2 + k] the mean time of kind k's segments per pass (seconds). */
+int skeleton(const int64_t *seg, const int32_t *kind, int n, int kinds, int reps, double *out) {
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += (seg[i] + 255) / 256 * 256;
+    char *buf = pages(total), *other = pages(64 << 20);
+    if (buf == NULL || other == NULL) return -1;
+    double flat = 1e9, ops = 1e9, *per = out + 2, sink = 0;
+    for (int k = 0; k < kinds; k++) per[k] = 0;
+    for (int rep = 0; rep < reps; rep++) {
+        for (int mode = 0; mode < 2; mode++) {
+#pragma omp parallel num_threads(2) reduction(+ : sink)
+            {
+                const int me = omp_get_thread_num();
+                __m256i a = read_share(other, 64 << 20, me, 2, _mm256_setzero_si256());
+#pragma omp barrier
+                const double t0 = omp_get_wtime();
+                if (mode == 0) {
+                    a = read_share(buf, total, me, 2, a);
+#pragma omp barrier
+                } else {
+                    const char *p = buf;
+                    for (int i = 0; i < n; i++) {
+                        const double ts = omp_get_wtime();
+                        a = read_share(p, seg[i], me, 2, a);
+                        p += (seg[i] + 255) / 256 * 256;
+#pragma omp barrier
+                        if (me == 0) per[kind[i]] += omp_get_wtime() - ts;
+                    }
+                }
+                const double t = omp_get_wtime() - t0;
+                if (me == 0 && mode == 0 && t < flat) flat = t;
+                if (me == 0 && mode == 1 && t < ops) ops = t;
+                sink += _mm256_extract_epi32(a, 0);
+            }
+        }
+    }
+    for (int k = 0; k < kinds; k++) per[k] /= reps;
+    out[0] = flat, out[1] = ops;
+    free(buf), free(other);
+    return sink == 0.5; /* never: keeps the reads */
+}
+
+static float chains(int64_t n) {
+    __m256 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm256_set1_ps(1.0f + i * 1e-3f);
+    const __m256 m = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
+    for (int64_t k = 0; k < n; k++)
+        for (int i = 0; i < 16; i++) a[i] = _mm256_fmadd_ps(a[i], m, c);
+    float s = 0;
+    for (int i = 0; i < 16; i++) s += a[i][0];
+    return s;
+}
+
+/* fp32 FLOP/s of `threads` threads, each running 16 independent FMA chains (8 reach
+ * about 2/3 of that here: the multiply-add's latency, not its throughput, bounds them). */
+double fma_rate(int threads) {
+    const int64_t n = 10000000;
+    float s = 0;
+    const double t0 = omp_get_wtime();
+#pragma omp parallel num_threads(threads) reduction(+ : s)
+    s += chains(n);
+    const double t = omp_get_wtime() - t0;
+    return s == 0.5f ? 0 : 16.0 * 8 * 2 * n * threads / t;
+}
+"""
+
+
+def build() -> ctypes.CDLL:
+    """SOURCE compiled and loaded (the library stays mapped after its folder is gone)."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-skeleton-") as d:
+        src, so = Path(d) / "skeleton.c", Path(d) / "skeleton.so"
+        src.write_text(SOURCE)
+        flags = ["-O2", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+        subprocess.run(["gcc", *flags, str(src), "-o", str(so)], check=True)
+        lib = ctypes.CDLL(str(so))
+    lib.skeleton.restype = ctypes.c_int
+    lib.flat_read.restype = ctypes.c_double
+    lib.flat_read.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.fma_rate.restype = ctypes.c_double
+    lib.fma_rate.argtypes = [ctypes.c_int]
+    return lib
+
+
+def flat_read_bandwidth(lib: ctypes.CDLL, nbytes: int, threads: int, reps: int = 5) -> float:
+    """Bytes/s of the best of `reps` cold reads of `nbytes` (see the module docstring)."""
+    best = lib.flat_read(nbytes, threads, reps)
+    if best < 0:
+        raise MemoryError(f"flat_read: could not allocate {nbytes} bytes")
+    return float(nbytes / best)
