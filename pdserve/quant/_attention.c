@@ -413,9 +413,9 @@ KERNEL static void lone_value_part(const Attn *a, const int32_t *table, const fl
     const int64_t first = c * vecs / P * 8, end = (c + 1) * vecs / P * 8;
     for (int64_t l = first; l < end;) {
         const int64_t kv = l / a->D, d0 = l % a->D;
-        const int64_t room = (a->D - d0) / 8, left = (end - l) / 8;
-        const int nv = (int)(room < left ? room : left) < VALUE_VECS
-                           ? (int)(room < left ? room : left) : VALUE_VECS;
+        const int64_t room = (a->D - d0) / 8, left = (end - l) / 8; /* vectors */
+        const int64_t fit = room < left ? room : left;
+        const int nv = fit < VALUE_VECS ? (int)fit : VALUE_VECS;
         for (int64_t h = kv * G; h < (kv + 1) * G;) {
             const int64_t gh = (kv + 1) * G - h;
             if (gh >= 3 && nv == VALUE_VECS)
@@ -501,8 +501,9 @@ int attention_plan(AttnPlan *p, const Attn *a, int64_t T, int threads) {
      * contiguous piece instead of D of every Hkv * D floats per head (1.1-1.2x on decode
      * steps of 8-32 sequences, bench/bench_kernel_ab.py --attention); unless there are
      * fewer such blocks than two per thread, when the heads are split to give every
-     * thread work (a step of one decode row goes by phases instead, see LONE). A block of several rows (a prefill chunk) is split by head: its rows
-     * share each key load already, and its scores for all heads would not stay in L2.
+     * thread work (a step of one decode row goes by phases instead, see LONE). A block
+     * of several rows (a prefill chunk) is split by head: its rows share each key load
+     * already, and its scores for all heads would not stay in L2.
      * Which item computes a (row, head) changes none of its float operations. */
     const int64_t nb = row_blocks(a, T, blocks);
     const int whole = threads == 1 || nb >= 2 * threads;

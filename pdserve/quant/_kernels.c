@@ -839,7 +839,7 @@ static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize
 
 /* argmax_rows(x, ld, rows, n, out): out[i] (int64) = the index of the first largest of the
  * first n floats of row i of x [rows][ld] (a NaN counting as the largest), i < rows: numpy's
- * argmax, for the sampler's greedy rows. */
+ * argmax, as fused_layers takes it for a greedy step; bound so tests hold it to numpy's. */
 static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Arg v[5];
     if (read_args(args, nargs, 5, v, NULL, 0) < 0) return NULL;
