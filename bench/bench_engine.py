@@ -18,7 +18,9 @@ against HF transformers in fp32:
   prefill floor (FLOPs / fp32 matmul rate; the quantized kernels compute in fp32 too);
 * beside the table, batch 1 against a second floor: a cold read of that step's bytes
   (`cold_read_bandwidth`, bench/reads.py's read after 64 MB of others), what the machine
-  gives a stream of that size, taken between the timed runs (the median).
+  gives a stream of that size, taken between the timed runs (the median); and at the
+  same moments the second core's share (`second_core_share`: two threads' FMA rate over
+  one's), since the cores are shared with other tenants too.
 
 Each figure is the median over `--repeats` runs; ours and HF's runs alternate so
 machine drift hits both. Reported as ratios; absolute times are for context only.
@@ -112,6 +114,17 @@ def cold_read_bandwidth(nbytes: int) -> float:
     strictest floor; this machine's bandwidth moves by 2x within minutes, so this one is
     taken between the timed runs (see main). The best of 5."""
     return reads.flat_read_bandwidth(_reads(), nbytes, torch.get_num_threads())
+
+
+def second_core_share() -> float:
+    """fp32 multiply-adds a second on two threads over one (bench/reads.py's 16 chains a
+    thread, the best of 3 each): 2.0 when the second core computes as the first does. The
+    cores are shared with the host's other tenants; a b=1 step computes as it reads, so
+    it loses what the read floor does not (bench_step_skeleton.py shows it round by
+    round)."""
+    lib = _reads()
+    one = max(lib.fma_rate(1) for _ in range(3))
+    return max(lib.fma_rate(2) for _ in range(3)) / one
 
 
 def _best_time(fn: Callable[[], object], runs: int = 5) -> float:
@@ -329,6 +342,7 @@ def main() -> int:
         rows.append(Row(f"prefill {n} tok", o, h, "tok/s", {q: floor for q in engines}))
     step_bytes = {q: weight_bytes(e.core.model) + kv_bytes(mc, 1) for q, e in engines.items()}
     cold: dict[str, list[float]] = {q: [] for q in engines}
+    second_core: list[float] = []  # fp32 FMA rate on two threads / on one, between runs
 
     def hf_then_cold_reads(b: int) -> float:
         """HF's decode step; at batch 1 then a cold read of each setting's step bytes,
@@ -337,6 +351,7 @@ def main() -> int:
         if b == 1:
             for q in engines:
                 cold[q].append(cold_read_bandwidth(step_bytes[q]))
+            second_core.append(second_core_share())
         return t
 
     for b in DECODE_BATCHES:
@@ -355,12 +370,17 @@ def main() -> int:
         print(f"decode b=1, {q}: against a cold read of its {step_bytes[q] / 1e6:.0f} MB "
               f"({rate / 1e9:.1f} GB/s, the median of reads between the timed runs): "
               f"floor {floor:.2f} ms, ours/floor {floor / b1.ours[q]:.2f}")  # fmt: skip
+    share = statistics.median(second_core)
+    print(f"  the same moments: two threads multiply-added at {share:.2f}x one thread's rate"
+          " (2.0: the second core was ours alone; a read floor does not see "
+          "a core shared with another tenant, a step does)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {
                     "read_bandwidth_Bps": bw,
                     "cold_step_read_Bps": {q: statistics.median(v) for q, v in cold.items()},
+                    "second_core_fma_share": statistics.median(second_core),
                     "copy_bandwidth_Bps": bw_copy,
                     "matmul_flops": mm,
                     "threads": torch.get_num_threads(),

@@ -14,7 +14,18 @@ figures, alternating round by round so that the machine's drift hits all of them
   gate/up, down; then the head), each op's bytes split in two contiguous halves between
   the two threads, a barrier after each op, nothing computed - what the step's ~150
   dependent reads cost on their own, the structure's floor;
-* the served step (`Engine.step()`, its median).
+* the served step (`Engine.step()`, its median);
+* the same flat read on one thread: whether the second core adds bandwidth. When it
+  doubles it (this machine's "fast" memory, ~55-70 GB/s), the floor is two cores that
+  do nothing but read, each at its own limit (~27 GB/s here), and any time a core does
+  not stream - the step's Python on one core, a barrier's wait, arithmetic on data in
+  cache - adds to the step. When it adds little ("slow" memory, ~30-40 GB/s, shared with
+  the host's other tenants), one core nearly fills the bus and the other's pauses are
+  hidden. Each round is printed with its ratio, so the two regimes are told apart;
+* the fp32 multiply-add rate on two threads against one, in each round too: the cores
+  are shared with other tenants as well, and a round whose second thread computes at a
+  fraction of the first's is one where a step, which computes, loses what a plain read
+  does not.
 
 Also the machine's fp32 multiply-add rate on one and two threads (16 independent FMA
 chains per thread), and from it the attention's compute floor: its 4 * H * D * context
@@ -36,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode_step import served_engine
 from bench_engine import DECODE_CONTEXT, DECODE_STEPS, ours_decode
-from reads import build
+from reads import build, flat_read_bandwidth
 
 from pdserve.model.base import CausalLM
 from pdserve.quant.linear import QuantLinear
@@ -87,10 +98,14 @@ def main() -> int:
     lib = build()
     skeletons: list[list[float]] = []
     steps: list[float] = []
+    one_thread: list[float] = []  # bytes/s of the flat read on one thread
+    fma: list[tuple[float, float]] = []  # FLOP/s on one and on two threads
     ours_decode(engine, 1)  # warm-up
     for _ in range(args.rounds):
         time.sleep(0.2)  # the step's OpenMP threads stop spinning first
         skeletons.append(run_skeleton(lib, segments, reps=10))
+        one_thread.append(flat_read_bandwidth(lib, total, 1))
+        fma.append((lib.fma_rate(1), lib.fma_rate(2)))
         steps.append(ours_decode(engine, 1) / 1000)
     time.sleep(0.2)
     rate1, rate2 = max(lib.fma_rate(1) for _ in range(3)), max(lib.fma_rate(2) for _ in range(3))
@@ -106,6 +121,13 @@ def main() -> int:
     print(f"  op-by-op skeleton    {ops * 1e3:6.2f} ms ({ops / flat:.2f}x the flat read)")
     print(f"  served step          {step * 1e3:6.2f} ms ({statistics.median(ratios):.2f}x the "
           f"flat read, paired per round: {min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip
+    rounds = zip(skeletons, one_thread, fma, steps, strict=True)
+    for i, (sk, one, (f1, f2), t) in enumerate(rounds):
+        two = total / sk[0]
+        print(f"  round {i + 1}: flat read {two / 1e9:.1f} GB/s on two threads, "
+              f"{one / 1e9:.1f} on one ({two / one:.2f}x); FMA {f2 / f1:.2f}x on two; "
+              f"skeleton {sk[1] / sk[0]:.2f}x, served step {t / sk[0]:.2f}x the flat "
+              "read")  # fmt: skip
     per = [statistics.median(s[2 + k] for s in skeletons) for k in range(len(KINDS))]
     parts = ", ".join(f"{name} {t * 1e3:.2f}" for name, t in zip(KINDS, per, strict=True))
     print(f"  skeleton per op, ms a step: {parts}")
