@@ -17,7 +17,7 @@ figures, alternating round by round so that the machine's drift hits all of them
 * the served step (`Engine.step()`, its median);
 * the same flat read on one thread: whether the second core adds bandwidth. When it
   doubles it (this machine's "fast" memory, ~55-70 GB/s), the floor is two cores that
-  do nothing but read, each at its own limit (~27 GB/s here), and any time a core does
+  do nothing but read, each at its own limit (27-35 GB/s here), and any time a core does
   not stream - the step's Python on one core, a barrier's wait, arithmetic on data in
   cache - adds to the step. When it adds little ("slow" memory, ~30-40 GB/s, shared with
   the host's other tenants), one core nearly fills the bus and the other's pauses are
