@@ -20,7 +20,9 @@ against HF transformers in fp32:
   (`cold_read_bandwidth`, bench/reads.py's read after 64 MB of others), what the machine
   gives a stream of that size, taken between the timed runs (the median); and at the
   same moments the second core's share (`second_core_share`: two threads' FMA rate over
-  one's), since the cores are shared with other tenants too.
+  one's), since the cores are shared with other tenants too, and where the two cores
+  sat (`core_round_trip`: ~60 ns on one CCD, ~300 ns on two, when memory reads at
+  ~2x; bench_step_skeleton.py).
 
 Each figure is the median over `--repeats` runs; ours and HF's runs alternate so
 machine drift hits both. Reported as ratios; absolute times are for context only.
@@ -125,6 +127,14 @@ def second_core_share() -> float:
     lib = _reads()
     one = max(lib.fma_rate(1) for _ in range(3))
     return max(lib.fma_rate(2) for _ in range(3)) / one
+
+
+def core_round_trip() -> float:
+    """Seconds a cache line takes from one of two threads to the other and back
+    (bench/reads.py `round_trip`, the best of 3): ~60 ns when the machine put this VM's
+    two cores on one CCD, ~300 ns on two, where the memory gives ~2x (a link a CCD)."""
+    lib = _reads()
+    return min(lib.round_trip(20000) for _ in range(3))
 
 
 def _best_time(fn: Callable[[], object], runs: int = 5) -> float:
@@ -343,6 +353,7 @@ def main() -> int:
     step_bytes = {q: weight_bytes(e.core.model) + kv_bytes(mc, 1) for q, e in engines.items()}
     cold: dict[str, list[float]] = {q: [] for q in engines}
     second_core: list[float] = []  # fp32 FMA rate on two threads / on one, between runs
+    trips: list[float] = []  # a cache line's round trip between the two cores, between runs
 
     def hf_then_cold_reads(b: int) -> float:
         """HF's decode step; at batch 1 then a cold read of each setting's step bytes,
@@ -352,6 +363,7 @@ def main() -> int:
             for q in engines:
                 cold[q].append(cold_read_bandwidth(step_bytes[q]))
             second_core.append(second_core_share())
+            trips.append(core_round_trip())
         return t
 
     for b in DECODE_BATCHES:
@@ -374,6 +386,11 @@ def main() -> int:
     print(f"  the same moments: two threads multiply-added at {share:.2f}x one thread's rate"
           " (2.0: the second core was ours alone; a read floor does not see "
           "a core shared with another tenant, a step does)")  # fmt: skip
+    two = sum(t > reads.TWO_CCD_TRIP for t in trips)
+    print(
+        f"  and the two cores sat on two CCDs at {two} of {len(trips)} of them (round trips "
+        f"{', '.join(f'{t * 1e9:.0f}' for t in trips)} ns; ~60 on one CCD, ~300 on two)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -381,6 +398,7 @@ def main() -> int:
                     "read_bandwidth_Bps": bw,
                     "cold_step_read_Bps": {q: statistics.median(v) for q, v in cold.items()},
                     "second_core_fma_share": statistics.median(second_core),
+                    "core_round_trip_s": trips,
                     "copy_bandwidth_Bps": bw_copy,
                     "matmul_flops": mm,
                     "threads": torch.get_num_threads(),

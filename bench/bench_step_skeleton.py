@@ -25,7 +25,17 @@ figures, alternating round by round so that the machine's drift hits all of them
 * the fp32 multiply-add rate on two threads against one, in each round too: the cores
   are shared with other tenants as well, and a round whose second thread computes at a
   fraction of the first's is one where a step, which computes, loses what a plain read
-  does not.
+  does not;
+* where the machine put the two cores, in each round: a cache line's round trip between
+  them (`round_trip`) is ~60 ns when they share a CCD (one L3 and one link to memory)
+  and ~300 ns when they sit on two. The "fast memory" above is the second case: each
+  CCD brings its own link (~30-35 GB/s a core), and every exchange between the threads
+  crosses the fabric. Seen here over ~2,000 rounds: a flat read above 50 GB/s came with
+  two CCDs in all but a handful;
+* the skeleton again with each thread's parts laid end to end (thread 0's half of every
+  op, then thread 1's): what the step's reads would cost if a thread's stream ran on
+  from one op into the next instead of jumping to the next op's half. With two CCDs the
+  step's layout costs ~1.23x the flat read and this one ~1.12x; with one, ~1.02x both.
 
 Also the machine's fp32 multiply-add rate on one and two threads (16 independent FMA
 chains per thread), and from it the attention's compute floor: its 4 * H * D * context
@@ -47,7 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode_step import served_engine
 from bench_engine import DECODE_CONTEXT, DECODE_STEPS, ours_decode
-from reads import build, flat_read_bandwidth
+from reads import build, flat_read_bandwidth, placement
 
 from pdserve.model.base import CausalLM
 from pdserve.quant.linear import QuantLinear
@@ -79,7 +89,7 @@ def run_skeleton(lib: ctypes.CDLL, segments: list[tuple[int, int]], reps: int) -
     n = len(segments)
     seg = (ctypes.c_int64 * n)(*(s for s, _ in segments))
     kind = (ctypes.c_int32 * n)(*(k for _, k in segments))
-    out = (ctypes.c_double * (2 + len(KINDS)))()
+    out = (ctypes.c_double * (3 + len(KINDS)))()
     if lib.skeleton(seg, kind, n, len(KINDS), reps, out) < 0:
         raise MemoryError("skeleton: could not allocate its buffers")
     return list(out)
@@ -100,12 +110,14 @@ def main() -> int:
     steps: list[float] = []
     one_thread: list[float] = []  # bytes/s of the flat read on one thread
     fma: list[tuple[float, float]] = []  # FLOP/s on one and on two threads
+    trips: list[float] = []  # seconds a cache line takes from one core to the other and back
     ours_decode(engine, 1)  # warm-up
     for _ in range(args.rounds):
         time.sleep(0.2)  # the step's OpenMP threads stop spinning first
         skeletons.append(run_skeleton(lib, segments, reps=10))
         one_thread.append(flat_read_bandwidth(lib, total, 1))
         fma.append((lib.fma_rate(1), lib.fma_rate(2)))
+        trips.append(lib.round_trip(20000))
         steps.append(ours_decode(engine, 1) / 1000)
     time.sleep(0.2)
     rate1, rate2 = max(lib.fma_rate(1) for _ in range(3)), max(lib.fma_rate(2) for _ in range(3))
@@ -113,22 +125,24 @@ def main() -> int:
     attn_flops = 4 * mc.num_attention_heads * mc.head_dim * context * mc.num_hidden_layers
     flat = statistics.median(s[0] for s in skeletons)
     ops = statistics.median(s[1] for s in skeletons)
+    ends = statistics.median(s[2] for s in skeletons)
     step = statistics.median(steps)
     ratios = [t / s[0] for t, s in zip(steps, skeletons, strict=True)]
     print(f"decode b=1, --activations {args.activations}, context {context}: {total / 1e6:.1f} "
           f"MB a step ({len(segments)} reads); medians of {args.rounds} rounds")  # fmt: skip
     print(f"  flat cold read       {flat * 1e3:6.2f} ms ({total / flat / 1e9:.1f} GB/s)")
     print(f"  op-by-op skeleton    {ops * 1e3:6.2f} ms ({ops / flat:.2f}x the flat read)")
+    print(f"  the same, each thread's parts end to end {ends * 1e3:.2f} ms ({ends / flat:.2f}x)")
     print(f"  served step          {step * 1e3:6.2f} ms ({statistics.median(ratios):.2f}x the "
           f"flat read, paired per round: {min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip
-    rounds = zip(skeletons, one_thread, fma, steps, strict=True)
-    for i, (sk, one, (f1, f2), t) in enumerate(rounds):
+    rounds = zip(skeletons, one_thread, fma, trips, steps, strict=True)
+    for i, (sk, one, (f1, f2), trip, t) in enumerate(rounds):
         two = total / sk[0]
-        print(f"  round {i + 1}: flat read {two / 1e9:.1f} GB/s on two threads, "
-              f"{one / 1e9:.1f} on one ({two / one:.2f}x); FMA {f2 / f1:.2f}x on two; "
-              f"skeleton {sk[1] / sk[0]:.2f}x, served step {t / sk[0]:.2f}x the flat "
-              "read")  # fmt: skip
-    per = [statistics.median(s[2 + k] for s in skeletons) for k in range(len(KINDS))]
+        print(f"  round {i + 1}: {placement(trip)}; flat read {two / 1e9:.1f} GB/s on two "
+              f"threads, {one / 1e9:.1f} on one ({two / one:.2f}x); FMA {f2 / f1:.2f}x on "
+              f"two; skeleton {sk[1] / sk[0]:.2f}x (parts end to end {sk[2] / sk[0]:.2f}x), "
+              f"served step {t / sk[0]:.2f}x the flat read")  # fmt: skip
+    per = [statistics.median(s[3 + k] for s in skeletons) for k in range(len(KINDS))]
     parts = ", ".join(f"{name} {t * 1e3:.2f}" for name, t in zip(KINDS, per, strict=True))
     print(f"  skeleton per op, ms a step: {parts}")
     print(f"  fp32 FMA rate: {rate1 / 1e9:.1f} GFLOP/s on one thread, {rate2 / 1e9:.1f} on two; "

@@ -8,8 +8,13 @@ as bench_kernel_ab.py builds): what `bench_engine.py`'s floors and
   at 0.7-0.8x of this loop's rate in the same minute, and a 4 GiB one at ~0.85x - a
   reduction in fp32 with its own arithmetic, not a read - so floors taken with it were
   too low a bar.
-* `skeleton`: a decode step's reads op by op (see bench_step_skeleton.py).
+* `skeleton`: a decode step's reads op by op (see bench_step_skeleton.py), as the step
+  lays them out and with each thread's parts end to end.
 * `fma_rate(threads)`: fp32 multiply-adds a second.
+* `round_trip(n)`: a cache line's trip between the two threads and back, which tells
+  where the machine put this VM's two cores: ~60 ns on one CCD (one L3, one link to
+  memory: a flat read on two threads takes ~35-40 GB/s), ~300 ns on two (two links:
+  ~60-70 GB/s, and every exchange between the threads crosses the fabric).
 """
 
 from __future__ import annotations
@@ -78,16 +83,20 @@ double flat_read(int64_t n, int threads, int reps) {
 }
 
 /* seg[i] bytes of kind kind[i], read in order; out: [0] the best flat read, [1] the best
- * op-by-op read, [2 + k] the mean time of kind k's segments per pass (seconds). */
+ * op-by-op read (each op's bytes in two contiguous halves, one a thread, a barrier after
+ * each op: the step's layout), [2] the best op-by-op read with each thread's halves laid
+ * end to end instead (thread 0's half of every op, then thread 1's: a layout in which a
+ * thread's stream runs on from one op into the next), [3 + k] the mean time of kind k's
+ * segments per pass of [1] (seconds). */
 int skeleton(const int64_t *seg, const int32_t *kind, int n, int kinds, int reps, double *out) {
     int64_t total = 0;
     for (int i = 0; i < n; i++) total += (seg[i] + 255) / 256 * 256;
     char *buf = pages(total), *other = pages(64 << 20);
     if (buf == NULL || other == NULL) return -1;
-    double flat = 1e9, ops = 1e9, *per = out + 2, sink = 0;
+    double best[3] = {1e9, 1e9, 1e9}, *per = out + 3, sink = 0;
     for (int k = 0; k < kinds; k++) per[k] = 0;
     for (int rep = 0; rep < reps; rep++) {
-        for (int mode = 0; mode < 2; mode++) {
+        for (int mode = 0; mode < 3; mode++) {
 #pragma omp parallel num_threads(2) reduction(+ : sink)
             {
                 const int me = omp_get_thread_num();
@@ -98,24 +107,29 @@ int skeleton(const int64_t *seg, const int32_t *kind, int n, int kinds, int reps
                     a = read_share(buf, total, me, 2, a);
 #pragma omp barrier
                 } else {
-                    const char *p = buf;
+                    const char *p = mode == 1 ? buf : buf + me * (total / 2 / 128 * 128);
                     for (int i = 0; i < n; i++) {
                         const double ts = omp_get_wtime();
-                        a = read_share(p, seg[i], me, 2, a);
-                        p += (seg[i] + 255) / 256 * 256;
+                        const int64_t padded = (seg[i] + 255) / 256 * 256;
+                        if (mode == 1) {
+                            a = read_share(p, seg[i], me, 2, a);
+                            p += padded;
+                        } else {
+                            a = read_range(p, seg[i] / 2 / 128 * 128, a);
+                            p += padded / 2;
+                        }
 #pragma omp barrier
-                        if (me == 0) per[kind[i]] += omp_get_wtime() - ts;
+                        if (me == 0 && mode == 1) per[kind[i]] += omp_get_wtime() - ts;
                     }
                 }
                 const double t = omp_get_wtime() - t0;
-                if (me == 0 && mode == 0 && t < flat) flat = t;
-                if (me == 0 && mode == 1 && t < ops) ops = t;
+                if (me == 0 && t < best[mode]) best[mode] = t;
                 sink += _mm256_extract_epi32(a, 0);
             }
         }
     }
     for (int k = 0; k < kinds; k++) per[k] /= reps;
-    out[0] = flat, out[1] = ops;
+    out[0] = best[0], out[1] = best[1], out[2] = best[2];
     free(buf), free(other);
     return sink == 0.5; /* never: keeps the reads */
 }
@@ -129,6 +143,28 @@ static float chains(int64_t n) {
     float s = 0;
     for (int i = 0; i < 16; i++) s += a[i][0];
     return s;
+}
+
+/* Seconds a cache line takes to go from one thread to the other and back (two threads,
+ * each waiting for the other's write before its own; the mean of n such round trips).
+ * About 60 ns here when the two cores share an L3 (one CCD) and about 300 ns when they
+ * do not: the machine placing this VM's two cores on two CCDs. */
+double round_trip(int64_t n) {
+    static volatile int64_t line[8] __attribute__((aligned(64)));
+    line[0] = 0;
+    double t = 0;
+#pragma omp parallel num_threads(2)
+    {
+        const int me = omp_get_thread_num();
+#pragma omp barrier
+        const double t0 = omp_get_wtime();
+        for (int64_t i = 0; i < n; i++) {
+            while (line[0] != 2 * i + me) _mm_pause();
+            line[0] = 2 * i + me + 1;
+        }
+        if (me == 0) t = omp_get_wtime() - t0;
+    }
+    return t / n;
 }
 
 /* fp32 FLOP/s of `threads` threads, each running 16 independent FMA chains (8 reach
@@ -158,7 +194,20 @@ def build() -> ctypes.CDLL:
     lib.flat_read.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.fma_rate.restype = ctypes.c_double
     lib.fma_rate.argtypes = [ctypes.c_int]
+    lib.round_trip.restype = ctypes.c_double
+    lib.round_trip.argtypes = [ctypes.c_int64]
     return lib
+
+
+# A round trip above this is two CCDs (seen here: 60-70 ns on one, 300-340 ns on two).
+TWO_CCD_TRIP = 150e-9
+
+
+def placement(trip: float) -> str:
+    """Where the machine put this VM's two cores, from a cache line's round trip between
+    them (`round_trip`): ~60 ns on one CCD, ~300 ns across two."""
+    where = "two CCDs" if trip > TWO_CCD_TRIP else "one CCD"
+    return f"cores on {where} (round trip {trip * 1e9:.0f} ns)"
 
 
 def flat_read_bandwidth(lib: ctypes.CDLL, nbytes: int, threads: int, reps: int = 5) -> float:
