@@ -489,3 +489,48 @@ def test_the_layers_in_one_call_give_the_bits_of_the_calls_per_layer(
         team = _mixed_step(model, None, decodes)
         assert team[0].shape[0] == decodes
         assert torch.equal(team[0], per_layer[0]) and torch.equal(team[1], per_layer[1])
+
+
+# Bytes of one int8 record (16 columns x one block of 32 values), by _int8.c's kind.
+RECORD_BYTES = {0: 512 + 64, 1: 256 + 64, 2: 512 + 128}
+
+
+@pytest.mark.int8
+def test_int8_pieces_lie_end_to_end_per_thread_and_keep_the_bits(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    """Loaded on two threads with int8 activations, every projection's records are cut in
+    two column pieces, thread t's in its own arena: in a step's order (each layer's qkv,
+    o, gate/up, down, then the LM head) each thread's pieces lie end to end, a piece
+    starting on the 64-byte line after the one before. A model loaded on one thread keeps
+    one piece an op; run on two threads, both give the same logits and cache, bit for
+    bit, in the one-call path, its thread team and the calls per layer."""
+    path = make_tiny_gguf(tmp_path, "LlamaForCausalLM", quant="Q4_1")
+    models = {}
+    for threads in (1, 2):
+        config = EngineConfig(
+            model=str(path), quantization="gguf", activations="int8", num_threads=threads
+        )
+        models[threads] = load_model(config)
+    torch.set_num_threads(2)
+    ops = [op for layer in models[2].layers for op in layer.fused_ops()]
+    ops.append(models[2].lm_head_op)
+    ends: dict[int, int] = {}
+    for op in ops:
+        assert isinstance(op, QuantLinear) and op.kernel_owners == [0, 1]
+        cols = [call[4] for call in op.kernel_calls]
+        assert sum(cols) == op.out_features and cols[0] % 16 == 0  # cut at a column group
+        calls = zip(op.kernel_calls, op.kernel_owners, strict=True)
+        for (_, address, kind, _, rows, _), owner in calls:
+            if owner in ends:
+                assert address == -(-ends[owner] // 64) * 64, (owner, op.out_features)
+            size = -(-rows // 16) * op.in_features // 32 * RECORD_BYTES[kind]
+            ends[owner] = address + size
+    for op in models[1].projection_ops():
+        assert isinstance(op, QuantLinear) and op.kernel_owners == [-1]
+    for decodes in (0, 1, 3):  # a mixed step (calls per op), one decode and three (team)
+        one, two = (_mixed_step(models[t], None, decodes) for t in (1, 2))
+        assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+        hooks = ForwardHooks(on_layer_done=lambda _: None)
+        per_layer = _mixed_step(models[2], hooks, decodes)
+        assert torch.equal(per_layer[0], two[0]) and torch.equal(per_layer[1], two[1])
