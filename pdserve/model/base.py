@@ -202,12 +202,8 @@ class CausalLM(nn.Module):
 
     def _finalize_quantized(self, pack: bool) -> None:
         """Build every op from the weights `load_weights` kept (see the class docstring),
-        what their kernels stream on 2 MB pages (quant/memory.py). With int8 activations,
-        an arena per thread: the ops are built in a step's order, so each thread's
-        pieces of them lie end to end (QuantLinear's arena argument)."""
-        int8 = self.quantization.activations == "int8"
-        threads = torch.get_num_threads() if int8 else 1
-        arena = [HugePageArena() for _ in range(max(1, threads))]
+        what their kernels stream on 2 MB pages (quant/memory.py)."""
+        arena = HugePageArena()
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
@@ -241,7 +237,7 @@ class CausalLM(nn.Module):
         )
 
     def _op(
-        self, names: list[str], bias: torch.Tensor | None, pack: bool, arena: list[HugePageArena]
+        self, names: list[str], bias: torch.Tensor | None, pack: bool, arena: HugePageArena
     ) -> Linear:
         parts = [self._parts[n] for n in names]
         quant = [p for p in parts if isinstance(p, QuantWeight)]

@@ -29,23 +29,20 @@ from pdserve.model.attention import AttentionMetadata
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from pdserve.model.linear import Linear
 from pdserve.quant.kernels import kernels
-from pdserve.quant.linear import MAX_CALLS, QuantLinear
+from pdserve.quant.linear import QuantLinear
 
-# _kernels.c's Op: parts, N, K, bias, then MAX_PARTS parts of seven words (a kernel call
-# and its owner). A projection has a part per run of one format among the weights it
-# fuses (three at most: q, k, v), or with int8 records laid out per thread a part per
-# piece of each run (QuantLinear's arena argument).
-MAX_PARTS = MAX_CALLS
-_OP = struct.Struct("<4q" + "7q" * MAX_PARTS)
+# _kernels.c's Op: parts, N, K, bias, then MAX_PARTS parts of six words. A projection has
+# a part per run of one format among the weights it fuses: at most three (q, k, v).
+MAX_PARTS = 3
+_OP = struct.Struct("<4q" + "6q" * MAX_PARTS)
 # _kernels.c's Layer: four Ops, norm1, norm2, eps1, eps2, H, Hkv, D, scale.
 _LAYER_TAIL = struct.Struct("<2q2d3qd")
 
 
 def _op_record(op: QuantLinear) -> bytes:
     calls = op.kernel_calls
-    assert len(calls) <= MAX_PARTS  # base.py cuts no more pieces than this holds
-    parts = [(*call, owner) for call, owner in zip(calls, op.kernel_owners, strict=True)]
-    words = [w for part in parts for w in part] + [0] * 7 * (MAX_PARTS - len(calls))
+    assert len(calls) <= MAX_PARTS  # one per fused weight at most
+    words = [w for call in calls for w in call] + [0] * 6 * (MAX_PARTS - len(calls))
     bias = 0 if op.bias is None else op.bias.data_ptr()
     return _OP.pack(len(calls), op.out_features, op.in_features, bias, *words)
 

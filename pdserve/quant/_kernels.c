@@ -363,16 +363,12 @@ static int qlinear_int8_pre(const uint8_t *W, int kind, int64_t N, int64_t K,
  * bytes, in this order). A part is one kernel call of a projection, as QuantLinear's
  * `_calls` hold them: layout >= 0 the exact kernel (qs, fp32 scales d and minimums m),
  * layout -1 the int8 kernel (qs the records, d their kind); its output columns start at
- * byte `offset` of a row. `owner`: -1, a part the team splits evenly (a run a thread);
- * t >= 0, one of an int8 weight's column pieces, laid out for thread t of the team (mod
- * its size): that thread's run holds all of it, the others only steal from it once
- * their own work is done (QuantLinear's pieces: a thread's stream runs on from one op's
- * piece into the next op's instead of jumping to the next op's half). */
+ * byte `offset` of a row. */
 typedef struct {
-    int64_t layout, qs, d, m, rows, offset, owner;
+    int64_t layout, qs, d, m, rows, offset;
 } Part;
 
-#define MAX_PARTS 8 /* a part per run of one format (q, k, v: three at most), or per piece */
+#define MAX_PARTS 3 /* a part per run of one format: q, k, v at most */
 typedef struct {
     int64_t parts, N, K, bias; /* bias: fp32 [N] or 0 */
     Part part[MAX_PARTS];
@@ -517,12 +513,6 @@ static int64_t widest_input(const Layer *layers, int64_t n) {
 static int64_t part_width(const Part *p) { return p->layout < 0 ? 16 : 4; }
 static int64_t part_items(const Part *p) { return (p->rows + part_width(p) - 1) / part_width(p); }
 
-/* A part's runs on a team of `threads`: split evenly, or all in its owner's run. */
-static Runs part_runs(const Part *p, uint64_t *words, int threads) {
-    if (p->owner < 0) return runs_init(words, threads, part_items(p));
-    return runs_init_owned(words, threads, part_items(p), (int)(p->owner % threads));
-}
-
 /* What one thread does of run_op: the prologue and the int8 rounding of the op's rows
  * for itself (a few rows: cheaper than a barrier), then the items it takes from each
  * part's runs, each item's bias added as it is done; then the team's barrier. Each
@@ -535,12 +525,8 @@ static void op_team(const Op *op, const Prologue *pre, const float *x, int64_t l
         x = mine->xt, ldx = op->K;
     }
     int rounded = 0;
-    /* Pass 0: the parts this thread has a run in (shared ones, its own pieces); pass 1:
-     * every part, stealing what is left. */
-    for (int64_t k = 0; k < 2 * op->parts; k++) {
-        const int64_t i = k % op->parts;
+    for (int64_t i = 0; i < op->parts; i++) {
         const Part *p = &op->part[i];
-        if (k < op->parts && p->owner >= 0 && p->owner % runs[i].parts != me % runs[i].parts) continue;
         float *yp = (float *)((char *)y + p->offset);
         const int64_t col0 = p->offset / (int64_t)sizeof(float), width = part_width(p);
         if (p->layout < 0 && !rounded) int8_round_rows(x, ldx, M, op->K, &mine->a), rounded = 1;
@@ -598,13 +584,13 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
         for (int k = 0; k < 4; k++)
             for (int64_t j = 0; j < ops[k]->parts; j++) {
                 const int64_t r = (i * 4 + k) * MAX_PARTS + j;
-                runs[r] = part_runs(&ops[k]->part[j], words + r * threads * RUN_STRIDE, threads);
+                runs[r] = runs_init(words + r * threads * RUN_STRIDE, threads, part_items(&ops[k]->part[j]));
             }
     }
     const Runs *head_runs = runs + n * 4 * MAX_PARTS;
     for (int64_t j = 0; rc == 0 && head != NULL && j < head->parts; j++) {
         const int64_t r = n * 4 * MAX_PARTS + j;
-        runs[r] = part_runs(&head->part[j], words + r * threads * RUN_STRIDE, threads);
+        runs[r] = runs_init(words + r * threads * RUN_STRIDE, threads, part_items(&head->part[j]));
     }
     if (rc == 0) {
 #pragma omp parallel num_threads(threads)

@@ -85,12 +85,6 @@ static inline Runs runs_init(uint64_t *runs, int parts, int64_t n) {
     return (Runs){runs, parts};
 }
 
-/* Every item in thread `owner`'s run, the others' runs empty: they only steal. */
-static inline Runs runs_init_owned(uint64_t *runs, int parts, int64_t n, int owner) {
-    for (int p = 0; p < parts; p++) runs[p * RUN_STRIDE] = p == owner ? (uint64_t)n << 32 : 0;
-    return (Runs){runs, parts};
-}
-
 /* The next item for thread `me` (its own run first), or -1 when none is left. */
 static inline int64_t runs_take(Runs r, int me) {
     uint64_t v = __atomic_load_n(&r.runs[me % r.parts * RUN_STRIDE], __ATOMIC_RELAXED);

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -28,9 +28,6 @@ PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
 
 # _int8.c's column group: one zmm lane per output column.
 _GROUP = 16
-# Kernel calls an op may make in the compiled layer loop (_kernels.c's MAX_PARTS): a run
-# of one format each (q, k, v: three at most), or a piece of one (see QuantLinear).
-MAX_CALLS = 8
 # The offset that makes the values of a layout without minimums unsigned bytes: u = q +
 # offset, w = u*d + m with m = -offset*d (Q4M and U8M are unsigned, with their own m).
 _INT8_OFFSET = {Layout.I8: 128, Layout.Q4: 8, Layout.I8_16: 128}
@@ -98,52 +95,16 @@ def pack_int8(weight: QuantWeight) -> torch.Tensor | None:
 
 
 @dataclass(frozen=True)
-class _Piece:
-    """A run of a part's int8 records: its columns col0 .. col0 + rows - 1 (col0 at a
-    16-column group), laid out for thread `owner` of a decode step's team (-1: for the
-    team as a whole). One kernel call."""
-
-    records: torch.Tensor
-    col0: int
-    rows: int
-    owner: int
-
-
-@dataclass(frozen=True)
 class _Part:
-    """Output columns n0 .. n0 + (the weight's rows) - 1 from a weight in one format: its
-    scales and minimums as fp32 (what the exact kernel reads: converted once here, not
-    once per block per call), or with int8 activations `pack_int8`'s records in one or
-    more pieces (see QuantLinear)."""
+    """One kernel call: output columns n0 .. n0 + (the weight's rows) - 1 from a weight
+    in one format, its scales and minimums as fp32 (what the kernel reads: converted
+    once here, not once per block per call)."""
 
     weight: QuantWeight
     n0: int
     scales: torch.Tensor
     mins: torch.Tensor | None
-    int8: tuple[_Piece, ...] = ()
-
-
-class _Placer(Protocol):
-    def place(self, t: torch.Tensor) -> torch.Tensor: ...
-
-
-def _pieces(records: torch.Tensor, rows: int, arenas: Sequence[_Placer]) -> tuple[_Piece, ...]:
-    """`records` (pack_int8's, for `rows` columns) cut at 16-column groups as a team of
-    len(arenas) threads first splits a part's groups (`runs_init`, _kernels.h), piece t
-    placed in arenas[t]; one piece, for the whole team, with one arena."""
-    if len(arenas) == 1:
-        return (_Piece(arenas[0].place(records), 0, rows, -1),)
-    groups = -(-rows // _GROUP)
-    per_group = records.numel() // groups
-    pieces = []
-    for t, arena in enumerate(arenas):
-        g0, g1 = groups * t // len(arenas), groups * (t + 1) // len(arenas)
-        if g0 == g1:
-            continue
-        c0, c1 = g0 * _GROUP, min(rows, g1 * _GROUP)
-        piece = arena.place(records[g0 * per_group : g1 * per_group])
-        pieces.append(_Piece(piece, c0, c1 - c0, t))
-    return tuple(pieces)
+    int8: torch.Tensor | None = None  # pack_int8's records, when taken with int8 activations
 
 
 class QuantLinear:
@@ -161,19 +122,11 @@ class QuantLinear:
         weight: QuantWeight | Sequence[QuantWeight],
         bias: torch.Tensor | None,
         activations: str = "fp32",
-        arena: HugePageArena | Sequence[HugePageArena] | None = None,
+        arena: HugePageArena | None = None,
     ) -> None:
         """`arena`: where to keep what the kernels stream (the int8 records, or the
         values, fp32 scales and minimums): on 2 MB pages (quant/memory.py); None keeps
-        the values where they are. A sequence of arenas, one per thread of a decode
-        step's team: each part's int8 records are cut into that many column pieces, as
-        the team first splits them, piece t placed in arena t (the rest in the first).
-        Ops built one after another in a step's order then lay each thread's pieces end to
-        end, so its stream runs on from one op into the next instead of jumping to the
-        next op's half (docs/benchmarks.md, stop 42: 1.08x for a step's products when
-        the two cores sit on two CCDs, the same on one). The pieces are separate kernel
-        calls (`kernel_calls`, `kernel_owners`): every output column is computed as with
-        one piece, so the bits are the same."""
+        the values where they are."""
         mod = kernels()
         if mod is None:
             raise RuntimeError(f"quantized linear layers need the kernels: {unavailable_reason()}")
@@ -191,20 +144,11 @@ class QuantLinear:
             raise ValueError(f"row lengths differ: {[r.shape[1] for r in runs]}")
         self._parts: list[_Part] = []
         n0 = 0
-        arenas: list[_Placer] = []
-        if isinstance(arena, HugePageArena):
-            arenas.append(arena)
-        elif arena is not None:
-            arenas.extend(arena)
-        arenas = arenas or [_AsIs()]
-        if len(runs) * len(arenas) > MAX_CALLS:  # more pieces than the layer loop takes
-            arenas = arenas[:1]
-        place = arenas[0].place
+        place = arena.place if arena is not None else _as_is
         for r in runs:
             packed = pack_int8(r) if activations == "int8" else None
             if packed is not None:  # the fp32 kernel's scales are not needed then
-                pieces = _pieces(packed, r.shape[0], arenas)
-                self._parts.append(_Part(r, n0, torch.empty(0), None, pieces))
+                self._parts.append(_Part(r, n0, torch.empty(0), None, place(packed)))
             else:
                 r = QuantWeight(r.qtype, place(r.qs), r.d, r.m)
                 mins = place(r.m.to(torch.float32)) if r.m is not None else None
@@ -212,24 +156,22 @@ class QuantLinear:
             n0 += r.shape[0]
         self.out_features = n0
         self.bias = bias.detach().to(torch.float32).clone() if bias is not None else None
-        # Each call's kernel arguments that never change (layout, addresses of values,
+        # Each part's kernel arguments that never change (layout, addresses of values,
         # scales and minimums, rows, byte offset of its first output column): a decode
         # step makes ~120 of these calls, so the per-call Python is kept to the minimum.
-        # An int8 piece's call is (-1, records, kind, 0, rows, offset).
-        self._calls: list[tuple[int, int, int, int, int, int]] = []
-        self._owners: list[int] = []
-        for p in self._parts:
-            if not p.int8:
-                self._calls.append((
-                    int(p.weight.qtype.layout), p.weight.qs.data_ptr(), p.scales.data_ptr(),
-                    0 if p.mins is None else p.mins.data_ptr(), p.weight.shape[0], 4 * p.n0,
-                ))  # fmt: skip
-                self._owners.append(-1)
-                continue
-            kind = int8_kind(p.weight.qtype.layout)
-            for c in p.int8:
-                self._calls.append((-1, c.records.data_ptr(), kind, 0, c.rows, 4 * (p.n0 + c.col0)))
-                self._owners.append(c.owner)
+        # An int8 part's call is (-1, records, kind, 0, rows, offset).
+        self._calls = [
+            (
+                int(p.weight.qtype.layout), p.weight.qs.data_ptr(), p.scales.data_ptr(),
+                0 if p.mins is None else p.mins.data_ptr(), p.weight.shape[0], 4 * p.n0,
+            )
+            if p.int8 is None
+            else (
+                -1, p.int8.data_ptr(), int8_kind(p.weight.qtype.layout), 0,
+                p.weight.shape[0], 4 * p.n0,
+            )
+            for p in self._parts
+        ]  # fmt: skip
 
     @property
     def kernel_calls(self) -> list[tuple[int, int, int, int, int, int]]:
@@ -240,16 +182,10 @@ class QuantLinear:
         return list(self._calls)
 
     @property
-    def kernel_owners(self) -> list[int]:
-        """For each of `kernel_calls`, the thread of a decode step's team its records are
-        laid out for (see the arena argument), or -1 for the team as a whole."""
-        return list(self._owners)
-
-    @property
     def activations(self) -> list[str]:
         """How the parts take their activations ("fp32", "int8"), sorted, each once: an
         int8 op keeps fp32 for a part whose scales do not fit fp16 (see `pack_int8`)."""
-        return sorted({"int8" if p.int8 else "fp32" for p in self._parts})
+        return sorted({"fp32" if p.int8 is None else "int8" for p in self._parts})
 
     @property
     def weights(self) -> list[QuantWeight]:
@@ -266,8 +202,8 @@ class QuantLinear:
         parts: their records)."""
         total = 0
         for p in self._parts:
-            if p.int8:
-                total += sum(c.records.numel() for c in p.int8)
+            if p.int8 is not None:
+                total += p.int8.numel()
                 continue
             extra = 0 if p.mins is None else p.mins.numel() * 4
             total += p.weight.qs.numel() + p.scales.numel() * 4 + extra
@@ -339,11 +275,8 @@ class QuantLinear:
         return y
 
 
-class _AsIs:
-    """No arena: tensors kept where they are."""
-
-    def place(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class QuantEmbedding:
