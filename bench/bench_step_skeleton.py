@@ -30,7 +30,7 @@ figures, alternating round by round so that the machine's drift hits all of them
   them (`round_trip`) is ~60 ns when they share a CCD (one L3 and one link to memory)
   and ~300 ns when they sit on two. The "fast memory" above is the second case: each
   CCD brings its own link (~30-35 GB/s a core), and every exchange between the threads
-  crosses the fabric. Seen here over ~2,000 rounds: a flat read above 50 GB/s came with
+  crosses the fabric. Seen here over ~1,400 rounds: a flat read above 50 GB/s came with
   two CCDs in all but a handful;
 * the skeleton again with each thread's parts laid end to end (thread 0's half of every
   op, then thread 1's): what the step's reads would cost if a thread's stream ran on
