@@ -148,23 +148,25 @@ static float chains(int64_t n) {
 /* Seconds a cache line takes to go from one thread to the other and back (two threads,
  * each waiting for the other's write before its own; the mean of n such round trips).
  * About 60 ns here when the two cores share an L3 (one CCD) and about 300 ns when they
- * do not: the machine placing this VM's two cores on two CCDs. */
+ * do not: the machine placing this VM's two cores on two CCDs. -1 when OpenMP gave one
+ * thread (each would wait for a write that never comes). */
 double round_trip(int64_t n) {
     static volatile int64_t line[8] __attribute__((aligned(64)));
     line[0] = 0;
-    double t = 0;
+    double t = -1;
 #pragma omp parallel num_threads(2)
     {
         const int me = omp_get_thread_num();
+        const int64_t trips = omp_get_num_threads() == 2 ? n : 0;
 #pragma omp barrier
         const double t0 = omp_get_wtime();
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t i = 0; i < trips; i++) {
             while (line[0] != 2 * i + me) _mm_pause();
             line[0] = 2 * i + me + 1;
         }
-        if (me == 0) t = omp_get_wtime() - t0;
+        if (me == 0 && trips > 0) t = (omp_get_wtime() - t0) / n;
     }
-    return t / n;
+    return t;
 }
 
 /* fp32 FLOP/s of `threads` threads, each running 16 independent FMA chains (8 reach
@@ -206,6 +208,8 @@ TWO_CCD_TRIP = 150e-9
 def placement(trip: float) -> str:
     """Where the machine put this VM's two cores, from a cache line's round trip between
     them (`round_trip`): ~60 ns on one CCD, ~300 ns across two."""
+    if trip < 0:
+        return "cores unknown (OpenMP gave one thread)"
     where = "two CCDs" if trip > TWO_CCD_TRIP else "one CCD"
     return f"cores on {where} (round trip {trip * 1e9:.0f} ns)"
 
