@@ -23,7 +23,13 @@ bit-identical - the real weights on their 2 MB pages and the real KV cache. Prin
 layers' time per build (the LM head with them) and what the rest of a step took
 (metadata, sampling, Python). With `--whole`, each step runs one build's layers
 instead, the builds taking turns, and whole steps are timed: what a change costs or
-saves around the layers too (a cache it leaves colder, say). No bit check then.
+saves around the layers too (a cache it leaves colder, say). No bit check then. With
+`--block N` the builds take turns every N steps instead, and each block's first 2 steps
+are left out: what a change leaves in the caches for the next step (the KV, Python's
+objects) is then its own, where alternating every step hands it to the other build.
+
+`AB_CFLAGS_B=-DPHASES` builds B with a timer per phase of the team's step (_kernels.h,
+PHASES; printed at exit).
 
 `AB_CFLAGS_A` / `AB_CFLAGS_B` add compiler flags to one build (`-DNAME=value` to try a
 variant of a constant without a second folder).
@@ -179,7 +185,9 @@ def attention_ab(mods: list[ModuleType], threads: int) -> None:
               f"| {ta / tb:.2f}x |")  # fmt: skip
 
 
-def step_ab(mods: list[ModuleType], batch: int, steps: int, whole: bool, activations: str) -> None:
+def step_ab(
+    mods: list[ModuleType], batch: int, steps: int, whole: bool, activations: str, block: int = 1
+) -> None:
     """See the module docstring (`--step`, `--whole`)."""
     from bench_decode_step import served_engine
 
@@ -210,8 +218,11 @@ def step_ab(mods: list[ModuleType], batch: int, steps: int, whole: bool, activat
         assert all(same), "step outputs differ (h, hidden, logits)"
         return out
 
+    def build_now() -> int:
+        return turn[0] // block % 2
+
     def one(self: FusedLayers, h: torch.Tensor, *rest: Any) -> Out:
-        self._call = mods[turn[0] % 2].fused_layers
+        self._call = mods[build_now()].fused_layers
         return call(self, h, *rest)
 
     FusedLayers.__call__ = one if whole else both  # type: ignore[method-assign]
@@ -223,13 +234,14 @@ def step_ab(mods: list[ModuleType], batch: int, steps: int, whole: bool, activat
         t = time.perf_counter()
         engine.step()
         if whole:  # the whole step, each build's in turn
-            times[turn[0] % 2].append(time.perf_counter() - t)
+            if turn[0] % block >= min(2, block - 1):  # past a block's first steps
+                times[build_now()].append(time.perf_counter() - t)
             turn[0] += 1
             continue
         rest.append(time.perf_counter() - t - times[0][-1] - times[1][-1])
     if whole:
         ta, tb = (statistics.median(t[batch:-1]) for t in times)
-        print(f"decode b={batch}, whole steps alternating: A {ta * 1e3:.2f} ms, "
+        print(f"decode b={batch}, whole steps alternating every {block}: A {ta * 1e3:.2f} ms, "
               f"B {tb * 1e3:.2f} ms, B vs A {ta / tb:.2f}x")  # fmt: skip
         return
     ta, tb = (statistics.median(t[batch:]) for t in times)  # past the prefill steps
@@ -253,6 +265,7 @@ def main() -> int:
     ap.add_argument("--whole", action="store_true", help="--step: whole steps, builds alternating")
     ap.add_argument("--batch", type=int, default=1, help="--step's sequences")
     ap.add_argument("--steps", type=int, default=40, help="--step's decode steps")
+    ap.add_argument("--block", type=int, default=1, help="--whole: steps per build's turn")
     args = ap.parse_args()
     if len(args.build) != 2:
         ap.error("give --build twice: A, then B")
@@ -264,7 +277,9 @@ def main() -> int:
             attention_ab(mods, args.threads)
             return 0
         if args.step:
-            step_ab(mods, args.batch, args.steps, args.whole, args.activations or "int8")
+            step_ab(
+                mods, args.batch, args.steps, args.whole, args.activations or "int8", args.block
+            )
             return 0
         rng = np.random.default_rng(0)
         print("| shape N x K | format | M | A GMAC/s | B GMAC/s | B vs A |")

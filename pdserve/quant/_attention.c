@@ -455,12 +455,15 @@ static void lone_team(const AttnPlan *p, const Attn *a) {
     const int64_t P = p->threads, n = a->rows[2] - a->rows[1], lo = a->rows[1];
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < P; c++) lone_score_part(a, s, p->longest, c, P);
+    PHASE(2);
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < a->H; h++) lone_softmax(s + h * p->longest, n, p->longest);
+    PHASE(3);
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < P; c++)
         lone_value_part(a, a->tables + (int64_t)a->rows[0] * a->ldt, s, p->longest, lo,
                         lo + n, c, P);
+    PHASE(4);
 }
 
 /* Consecutive rows of one sequence, up to ROWS at a time. Returns the count. */
@@ -552,7 +555,10 @@ int paged_attention(const Attn *a, int64_t T, int threads) {
     const int rc = attention_plan(&p, a, T, threads);
     if (rc != 0) return rc;
 #pragma omp parallel num_threads(p.threads)
-    attention_team(&p, a);
+    {
+        PHASE_START(1);
+        attention_team(&p, a);
+    }
     attention_plan_free(&p);
     return 0;
 }

@@ -45,6 +45,25 @@
 
 #include "_kernels.h"
 
+#ifdef PHASES /* see _kernels.h */
+#include <stdio.h>
+double phase_ns[9], phase_t0;
+long phase_calls[2];
+__attribute__((destructor)) static void phase_report(void) {
+    static const char *names[9] = {"qkv", "rope", "scores", "softmax", "values",
+                                   "o", "gate_up", "down", "head"};
+    const long calls = phase_calls[0] ? phase_calls[0] : phase_calls[1] ? phase_calls[1] : 1;
+    double total = 0;
+    fprintf(stderr, "PHASES, us per call over %ld calls (%s):", calls,
+            phase_calls[0] ? "fused_layers_team" : "paged_attention");
+    for (int k = 0; k < 9; k++) {
+        total += phase_ns[k];
+        fprintf(stderr, " %s %.1f", names[k], phase_ns[k] / 1e3 / (double)calls);
+    }
+    fprintf(stderr, " total %.1f\n", total / 1e3 / (double)calls);
+}
+#endif
+
 #define QK 32
 #define FEW_ROWS 4 /* below this many rows, weights are dequantized straight into registers */
 
@@ -597,6 +616,7 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
         {
             const int me = THREAD_ME;
             Mine *my = &mine[me];
+            PHASE_START(0);
             for (int64_t i = 0; i < n; i++) {
                 const Layer *l = &layers[i];
                 const Runs *lr = runs + i * 4 * MAX_PARTS;
@@ -606,18 +626,23 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
                 const Prologue none = {PRE_NONE, NULL, 0.0f}, swiglu = {PRE_SWIGLU, NULL, 0.0f};
                 float *kc = s->kv + 2 * i * s->kv_layer, *vc = kc + s->kv_layer;
                 op_team(&l->qkv, &norm1, s->h, hidden, T, s->qkv, l->qkv.N, 0, my, lr, me);
+                PHASE(0);
 #pragma omp single
                 rope_write_kv(s->qkv, l->qkv.N, T, l->H, l->Hkv, l->D, s->positions, s->cos,
                               s->sin, kc, vc, s->slots);
+                PHASE(1);
                 const Attn a = {s->qkv, l->qkv.N, kc, vc, l->H, l->Hkv, l->D, s->bs, s->rows,
                                 s->tables, s->ldt, s->att, l->H * l->D, (float)l->scale};
                 attention_team(&plan, &a);
                 op_team(&l->o, &none, s->att, l->H * l->D, T, s->h, hidden, 1, my, lr + MAX_PARTS,
                         me);
+                PHASE(5);
                 op_team(&l->gate_up, &norm2, s->h, hidden, T, s->gate_up, l->gate_up.N, 0, my,
                         lr + 2 * MAX_PARTS, me);
+                PHASE(6);
                 op_team(&l->down, &swiglu, s->gate_up, l->gate_up.N, T, s->h, hidden, 1, my,
                         lr + 3 * MAX_PARTS, me);
+                PHASE(7);
             }
             const int64_t hidden = layers[n - 1].o.N;
 #pragma omp single
@@ -626,6 +651,7 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
                 const Prologue none = {PRE_NONE, NULL, 0.0f};
                 op_team(head, &none, tail->hidden, hidden, tail->n, tail->logits, head->N, 0, my,
                         head_runs, me);
+                PHASE(8);
                 if (tail->argmax != NULL) {
 #pragma omp single nowait
                     argmax_rows(tail->logits, head->N, tail->n, head->N, tail->argmax);

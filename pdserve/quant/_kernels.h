@@ -195,4 +195,36 @@ void int8_round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, Rows8 *r
 void int8_group(const uint8_t *W, int kind, const Rows8 *a, int64_t M, int64_t g, float *y,
                 int64_t ldy, int64_t N, int accumulate);
 
+/* PHASES (a development build: -DPHASES, e.g. AB_CFLAGS_B=-DPHASES with
+ * bench/bench_kernel_ab.py --step): thread 0 of fused_layers_team adds the time since its
+ * last mark to phase k at PHASE(k) - each mark stands after a barrier, so a phase is the
+ * team's - and the module prints each phase's time per call when the process exits.
+ * Phases: 0 q/k/v, 1 RoPE + KV write, 2-4 the LONE attention's scores, softmax and
+ * values, 5 o, 6 gate/up, 7 down, 8 the final norm and LM head. Per call: per
+ * fused_layers_team call, or where there was none (a harness of paged_attention alone)
+ * per paged_attention call. */
+#ifdef PHASES
+#include <time.h>
+extern double phase_ns[9], phase_t0;
+extern long phase_calls[2]; /* fused_layers_team's, paged_attention's */
+static inline double phase_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
+#define PHASE(k)                                                   \
+    do {                                                           \
+        if (THREAD_ME == 0) {                                      \
+            const double t_ = phase_now();                         \
+            phase_ns[k] += t_ - phase_t0;                          \
+            phase_t0 = t_;                                         \
+        }                                                          \
+    } while (0)
+#define PHASE_START(which) \
+    (THREAD_ME == 0 ? (void)(phase_t0 = phase_now(), phase_calls[which]++) : (void)0)
+#else
+#define PHASE(k) ((void)0)
+#define PHASE_START(which) ((void)0)
+#endif
+
 #endif
