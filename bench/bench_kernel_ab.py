@@ -42,7 +42,10 @@ prefill chunk; outputs asserted
 bit-identical, and the KV bytes read per second. The 30 layers' KV (12 MB at batch 1)
 fits the 32 MB L3, so the "weights read between" cases read ~2.2 MB of other memory
 before each call, as a step's weights stream between its attention calls, and time the
-calls alone: the KV then comes from memory, as it does in a real step.
+calls alone: the KV then comes from memory, as it does in a real step. First it prints
+what plain reads of the same 12 KB blocks reach (bench/reads.py's `block_read`: in
+address order, shuffled, shuffled with the next block asked for): the ceilings of the
+KV GB/s columns.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import reads
 from bench_quant_kernels import random_blocks
 
 from pdserve.quant.formats import QuantType
@@ -161,6 +165,15 @@ def attention_step(
 
 def attention_ab(mods: list[ModuleType], threads: int) -> None:
     rng = torch.Generator().manual_seed(0)
+    # What a read of the same bytes can reach, for the KV GB/s columns: 12 KB blocks (16
+    # tokens of one layer's K or V) in 377 MB (batch 32's KV), scattered as in the cases.
+    lib = reads.build()
+    block = BLOCK * KV_HEADS * HEAD_DIM * 4
+    kv_bytes = 32 * 2 * LAYERS * 256 * block // BLOCK
+    ceilings = reads.block_read_bandwidth(lib, block, kv_bytes, threads)
+    rates = ", ".join(f"{name} {rate / 1e9:.1f} GB/s" for name, rate in ceilings.items())
+    where = reads.placement(lib.round_trip(20000))
+    print(f"{where}; plain reads of {block // 1024} KB blocks: {rates}")
     print("| case | A ms | B ms | A KV GB/s | B KV GB/s | B vs A |")
     print("|---|---:|---:|---:|---:|---:|")
     cases = [(f"decode b={b}, ctx 256", b, 256, 0, None) for b in (1, 8, 32)]

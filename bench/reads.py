@@ -10,6 +10,9 @@ as bench_kernel_ab.py builds): what `bench_engine.py`'s floors and
   too low a bar.
 * `skeleton`: a decode step's reads op by op (see bench_step_skeleton.py), as the step
   lays them out and with each thread's parts end to end.
+* `block_read_bandwidth(block, total)`: a read of `total` bytes as blocks of `block` (a
+  paged KV pool's layer): in address order, shuffled, and shuffled with the next block
+  asked for as `_attention.c` asks for it - the ceilings of a decode step's KV read.
 * `fma_rate(threads)`: fp32 multiply-adds a second.
 * `round_trip(n)`: a cache line's trip between the two threads and back, which tells
   where the machine put this VM's two cores: ~60 ns on one CCD (one L3, one link to
@@ -79,6 +82,62 @@ double flat_read(int64_t n, int threads, int reps) {
         }
     }
     free(buf), free(other);
+    return sink == 0.5 ? 0 : best; /* never 0: keeps the reads */
+}
+
+/* Block b of `nb` in the order a read takes them: address order (order 0), or shuffled by
+ * a fixed seed (1, 2), as a paged KV pool's blocks are for a sequence once the pool has
+ * served a while. */
+static int64_t *block_order(int64_t nb, int order) {
+    int64_t *perm = malloc(sizeof(int64_t) * (size_t)nb);
+    if (perm == NULL) return NULL;
+    for (int64_t i = 0; i < nb; i++) perm[i] = i;
+    uint64_t x = 88172645463325252ull;
+    for (int64_t i = nb - 1; order != 0 && i > 0; i--) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        const int64_t j = (int64_t)(x % (uint64_t)(i + 1)), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    return perm;
+}
+
+/* The best of `reps` reads of `total` bytes as blocks of `block` bytes (a multiple of
+ * 128) in `order` (block_order; 2: shuffled, and as each line of a block is read the same
+ * line of the thread's next block is asked for into L2, as _attention.c asks for a key's
+ * next block), each thread a contiguous share of the blocks, right after 64 MB of other
+ * reads; seconds, -1 when the buffers could not be had. */
+double block_read(int64_t block, int64_t total, int threads, int order, int reps) {
+    const int64_t nb = total / block;
+    char *buf = pages(nb * block), *other = pages(64 << 20);
+    int64_t *perm = block_order(nb, order);
+    if (buf == NULL || other == NULL || perm == NULL) return free(buf), free(other), free(perm), -1;
+    double best = 1e9, sink = 0;
+    for (int rep = 0; rep < reps; rep++) {
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+        {
+            const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+            __m256i a = read_share(other, 64 << 20, me, nt, _mm256_setzero_si256());
+            const int64_t first = me * nb / nt, end = (me + 1) * nb / nt;
+#pragma omp barrier
+            const double t0 = omp_get_wtime();
+            for (int64_t i = first; i < end; i++) {
+                const char *p = buf + perm[i] * block;
+                const char *next = order == 2 && i + 1 < end ? buf + perm[i + 1] * block : NULL;
+                for (int64_t l = 0; l < block; l += 128) {
+                    if (next != NULL) {
+                        _mm_prefetch(next + l, _MM_HINT_T1);
+                        _mm_prefetch(next + l + 64, _MM_HINT_T1);
+                    }
+                    a = read_range(p + l, 128, a);
+                }
+            }
+#pragma omp barrier
+            const double t = omp_get_wtime() - t0;
+            if (me == 0 && t < best) best = t;
+            sink += _mm256_extract_epi32(a, 0);
+        }
+    }
+    free(buf), free(other), free(perm);
     return sink == 0.5 ? 0 : best; /* never 0: keeps the reads */
 }
 
@@ -196,6 +255,8 @@ def build() -> ctypes.CDLL:
     lib.flat_read.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.fma_rate.restype = ctypes.c_double
     lib.fma_rate.argtypes = [ctypes.c_int]
+    lib.block_read.restype = ctypes.c_double
+    lib.block_read.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * 3
     lib.round_trip.restype = ctypes.c_double
     lib.round_trip.argtypes = [ctypes.c_int64]
     return lib
@@ -220,3 +281,20 @@ def flat_read_bandwidth(lib: ctypes.CDLL, nbytes: int, threads: int, reps: int =
     if best < 0:
         raise MemoryError(f"flat_read: could not allocate {nbytes} bytes")
     return float(nbytes / best)
+
+
+BLOCK_ORDERS = ("in address order", "shuffled", "shuffled, next block asked for")
+
+
+def block_read_bandwidth(
+    lib: ctypes.CDLL, block: int, total: int, threads: int, reps: int = 3
+) -> dict[str, float]:
+    """Bytes/s of the best of `reps` cold reads of `total` bytes as `block`-byte blocks, in
+    each of BLOCK_ORDERS (see `block_read` in SOURCE)."""
+    rates = {}
+    for order, name in enumerate(BLOCK_ORDERS):
+        best = lib.block_read(block, total, threads, order, reps)
+        if best < 0:
+            raise MemoryError(f"block_read: could not allocate {total} bytes")
+        rates[name] = float(total // block * block / best)
+    return rates
