@@ -73,6 +73,7 @@ from bench_quant_kernels import random_blocks
 
 from pdserve.quant.formats import QuantType
 from pdserve.quant.linear import QuantLinear
+from pdserve.quant.memory import huge_page_zeros
 
 SHAPES = ((3072, 576), (1728, 576), (576, 1536))  # gate/up, q/k/v, down
 
@@ -112,6 +113,13 @@ def load(name: str, so: Path) -> ModuleType:
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """t copied onto 2 MB pages, as the served KV pool is (quant/memory.py)."""
+    out = huge_page_zeros(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
 def attention_case(batch: int, context: int, chunk: int, rng: torch.Generator) -> dict:
     """Caches of LAYERS layers and the per-row ranges of a step: `batch` sequences of
     `context` tokens decoding one row each, or (chunk > 0) one sequence's last `chunk`
@@ -128,8 +136,13 @@ def attention_case(batch: int, context: int, chunk: int, rng: torch.Generator) -
         rows[:, 0] = torch.arange(batch, dtype=torch.int32)
         rows[:, 2] = context
     shape = (n_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape, generator=rng), torch.randn(shape, generator=rng))
-              for _ in range(LAYERS)]  # fmt: skip
+    caches = [
+        (
+            on_huge_pages(torch.randn(shape, generator=rng)),
+            on_huge_pages(torch.randn(shape, generator=rng)),
+        )
+        for _ in range(LAYERS)
+    ]
     q = torch.randn(q_rows, HEADS * HEAD_DIM, generator=rng)
     kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * 4
     return {"caches": caches, "q": q, "rows": rows, "tables": tables, "bytes": kv_bytes}
@@ -243,17 +256,20 @@ def step_ab(
     for _ in range(batch):
         engine.add_request(torch.randint(100, 40000, (256,)).tolist(), params)
     rest = []  # each step's time outside its two layer calls
+    started: set[str] = set()  # requests past their prompt
     while engine.has_unfinished():
+        decoding = len(started) == batch  # every prompt done: a decode step
         t = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
+        started.update(o.request_id for o in outputs)
         if whole:  # the whole step, each build's in turn
-            if turn[0] % block >= min(2, block - 1):  # past a block's first steps
+            if decoding and turn[0] % block >= min(2, block - 1):  # past a block's first steps
                 times[build_now()].append(time.perf_counter() - t)
             turn[0] += 1
             continue
         rest.append(time.perf_counter() - t - times[0][-1] - times[1][-1])
     if whole:
-        ta, tb = (statistics.median(t[batch:-1]) for t in times)
+        ta, tb = (statistics.median(t[:-1]) for t in times)  # the last samples nothing
         print(f"decode b={batch}, whole steps alternating every {block}: A {ta * 1e3:.2f} ms, "
               f"B {tb * 1e3:.2f} ms, B vs A {ta / tb:.2f}x")  # fmt: skip
         return

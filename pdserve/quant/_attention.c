@@ -23,8 +23,8 @@
  * softmax in three passes, no online rescaling, so nothing depends on a block size.
  * Rows of one sequence are attended in blocks that share each key load (see ROWS); a
  * decode row takes all its KV heads at once, so each key is read in one piece (see
- * paged_attention); a step of one decode row is shared between the threads in three
- * phases (see LONE). */
+ * paged_attention), and asks for its values while it sums them (see VALUES_AHEAD); a
+ * step of one decode row is shared between the threads in three phases (see LONE). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -203,14 +203,15 @@ INLINE void block_scores(Block *b, const int64_t DV, const int WIDE, const int A
     const float *k8[8];
     int64_t cnt = 0, first = 0, ahead = 0; /* ahead: floats to this slot of the next block */
     const int64_t block = a->bs * a->Hkv * a->D, lines = (b->ng * a->D * 4 + 63) / 64;
-    /* With each key, its value (read after every score) and the key in the same slot of
-     * the next cache block are asked for, into L2. In a decode step the KV comes from
-     * memory (the layers' weights streamed through L3 since; at batch 8+ it outgrows L3
-     * anyway), a demand miss per line otherwise. One prefetch per line spread over the
-     * keys, to L2 rather than L1 (fewer outstanding misses): 1.2-1.3x at batch 8-32 and
-     * 1.3-1.4x at batch 1 with weights read between (bench_kernel_ab.py --attention; KV
-     * read at 17.5-22 GB/s instead of 14-16) over a whole block asked for at once into L1
-     * (itself 1.1-1.25x over no prefetch); two blocks ahead gained nothing more. */
+    /* With each key, the key in the same slot of the next cache block is asked for, into
+     * L2, and with ASK_VALUES its value (read after every score) too. In a decode step
+     * the KV comes from memory (the layers' weights streamed through L3 since; at batch
+     * 8+ it outgrows L3 anyway), a demand miss per line otherwise. One prefetch per line
+     * spread over the keys, to L2 rather than L1 (fewer outstanding misses): 1.2-1.3x at
+     * batch 8-32 and 1.3-1.4x at batch 1 with weights read between (bench_kernel_ab.py
+     * --attention; KV read at 17.5-22 GB/s instead of 14-16) over a whole block asked for
+     * at once into L1 (itself 1.1-1.25x over no prefetch); two blocks ahead gained nothing
+     * more. A decode row asks for its values later instead (see VALUES_AHEAD). */
     FOR_EACH_KEY_RUN(a, a->kc, b->table, b->g, b->lo, b->hi, i, k, blk, {
         ahead = (blk + 1) * a->bs < b->hi ? ((int64_t)b->table[blk + 1] - b->table[blk]) * block : 0;
     }, {
@@ -296,6 +297,24 @@ INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV, con
     }
 }
 
+/* A decode row (a block of one row) asks for its values while it sums them, this many
+ * keys ahead, instead of with its scores: the scores then read only the keys and the
+ * sums' arithmetic overlaps the values' reads, where both reads fell in the scores and
+ * the sums waited on nothing. 1.16-1.19x at batch 8 and 32 (bench_kernel_ab.py
+ * --attention; 32, 64, 96 and 128 keys ahead: 1.16x, 1.16-1.19x, 1.16-1.18x, 1.14x). A
+ * row block of several rows keeps asking with its scores: each value serves every row. */
+#define VALUES_AHEAD 64
+
+/* The values of keys [j0, j1) (KV heads [b->g, b->g + b->ng) of each), asked for into L2. */
+INLINE void ask_values(const Block *b, int64_t j0, int64_t j1) {
+    const Attn *a = b->a;
+    const int64_t lines = (b->ng * a->D * 4 + 63) / 64;
+    FOR_EACH_KEY(a, a->vc, b->table, b->g, j0, j1, i, v, {
+        (void)i;
+        for (int64_t l = 0; l < lines; l++) _mm_prefetch((const char *)v + 64 * l, _MM_HINT_T1);
+    });
+}
+
 /* One row block, KV heads [g, g + ng). scratch: ROWS * H * (longest + D) floats. */
 INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scratch,
                    int64_t longest, const int64_t DV, const int WIDE) {
@@ -318,13 +337,18 @@ INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scr
     }
     memset(b.acc, 0, sizeof(float) * (size_t)(b.R * NH * D));
     if (b.lo < b.hi) {
-        block_scores(&b, DV, WIDE, 1);
+        const int64_t ahead = b.R == 1 ? VALUES_AHEAD : 0; /* see VALUES_AHEAD */
+        block_scores(&b, DV, WIDE, ahead == 0);
         for (int64_t r = 0; r < b.R; r++)
             for (int64_t h = 0; h < NH; h++)
                 if (b.n[r] > 0) b.s[(r * NH + h) * b.stride + longest - 1] =
                     softmax_numerator(b.s + (r * NH + h) * b.stride, b.n[r]);
-        for (int64_t j = b.lo; j < b.hi; j += KEY_TILE)
+        if (ahead > 0) ask_values(&b, b.lo, b.lo + ahead < b.hi ? b.lo + ahead : b.hi);
+        for (int64_t j = b.lo; j < b.hi; j += KEY_TILE) {
+            const int64_t next = j + ahead + KEY_TILE;
+            if (ahead > 0 && j + ahead < b.hi) ask_values(&b, j + ahead, next < b.hi ? next : b.hi);
             block_values(&b, j, j + KEY_TILE < b.hi ? j + KEY_TILE : b.hi, DV, WIDE);
+        }
     }
     for (int64_t r = 0; r < b.R; r++) {
         for (int64_t h = 0; h < NH; h++) {
