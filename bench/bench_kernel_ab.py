@@ -197,11 +197,10 @@ def attention_ab(mods: list[ModuleType], threads: int) -> None:
         case = attention_case(batch, context, chunk, rng)
         times: list[list[float]] = [[], []]
         outs: list[list[torch.Tensor]] = []
-        for _ in range(15):
-            outs = []
-            for i, mod in enumerate(mods):
-                out, spent = attention_step(mod, case, threads, between)
-                outs.append(out)
+        for rep in range(16):
+            outs = [[], []]
+            for i in (0, 1) if rep % 2 == 0 else (1, 0):  # which goes first alternates
+                outs[i], spent = attention_step(mods[i], case, threads, between)
                 times[i].append(spent)
         for a, b in zip(*outs, strict=True):
             assert torch.equal(a, b), f"{name}: bits differ"

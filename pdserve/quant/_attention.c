@@ -300,9 +300,12 @@ INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV, con
 /* A decode row (a block of one row) asks for its values while it sums them, this many
  * keys ahead, instead of with its scores: the scores then read only the keys and the
  * sums' arithmetic overlaps the values' reads, where both reads fell in the scores and
- * the sums waited on nothing. 1.16-1.19x at batch 8 and 32 (bench_kernel_ab.py
- * --attention; 32, 64, 96 and 128 keys ahead: 1.16x, 1.16-1.19x, 1.16-1.18x, 1.14x). A
- * row block of several rows keeps asking with its scores: each value serves every row. */
+ * the sums waited on nothing. The first keys' values are asked for before the softmax,
+ * whose arithmetic then overlaps their read. 1.20-1.22x at batch 8 and 32 and 1.19-1.23x
+ * at 512-2,048 tokens of context (bench_kernel_ab.py --attention; 32, 64, 96 and 128
+ * keys ahead: 1.16x, 1.16-1.19x, 1.16-1.18x, 1.14x before the first keys moved, which
+ * added 1.02-1.05x). A row block of several rows keeps
+ * asking with its scores: each value serves every row. */
 #define VALUES_AHEAD 64
 
 /* The values of keys [j0, j1) (KV heads [b->g, b->g + b->ng) of each), asked for into L2. */
@@ -339,11 +342,11 @@ INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scr
     if (b.lo < b.hi) {
         const int64_t ahead = b.R == 1 ? VALUES_AHEAD : 0; /* see VALUES_AHEAD */
         block_scores(&b, DV, WIDE, ahead == 0);
+        if (ahead > 0) ask_values(&b, b.lo, b.lo + ahead < b.hi ? b.lo + ahead : b.hi);
         for (int64_t r = 0; r < b.R; r++)
             for (int64_t h = 0; h < NH; h++)
                 if (b.n[r] > 0) b.s[(r * NH + h) * b.stride + longest - 1] =
                     softmax_numerator(b.s + (r * NH + h) * b.stride, b.n[r]);
-        if (ahead > 0) ask_values(&b, b.lo, b.lo + ahead < b.hi ? b.lo + ahead : b.hi);
         for (int64_t j = b.lo; j < b.hi; j += KEY_TILE) {
             const int64_t next = j + ahead + KEY_TILE;
             if (ahead > 0 && j + ahead < b.hi) ask_values(&b, j + ahead, next < b.hi ? next : b.hi);
