@@ -36,16 +36,16 @@ variant of a constant without a second folder).
 
 `--attention` times `paged_attention` instead (the compiled attention, `_attention.c`)
 in SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, 16-token blocks): decode
-steps of 1, 8 and 32 sequences at 256 tokens of context over 30 layers' caches, their
-blocks scattered over the pool as in a server that has run a while, and one 512-token
-prefill chunk; outputs asserted
-bit-identical, and the KV bytes read per second. The 30 layers' KV (12 MB at batch 1)
-fits the 32 MB L3, so the "weights read between" cases read ~2.2 MB of other memory
-before each call, as a step's weights stream between its attention calls, and time the
-calls alone: the KV then comes from memory, as it does in a real step. First it prints
-what plain reads of the same 12 KB blocks reach (bench/reads.py's `block_read`: in
-address order, shuffled, shuffled with the next block asked for): the ceilings of the
-KV GB/s columns.
+steps of 1, 8 and 32 sequences at 256 tokens of context over 30 layers' caches (on 2 MB
+pages, as the served pool is), their blocks scattered over the pool as in a server that
+has run a while, and one 512-token prefill chunk; which build goes first alternates, the
+outputs are asserted bit-identical, and the KV bytes read per second printed. The 30
+layers' KV (12 MB at batch 1) fits the 32 MB L3, so the "weights read between" cases read
+~2.2 MB of other memory before each call, as a step's weights stream between its
+attention calls, and time the calls alone: the KV then comes from memory, as it does in
+a real step. First it prints what plain reads of the same 12 KB blocks reach
+(bench/reads.py's `block_read`: in address order, shuffled, shuffled with the next block
+asked for): the ceilings of the KV GB/s columns.
 """
 
 from __future__ import annotations

@@ -110,7 +110,10 @@ double block_read(int64_t block, int64_t total, int threads, int order, int reps
     const int64_t nb = total / block;
     char *buf = pages(nb * block), *other = pages(64 << 20);
     int64_t *perm = block_order(nb, order);
-    if (buf == NULL || other == NULL || perm == NULL) return free(buf), free(other), free(perm), -1;
+    if (buf == NULL || other == NULL || perm == NULL) {
+        free(buf), free(other), free(perm);
+        return -1;
+    }
     double best = 1e9, sink = 0;
     for (int rep = 0; rep < reps; rep++) {
 #pragma omp parallel num_threads(threads) reduction(+ : sink)

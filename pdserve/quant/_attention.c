@@ -304,8 +304,8 @@ INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV, con
  * whose arithmetic then overlaps their read. 1.20-1.22x at batch 8 and 32 and 1.19-1.23x
  * at 512-2,048 tokens of context (bench_kernel_ab.py --attention; 32, 64, 96 and 128
  * keys ahead: 1.16x, 1.16-1.19x, 1.16-1.18x, 1.14x before the first keys moved, which
- * added 1.02-1.05x). A row block of several rows keeps
- * asking with its scores: each value serves every row. */
+ * added 1.02-1.05x). A row block of several rows keeps asking with its scores: each
+ * value serves every row. */
 #define VALUES_AHEAD 64
 
 /* The values of keys [j0, j1) (KV heads [b->g, b->g + b->ng) of each), asked for into L2. */
