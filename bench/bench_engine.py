@@ -1,11 +1,12 @@
 """Engine speed vs HF transformers and the machine's floors, side by side in one run.
 
     .venv/bin/python bench/bench_engine.py [--model PATH] [--repeats 3] [--json out.json]
-        [--quantization none,gguf,q8_0,gguf+int8]
+        [--quantization none,gguf,q8_0,gguf+int8,gguf@float32]
 
 Measures on the same weights, dtype and thread count, for each --quantization (none:
 fp32 dequantized from the file; gguf: the file's own blocks; q8_0 / q4_0: the fp32
-weights requantized at load; a "+int8" suffix: those weights with `--activations int8`),
+weights requantized at load; a "+int8" suffix: those weights with `--activations int8`;
+an "@DTYPE" suffix: that `--kv-cache-dtype`, else `auto`: fp16 under quantized weights),
 against HF transformers in fp32:
 * prefill throughput (tokens/s) at prompt lengths 128 / 512 / 2048, batch 1;
 * decode step time (ms) at batch 1 / 8 / 32 / 64 with ~256 tokens of context;
@@ -14,7 +15,7 @@ against HF transformers in fp32:
   fp32 matmul rate (large square matmul), and from them the decode-step floor (the
   bytes that step must read / bandwidth: the weights in the format that setting reads
   - values and the scales the kernels read - and the KV cache its sequences attend,
-  fp32 K and V of every layer over the mean context of the timed steps) and the
+  K and V of every layer in the pool's dtype over the mean context of the timed steps) and the
   prefill floor (FLOPs / fp32 matmul rate; the quantized kernels compute in fp32 too);
 * beside the table, batch 1 against a second floor: a cold read of that step's bytes
   (`cold_read_bandwidth`, bench/reads.py's read after 64 MB of others), what the machine
@@ -178,11 +179,16 @@ def weight_bytes(model: CausalLM) -> int:
     return total
 
 
-def kv_bytes(cfg: ModelConfig, batch: int) -> int:
-    """Bytes of KV cache a decode step of `batch` sequences reads: fp32 K and V of every
-    layer at the mean context of the timed steps."""
+def kv_bytes(cfg: ModelConfig, batch: int, elem: int) -> int:
+    """Bytes of KV cache a decode step of `batch` sequences reads: K and V of every layer
+    at the mean context of the timed steps, `elem` bytes each (the pool's dtype)."""
     context = DECODE_CONTEXT + DECODE_STEPS // 2
-    return batch * cfg.num_hidden_layers * context * 2 * cfg.kv_size * 4
+    return batch * cfg.num_hidden_layers * context * 2 * cfg.kv_size * elem
+
+
+def engine_kv_bytes(e: Engine, batch: int) -> int:
+    """kv_bytes in the engine's own pool dtype (an fp16 cache under quantized weights)."""
+    return kv_bytes(e.core.model.config, batch, e.core.kv_layout.elem_size)
 
 
 def prefill_flops(cfg: ModelConfig, n: int) -> float:
@@ -302,9 +308,11 @@ def make_engine(cfg: EngineConfig, setting: str) -> Engine:
     """none / gguf: as `pdserve serve --quantization` loads the file; q8_0 / q4_0: the
     file's fp32 weights requantized at load (what `--quantization q8_0` does for a HF
     folder), so every setting serves the same model. A "+int8" suffix: the same weights
-    with `--activations int8`."""
+    with `--activations int8`; an "@DTYPE" suffix: that `--kv-cache-dtype`."""
+    setting, _, kv = setting.partition("@")
     quantization, _, activations = setting.partition("+")
     activations = activations or "fp32"
+    cfg = dataclasses.replace(cfg, kv_cache_dtype=kv or "auto")
     if quantization in ("none", "gguf"):
         return Engine.from_config(
             dataclasses.replace(cfg, quantization=quantization, activations=activations)
@@ -350,7 +358,7 @@ def main() -> int:
         o, h = _alternate(fns, functools.partial(hf_prefill, hf, n), args.repeats)
         floor = n / (prefill_flops(mc, n) / mm)
         rows.append(Row(f"prefill {n} tok", o, h, "tok/s", {q: floor for q in engines}))
-    step_bytes = {q: weight_bytes(e.core.model) + kv_bytes(mc, 1) for q, e in engines.items()}
+    step_bytes = {q: weight_bytes(e.core.model) + engine_kv_bytes(e, 1) for q, e in engines.items()}
     cold: dict[str, list[float]] = {q: [] for q in engines}
     second_core: list[float] = []  # fp32 FMA rate on two threads / on one, between runs
     trips: list[float] = []  # a cache line's round trip between the two cores, between runs
@@ -370,11 +378,12 @@ def main() -> int:
         fns = {q: functools.partial(ours_decode, e, b) for q, e in engines.items()}
         o, h = _alternate(fns, functools.partial(hf_then_cold_reads, b), args.repeats)
         floors = {
-            q: (weight_bytes(e.core.model) + kv_bytes(mc, b)) / bw * 1000
+            q: (weight_bytes(e.core.model) + engine_kv_bytes(e, b)) / bw * 1000
             for q, e in engines.items()
         }
         rows.append(Row(f"decode b={b} ctx~{DECODE_CONTEXT}", o, h, "ms/step", floors))
-    _print(rows, bw, mm, {q: weight_bytes(e.core.model) for q, e in engines.items()}, mc)
+    kv = {q: engine_kv_bytes(e, 1) for q, e in engines.items()}
+    _print(rows, bw, mm, {q: weight_bytes(e.core.model) for q, e in engines.items()}, kv)
     b1 = next(r for r in rows if r.name.startswith("decode b=1 "))
     for q in engines:
         rate = statistics.median(cold[q])
@@ -424,13 +433,14 @@ def _alternate(
 
 
 def _print(
-    rows: list[Row], bw: float, mm: float, weights: dict[str, int], cfg: ModelConfig
+    rows: list[Row], bw: float, mm: float, weights: dict[str, int], kv: dict[str, int]
 ) -> None:
     sizes = ", ".join(f"{q} {n / 1e6:.0f} MB" for q, n in weights.items())
+    kv_sizes = ", ".join(f"{q} {n / 1e6:.1f} MB" for q, n in kv.items())
     print(
         f"threads={torch.get_num_threads()}  read bandwidth={bw / 1e9:.1f} GB/s  "
         f"matmul={mm / 1e9:.1f} GFLOP/s  weights read per step: {sizes}; "
-        f"KV read per step and sequence: {kv_bytes(cfg, 1) / 1e6:.1f} MB"
+        f"KV read per step and sequence: {kv_sizes}"
     )
     print(
         f"| {'case':24} | {'setting':8} | {'pdserve':>9} | {'HF fp32':>9} | unit    | ours/HF "

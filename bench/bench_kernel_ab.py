@@ -120,10 +120,12 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def attention_case(batch: int, context: int, chunk: int, rng: torch.Generator) -> dict:
+def attention_case(
+    batch: int, context: int, chunk: int, rng: torch.Generator, f16: bool = False
+) -> dict:
     """Caches of LAYERS layers and the per-row ranges of a step: `batch` sequences of
     `context` tokens decoding one row each, or (chunk > 0) one sequence's last `chunk`
-    prompt rows."""
+    prompt rows. With `f16`, the values are fp16's and "caches16" holds them as fp16."""
     blocks_per_seq = -(-context // BLOCK)
     n_blocks = batch * blocks_per_seq
     order = torch.randperm(n_blocks, generator=rng).to(torch.int32)
@@ -136,16 +138,16 @@ def attention_case(batch: int, context: int, chunk: int, rng: torch.Generator) -
         rows[:, 0] = torch.arange(batch, dtype=torch.int32)
         rows[:, 2] = context
     shape = (n_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    caches = [
-        (
-            on_huge_pages(torch.randn(shape, generator=rng)),
-            on_huge_pages(torch.randn(shape, generator=rng)),
-        )
-        for _ in range(LAYERS)
-    ]
+    values = [[torch.randn(shape, generator=rng) for _ in range(2)] for _ in range(LAYERS)]
+    if f16:
+        values = [[t.half().float() for t in layer] for layer in values]
+    caches = [tuple(on_huge_pages(t) for t in layer) for layer in values]
     q = torch.randn(q_rows, HEADS * HEAD_DIM, generator=rng)
     kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * 4
-    return {"caches": caches, "q": q, "rows": rows, "tables": tables, "bytes": kv_bytes}
+    case = {"caches": caches, "q": q, "rows": rows, "tables": tables, "bytes": kv_bytes}
+    if f16:
+        case["caches16"] = [tuple(on_huge_pages(t.half()) for t in layer) for layer in values]
+    return case
 
 
 # What a decode step of the shipped model reads between two attention calls: one layer's
@@ -155,20 +157,21 @@ LAYER_WEIGHT_BYTES = 2_200_000
 
 
 def attention_step(
-    mod: ModuleType, case: dict, threads: int, weights: torch.Tensor | None
+    mod: ModuleType, case: dict, threads: int, weights: torch.Tensor | None, f16: bool = False
 ) -> tuple[list[torch.Tensor], float]:
     """One call per layer, as a model step makes them (with `weights`, a layer's slice of
-    them read before each call); the outputs and the calls' summed time."""
+    them read before each call), over the fp32 caches or (f16) the fp16 ones; the outputs
+    and the calls' summed time."""
     q, rows, tables = case["q"], case["rows"], case["tables"]
     outs, spent = [], 0.0
-    for layer, (kc, vc) in enumerate(case["caches"]):
+    for layer, (kc, vc) in enumerate(case["caches16" if f16 else "caches"]):
         out = torch.empty_like(q)
         if weights is not None:
             weights[layer].sum()
         t = time.perf_counter()
         mod.paged_attention(
             q.data_ptr(), q.stride(0), q.shape[0], HEADS, KV_HEADS, HEAD_DIM, kc.data_ptr(),
-            vc.data_ptr(), BLOCK, rows.data_ptr(), tables.data_ptr(), tables.stride(0),
+            vc.data_ptr(), int(f16), BLOCK, rows.data_ptr(), tables.data_ptr(), tables.stride(0),
             out.data_ptr(), out.stride(0), HEAD_DIM**-0.5, threads,
         )  # fmt: skip
         spent += time.perf_counter() - t
@@ -176,7 +179,8 @@ def attention_step(
     return outs, spent
 
 
-def attention_ab(mods: list[ModuleType], threads: int) -> None:
+def attention_ab(mods: list[ModuleType], threads: int, b_f16: bool = False) -> None:
+    """See the module docstring (`--attention`; `b_f16`: `--kv16`)."""
     rng = torch.Generator().manual_seed(0)
     # What a read of the same bytes can reach, for the KV GB/s columns: 12 KB blocks (16
     # tokens of one layer's K or V) in 377 MB (batch 32's KV), scattered as in the cases.
@@ -194,19 +198,20 @@ def attention_ab(mods: list[ModuleType], threads: int) -> None:
     cases += [(f"decode b={b}, ctx 256, weights read between", b, 256, 0, weights) for b in (1, 8)]
     cases.append(("prefill chunk 512, ctx 512", 1, 512, 512, None))
     for name, batch, context, chunk, between in cases:
-        case = attention_case(batch, context, chunk, rng)
+        case = attention_case(batch, context, chunk, rng, b_f16)
         times: list[list[float]] = [[], []]
         outs: list[list[torch.Tensor]] = []
         for rep in range(16):
             outs = [[], []]
             for i in (0, 1) if rep % 2 == 0 else (1, 0):  # which goes first alternates
-                outs[i], spent = attention_step(mods[i], case, threads, between)
+                outs[i], spent = attention_step(mods[i], case, threads, between, b_f16 and i == 1)
                 times[i].append(spent)
         for a, b in zip(*outs, strict=True):
             assert torch.equal(a, b), f"{name}: bits differ"
         ta, tb = (statistics.median(t) for t in times)
-        gb = case["bytes"] / 1e9
-        print(f"| {name} | {ta * 1e3:.2f} | {tb * 1e3:.2f} | {gb / ta:.1f} | {gb / tb:.1f} "
+        gb = case["bytes"] / 1e9  # fp32's bytes: B reads half of them with --kv16
+        gb_b = gb / 2 if b_f16 else gb
+        print(f"| {name} | {ta * 1e3:.2f} | {tb * 1e3:.2f} | {gb / ta:.1f} | {gb_b / tb:.1f} "
               f"| {ta / tb:.2f}x |")  # fmt: skip
 
 
@@ -289,6 +294,9 @@ def main() -> int:
         "--activations", choices=("fp32", "int8"), help="default: fp32, int8 with --step"
     )
     ap.add_argument("--attention", action="store_true", help="time paged_attention instead")
+    ap.add_argument(
+        "--kv16", action="store_true", help="--attention: B reads an fp16 cache of A's values"
+    )
     ap.add_argument("--step", action="store_true", help="time a decode step's layers instead")
     ap.add_argument("--whole", action="store_true", help="--step: whole steps, builds alternating")
     ap.add_argument("--batch", type=int, default=1, help="--step's sequences")
@@ -302,7 +310,7 @@ def main() -> int:
         pairs = zip("ab", args.build, strict=True)
         mods = [load(f"{lab}._kernels", build(f, Path(tmp) / lab)) for lab, f in pairs]
         if args.attention:
-            attention_ab(mods, args.threads)
+            attention_ab(mods, args.threads, args.kv16)
             return 0
         if args.step:
             step_ab(

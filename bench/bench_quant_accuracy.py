@@ -2,12 +2,17 @@
 perplexity (issue 20, acceptance 2).
 
     .venv/bin/python bench/bench_quant_accuracy.py [--model PATH] [--quantization gguf]
-        [--activations fp32]
+        [--activations fp32] [--kv-cache-dtype auto]
+        [--reference none] [--reference-kv-cache-dtype float32]
 
-The reference is `--quantization none`: the file's blocks dequantized to fp32, so both
-settings hold exactly the same weights and the only difference is the order of the
-kernels' fp32 sums, and their compiled attention (pdserve/quant/README.md) - or, with
-`--activations int8`, also the rounding of the activations to int8 (llama.cpp's method).
+The reference is `--quantization none` with an fp32 KV cache: the file's blocks
+dequantized to fp32, so both settings hold exactly the same weights and the only
+difference is the order of the kernels' fp32 sums, and their compiled attention
+(pdserve/quant/README.md) - or, with `--activations int8`, also the rounding of the
+activations to int8 (llama.cpp's method), and with an fp16 KV cache (`auto` under
+quantized weights) the rounding of each K and V to fp16. `--reference gguf` compares two
+settings of the quantized model instead (e.g. `--kv-cache-dtype float16` against
+`--reference-kv-cache-dtype float32`: what the fp16 cache alone changes).
 
 * Greedy agreement: 16 varied chat prompts (the length predictor's six task kinds,
   predictor/prompts.py, seed 0) x 64 tokens with ignore_eos: the share of continuations
@@ -26,7 +31,7 @@ import sys
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import KV_CACHE_DTYPES, EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.cache import KVCache
@@ -67,12 +72,13 @@ def fixed_text() -> str:
 
 
 @torch.inference_mode()
-def perplexity(model: CausalLM, ids: list[int]) -> float:
-    """exp(mean NLL of each token given those before it), one prefill over a fresh pool."""
+def perplexity(model: CausalLM, ids: list[int], kv_dtype: str) -> float:
+    """exp(mean NLL of each token given those before it), one prefill over a fresh pool
+    of `kv_dtype`."""
     c = model.config
     blocks = -(-len(ids) // BLOCK)
     layout = KVLayout(
-        c.num_hidden_layers, blocks, BLOCK, c.num_key_value_heads, c.head_dim, "float32"
+        c.num_hidden_layers, blocks, BLOCK, c.num_key_value_heads, c.head_dim, kv_dtype
     )
     cache = KVCache(layout, num_host_blocks=0)
     seqs = [SeqSpec(0, len(ids), list(range(blocks)))]
@@ -90,37 +96,50 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--quantization", default="gguf")
     ap.add_argument("--activations", default="fp32", choices=("fp32", "int8"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    ap.add_argument("--reference", default="none", help="the reference's --quantization")
+    ap.add_argument("--reference-kv-cache-dtype", default="float32", choices=KV_CACHE_DTYPES)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     prompts = [text for _, text in make_prompts(NUM_PROMPTS, seed=0)]
+    settings = {
+        "reference": EngineConfig(
+            model=args.model, quantization=args.reference,
+            kv_cache_dtype=args.reference_kv_cache_dtype,
+        ),
+        "tested": EngineConfig(
+            model=args.model, quantization=args.quantization, activations=args.activations,
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
+    }  # fmt: skip
     results = {}
-    for q in ("none", args.quantization):
-        acts = args.activations if q != "none" else "fp32"
-        config = EngineConfig(model=args.model, quantization=q, activations=acts)
+    for name, config in settings.items():
         engine = Engine.from_config(config)
         ids = engine.tokenizer.encode(fixed_text(), False)[:PPL_TOKENS]
         assert len(ids) == PPL_TOKENS, len(ids)
-        results[q] = {
+        kv = engine.core.kv_layout.dtype
+        results[name] = {
             "tokens": greedy(engine, prompts),
-            "perplexity": perplexity(engine.core.model, ids),
+            "perplexity": perplexity(engine.core.model, ids, kv),
             "formats": engine.core.model.weight_formats,
+            "kv": kv,
         }
         del engine
-    ref, got = results["none"], results[args.quantization]
+    ref, got = results["reference"], results["tested"]
     diffs = [first_difference(a, b) for a, b in zip(ref["tokens"], got["tokens"], strict=True)]
     same = sum(d is None for d in diffs)
     ratio = got["perplexity"] / ref["perplexity"]
     print(
-        f"{args.quantization} ({', '.join(got['formats'])}, {args.activations} activations)"
-        " vs none (fp32):"
+        f"{args.quantization} ({', '.join(got['formats'])}, {args.activations} activations, "
+        f"{got['kv']} KV) vs {args.reference} ({', '.join(ref['formats'])}, {ref['kv']} KV):"
     )
     print(f"  identical greedy continuations: {same}/{NUM_PROMPTS} ({NUM_TOKENS} tokens each)")
     print(
         f"  first divergence positions of the others: {sorted(d for d in diffs if d is not None)}"
     )
     print(
-        f"  perplexity over {PPL_TOKENS} tokens: fp32 {ref['perplexity']:.4f}, "
-        f"{args.quantization} {got['perplexity']:.4f} (ratio {ratio:.4f})"
+        f"  perplexity over {PPL_TOKENS} tokens: reference {ref['perplexity']:.4f}, "
+        f"tested {got['perplexity']:.4f} (ratio {ratio:.4f})"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -61,8 +61,8 @@ def add_quantization_flag(p: argparse.ArgumentParser) -> None:
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
-    """--device and --dtype, shared by `generate` and `serve`."""
-    from pdserve.config import EngineConfig
+    """--device, --dtype and --kv-cache-dtype, shared by `generate` and `serve`."""
+    from pdserve.config import KV_CACHE_DTYPES, EngineConfig
     from pdserve.kv.layout import DTYPE_SIZES
 
     p.add_argument(
@@ -76,8 +76,16 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=sorted(DTYPE_SIZES),
         default=EngineConfig.dtype,
-        help="weights, activations and KV cache of fp weights; quantized weights are served "
+        help="weights and activations of fp weights; quantized weights are served "
         "in float32 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=EngineConfig.kv_cache_dtype,
+        help="what the KV cache holds: auto = float16 under quantized weights (as llama.cpp; "
+        "half the bytes to read, hold and move, widened exactly as the attention reads "
+        "them) and --dtype under fp weights (default: %(default)s)",
     )
 
 
@@ -114,6 +122,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         activations=args.activations,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = Engine.from_config(config)
     tok = engine.tokenizer

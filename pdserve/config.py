@@ -18,6 +18,11 @@ from pdserve.kv.layout import DTYPE_SIZES
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0")
 # --activations values: how the quantized kernels take activations (pdserve/quant/linear.py).
 ACTIVATIONS = ("fp32", "int8")
+# What the KV pool holds (--kv-cache-dtype): "auto" is float16 under quantized weights
+# (llama.cpp's default; the compiled attention widens it exactly as it reads, half the
+# bytes of float32 to read, hold, swap and move; docs/benchmarks.md "An fp16 KV cache")
+# and `dtype` under fp weights (vLLM's "auto").
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 if TYPE_CHECKING:
     import torch
@@ -196,6 +201,8 @@ class EngineConfig:
     # default); "int8" rounded per 32 values, integer products (llama.cpp's method:
     # faster, not fp32's text; pdserve/quant/README.md). Needs quantized weights.
     activations: str = "fp32"
+    # The KV pool's dtype (KV_CACHE_DTYPES); resolved by `kv_dtype`.
+    kv_cache_dtype: str = "auto"
     role: Role = Role.COLOCATED
     # Context limit of one request (prompt + generation); None = the model's own,
     # lowered to what the KV pool can hold.
@@ -232,6 +239,11 @@ class EngineConfig:
             raise ValueError(
                 f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         _check_device_name(self.device)
         if self.device != "cpu" and self.role is not Role.COLOCATED:
             raise ValueError(
@@ -253,6 +265,19 @@ class EngineConfig:
         from pdserve.kv.transfer.layout import TORCH_DTYPES  # torch: only where it runs
 
         return TORCH_DTYPES[self.dtype]
+
+    def kv_dtype(self, quantized: bool) -> str:
+        """The KV pool's dtype for a model whose weights are (not) `quantized` (see
+        KV_CACHE_DTYPES). ValueError (a usage error) for bfloat16 under quantized weights:
+        their compiled attention reads float32 or float16."""
+        if self.kv_cache_dtype == "auto":
+            return "float16" if quantized else self.dtype
+        if quantized and self.kv_cache_dtype == "bfloat16":
+            raise ValueError(
+                "--kv-cache-dtype bfloat16: quantized weights' compiled attention reads a "
+                "float32 or float16 KV cache (or serve fp weights: --quantization none)"
+            )
+        return self.kv_cache_dtype
 
     @property
     def threads(self) -> int:

@@ -265,16 +265,18 @@ def test_int8_activations_need_weights_in_blocks_and_say_so() -> None:
     )
 
 
-def test_the_startup_line_says_how_activations_are_taken() -> None:
+def test_the_startup_line_says_how_activations_are_taken_and_what_the_kv_cache_holds() -> None:
     from pdserve.protocol.core import WeightsInfo
     from pdserve.server.launch import weights_line
 
-    int8 = WeightsInfo("gguf", ["Q4_1", "Q8_0"], "", ["int8"])
+    int8 = WeightsInfo("gguf", ["Q4_1", "Q8_0"], "", ["int8"], "float16")
     assert weights_line(int8) == (
         "pdserve: weights: Q4_1, Q8_0 blocks (gguf), by the compiled kernels (int8 activations)"
+        "; KV cache: float16"
     )
-    fp32 = WeightsInfo("gguf", ["Q4_1", "Q8_0"], "", ["fp32"])
-    assert weights_line(fp32).endswith("by the compiled kernels (fp32 activations)")
+    fp32 = WeightsInfo("gguf", ["Q4_1", "Q8_0"], "", ["fp32"], "float32")
+    line = weights_line(fp32)
+    assert line.endswith("by the compiled kernels (fp32 activations); KV cache: float32")
 
 
 @pytest.mark.kernels
@@ -339,3 +341,68 @@ def test_a_greedy_step_takes_its_tokens_from_the_argmax_of_its_one_call(tmp_path
     while engine.has_unfinished():
         engine.step()
     assert steps and all(s.argmax is None and s.logits is not None for s in steps)
+
+
+@pytest.mark.kernels
+def test_under_quantized_weights_the_kv_pool_is_fp16_and_holds_twice_the_blocks(
+    tmp_path: Path,
+) -> None:
+    """`--kv-cache-dtype auto` under a quantized GGUF: an fp16 pool, so the same KV memory
+    holds exactly twice the blocks of `float32`'s (and twice the tokens of context), for
+    the pool and its host tier; under fp weights auto is the weights' dtype. The K/V a
+    request writes land in the fp16 pool, and its greedy text is the same alone and
+    batched with others (the fp16 cache keeps the kernels' row invariance)."""
+    from pdserve.config import CacheConfig
+
+    path = make_tiny_gguf(tmp_path, quant="Q4_1")
+    cache = CacheConfig(kv_cache_memory_gib=1 / 64, swap_space_gib=1 / 128)
+    engines = {
+        kv: Engine.from_config(EngineConfig(model=str(path), kv_cache_dtype=kv, cache=cache))
+        for kv in ("auto", "float32")
+    }
+    auto, fp32 = engines["auto"].core, engines["float32"].core
+    assert (auto.kv_layout.dtype, fp32.kv_layout.dtype) == ("float16", "float32")
+    assert auto.runner.cache.device_tensor.dtype == torch.float16
+    # A block: 16 tokens x 2 layers x K, V x 2 heads x 16 = 2,048 elements, 8 KiB in fp32.
+    blocks = (auto.kv_layout.num_blocks, fp32.kv_layout.num_blocks)
+    assert blocks == (16 * 2**20 // 4096, 16 * 2**20 // 8192)
+    hosts = [c.runner.cache.host_layout for c in (auto, fp32)]
+    assert [h.num_blocks if h else 0 for h in hosts] == [8 * 2**20 // 4096, 8 * 2**20 // 8192]
+    fp = Engine.from_config(EngineConfig(model=str(path), quantization="none", cache=cache))
+    assert fp.core.kv_layout.dtype == "float32"
+
+    engine = engines["auto"]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 2, 77, 31], [8, 15, 40], [41, 3, 3, 7, 19, 23, 2]]
+
+    def run(batch: list[list[int]]) -> list[list[int]]:
+        ids = [engine.add_request(p, greedy) for p in batch]
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.token_ids)
+        return [done[i] for i in ids]
+
+    batched = run(prompts)
+    assert batched == [run([p])[0] for p in prompts]
+    assert auto.runner.cache.device_tensor.any()
+
+
+@pytest.mark.kernels
+def test_a_kv_cache_dtype_the_attention_cannot_read_is_a_usage_error() -> None:
+    """bfloat16 under quantized weights (their compiled attention reads fp32 or fp16):
+    exit 2 before any instance starts, naming the flag and the way out; a dtype that is
+    none of the choices: exit 2 with the choices."""
+    proc = run_cli("serve", "--port", "0", "--kv-cache-dtype", "bfloat16")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "pdserve: error: --kv-cache-dtype bfloat16: quantized weights' compiled attention "
+        "reads a float32 or float16 KV cache (or serve fp weights: --quantization none)"
+    )
+    proc = run_cli("generate", "hi", "--kv-cache-dtype", "fp8")
+    assert proc.returncode == 2
+    assert (
+        "argument --kv-cache-dtype: invalid choice: 'fp8' (choose from 'auto', 'float32', "
+        "'float16', 'bfloat16')" in proc.stderr
+    )

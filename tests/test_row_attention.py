@@ -20,6 +20,7 @@ from pdserve.model.attention import (
     AttentionMetadata,
     RowRanges,
     SeqSpec,
+    kv_is_f16,
     paged_attention,
     row_attention,
 )
@@ -27,6 +28,7 @@ from pdserve.model.base import CausalLM, ForwardHooks
 from pdserve.model.fused import norm_rows
 from pdserve.model.layers import RMSNorm, apply_rope
 from pdserve.quant.formats import QuantType, QuantWeight
+from pdserve.quant.kernels import kernels
 from pdserve.quant.linear import QuantLinear
 
 pytestmark = pytest.mark.kernels
@@ -62,8 +64,16 @@ class Case:
     def meta(self, per_row: bool, specs: list[SeqSpec] | None = None) -> AttentionMetadata:
         return AttentionMetadata.build(specs or self.specs, BS, self.window, per_row=per_row)
 
-    def compiled(self, threads: int | None = None) -> torch.Tensor:
-        cache, qkv = self.cache.clone(), self.qkv.clone()
+    def compiled(
+        self,
+        threads: int | None = None,
+        cache: torch.Tensor | None = None,
+        qkv: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """row_attention on copies of the case's cache and qkv, or on `cache` and `qkv`
+        themselves (written: the K/V into the cache, RoPE into qkv)."""
+        cache = self.cache.clone() if cache is None else cache
+        qkv = self.qkv.clone() if qkv is None else qkv
         old = torch.get_num_threads()
         torch.set_num_threads(threads or old)
         try:
@@ -296,11 +306,13 @@ def tiny_quantized(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
     return tiny(tmp_path_factory, "fp32")
 
 
-def run_steps(model: CausalLM, ids: list[int], chunks: list[int], decodes: int) -> torch.Tensor:
-    """Prefill `ids` in `chunks`, then greedy-decode; the logits of every position from
-    the last prompt token on, [1 + decodes, vocab]."""
+def run_steps(
+    model: CausalLM, ids: list[int], chunks: list[int], decodes: int, kv: str = "float32"
+) -> torch.Tensor:
+    """Prefill `ids` in `chunks`, then greedy-decode, over a `kv` cache; the logits of
+    every position from the last prompt token on, [1 + decodes, vocab]."""
     c = model.config
-    layout = KVLayout(c.num_hidden_layers, 32, BS, c.num_key_value_heads, c.head_dim, "float32")
+    layout = KVLayout(c.num_hidden_layers, 32, BS, c.num_key_value_heads, c.head_dim, kv)
     cache, table, seq, pos = KVCache(layout, num_host_blocks=0), list(range(1, 32)), list(ids), 0
     rows = []
     with torch.inference_mode():
@@ -335,20 +347,30 @@ def test_with_int8_activations_decoded_logits_equal_a_recompute_too(
     assert_recompute_is_exact(tiny(tmp_path_factory, "int8"))
 
 
-def assert_recompute_is_exact(model: CausalLM) -> None:
+def assert_recompute_is_exact(model: CausalLM, kv: str = "float32") -> None:
     prompt = [5, 9, 2, 77, 31, 8, 15]
-    decoded = run_steps(model, prompt, [len(prompt)], 12)
+    decoded = run_steps(model, prompt, [len(prompt)], 12, kv)
     tokens = prompt + [int(r.argmax()) for r in decoded[:-1]]
-    once = run_steps(model, tokens, [len(tokens)], 0)
+    once = run_steps(model, tokens, [len(tokens)], 0, kv)
     assert torch.equal(once[-1], decoded[-1])
-    whole = _all_logits(model, tokens)
+    whole = _all_logits(model, tokens, None, kv)
     assert torch.equal(whole[len(prompt) - 1 :], decoded)
-    assert torch.equal(_all_logits(model, tokens, [3, 9, 7]), whole)
+    assert torch.equal(_all_logits(model, tokens, [3, 9, 7], kv), whole)
 
 
-def _all_logits(model: CausalLM, ids: list[int], chunks: list[int] | None = None) -> torch.Tensor:
+def test_with_an_fp16_cache_decoded_logits_equal_a_recompute_too(
+    tiny_quantized: CausalLM,
+) -> None:
+    """The fp16 cache is written and read the same way by a decode and a prefill, so a
+    resumed request recomputes the bits it decoded over it too."""
+    assert_recompute_is_exact(tiny_quantized, "float16")
+
+
+def _all_logits(
+    model: CausalLM, ids: list[int], chunks: list[int] | None = None, kv: str = "float32"
+) -> torch.Tensor:
     c = model.config
-    layout = KVLayout(c.num_hidden_layers, 32, BS, c.num_key_value_heads, c.head_dim, "float32")
+    layout = KVLayout(c.num_hidden_layers, 32, BS, c.num_key_value_heads, c.head_dim, kv)
     cache, table, pos, out = KVCache(layout, num_host_blocks=0), list(range(1, 32)), 0, []
     with torch.inference_mode():
         for n in chunks or [len(ids)]:
@@ -359,11 +381,13 @@ def _all_logits(model: CausalLM, ids: list[int], chunks: list[int] | None = None
     return torch.cat(out)
 
 
-def test_the_compiled_path_agrees_with_the_torch_path(tiny_quantized: CausalLM) -> None:
-    """Same weights, torch attention and ops instead: logits within fp32 noise."""
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_the_compiled_path_agrees_with_the_torch_path(tiny_quantized: CausalLM, kv: str) -> None:
+    """Same weights, torch attention and ops instead: logits within fp32 noise, over an
+    fp32 cache or an fp16 one (which both round as they write)."""
     ids = [5, 9, 2, 77, 31, 8, 15, 40, 41]
     c = tiny_quantized.config
-    layout = KVLayout(c.num_hidden_layers, 8, BS, c.num_key_value_heads, c.head_dim, "float32")
+    layout = KVLayout(c.num_hidden_layers, 8, BS, c.num_key_value_heads, c.head_dim, kv)
     got = {}
     for per_row in (True, False):
         cache = KVCache(layout, num_host_blocks=0)
@@ -418,13 +442,13 @@ def test_the_one_call_refuses_rows_to_sample_outside_its_step_before_it_runs(
 
 
 def _mixed_step(
-    model: CausalLM, hooks: ForwardHooks | None, decodes: int = 0
+    model: CausalLM, hooks: ForwardHooks | None, decodes: int = 0, kv: str = "float32"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A step mixing a 5-row prefill chunk with two decodes (or, with `decodes`, that many
-    decodes alone: a step small enough for fused_layers' one-region path), on a cache
-    written by an earlier chunked prefill: (logits of every row, the cache after)."""
+    decodes alone: a step small enough for fused_layers' one-region path), on a `kv`
+    cache written by an earlier chunked prefill: (logits of every row, the cache after)."""
     c = model.config
-    layout = KVLayout(c.num_hidden_layers, 24, BS, c.num_key_value_heads, c.head_dim, "float32")
+    layout = KVLayout(c.num_hidden_layers, 24, BS, c.num_key_value_heads, c.head_dim, kv)
     cache = KVCache(layout, num_host_blocks=0)
     tables = [list(range(1, 8)), list(range(8, 16)), list(range(16, 24))]
     gen = torch.Generator().manual_seed(11)
@@ -489,3 +513,80 @@ def test_the_layers_in_one_call_give_the_bits_of_the_calls_per_layer(
         team = _mixed_step(model, None, decodes)
         assert team[0].shape[0] == decodes
         assert torch.equal(team[0], per_layer[0]) and torch.equal(team[1], per_layer[1])
+
+
+def test_with_an_fp16_cache_the_layers_in_one_call_give_the_bits_of_the_calls_per_layer(
+    tiny_quantized: CausalLM,
+) -> None:
+    """The one call, its thread team (1-3 decodes) and the calls per layer write and read
+    an fp16 cache the same way: the same logits and the same cache, bit for bit."""
+    for decodes in (0, 1, 2, 3):
+        per_layer = _mixed_step(
+            tiny_quantized, ForwardHooks(on_layer_done=lambda _: None), decodes, "float16"
+        )
+        one_call = _mixed_step(tiny_quantized, None, decodes, "float16")
+        assert per_layer[1].dtype == torch.float16 and per_layer[1].any()
+        assert torch.equal(one_call[0], per_layer[0]) and torch.equal(one_call[1], per_layer[1])
+
+
+# ---- an fp16 KV cache ----------------------------------------------------------------------
+
+
+def _attend_only(case: Case, qkv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """The compiled attention alone (no RoPE, no KV write) of the case's rows, over
+    `cache` as it is, with the queries in `qkv` (already rotated)."""
+    mod, ranges = kernels(), case.meta(True).ranges
+    assert mod is not None and ranges is not None
+    t, d = qkv.shape[0], case.d
+    out = torch.empty(t, case.h * d)
+    mod.paged_attention(
+        qkv.data_ptr(), qkv.stride(0), t, case.h, case.hkv, d, cache[0].data_ptr(),
+        cache[1].data_ptr(), kv_is_f16(cache), BS, ranges.rows.data_ptr(),
+        ranges.tables.data_ptr(), ranges.tables.stride(0), out.data_ptr(), out.stride(0),
+        d**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    ("seqs", "h", "hkv", "d", "window"),
+    [
+        (MIXED, 9, 3, 64, None),
+        (MIXED, 4, 4, 128, None),
+        (MIXED, 4, 2, 16, None),
+        (DECODES, 9, 3, 64, None),
+        (LONG, 9, 3, 64, None),
+        ([(300, 1)], 9, 3, 64, None),
+        ([(600, 1)], 6, 3, 24, None),
+        ([(180, 40)], 9, 3, 64, 130),
+    ],
+    ids=["mixed", "mixed-d128", "mixed-d16", "decodes", "long", "lone", "lone-d24", "window"],
+)
+def test_an_fp16_cache_is_an_fp32_cache_of_the_same_values(
+    seqs: list[tuple[int, int]], h: int, hkv: int, d: int, window: int | None
+) -> None:
+    """With an fp16 cache the step's K/V are written rounded as torch's .to(float16)
+    rounds them, and every row's output has the bits of the fp32 attention over an fp32
+    cache holding the same values (the loads widen exactly; nothing after them differs):
+    decodes, prefill chunks, a lone decode shared between threads, the head sizes with
+    their own code and the generic one, a sliding window. Its bits are the same on 1 and
+    2 threads, and it is torch's float64 attention over the unrounded cache to within
+    fp16's rounding."""
+    case = Case(seqs, h, hkv, d, window=window)
+    cache16, qkv = case.cache.half(), case.qkv.clone()
+    out = case.compiled(cache=cache16, qkv=qkv)
+    slots, t = case.meta(True).slot_mapping, qkv.shape[0]
+    rotated = qkv.view(t, h + 2 * hkv, d)
+    assert torch.equal(cache16[0].view(-1, hkv, d)[slots], rotated[:, h : h + hkv].half())
+    assert torch.equal(cache16[1].view(-1, hkv, d)[slots], rotated[:, h + hkv :].half())
+    assert torch.equal(out, _attend_only(case, qkv, cache16.float()))
+    assert torch.equal(case.compiled(threads=1, cache=case.cache.half()), out)
+    assert torch.equal(case.compiled(threads=2, cache=case.cache.half()), out)
+    torch.testing.assert_close(out, case.reference(), atol=2e-3, rtol=2e-3)
+
+
+def test_the_compiled_attention_refuses_a_cache_dtype_it_cannot_read() -> None:
+    case = Case(DECODES, 9, 3, 64)
+    refused = r"^the compiled attention reads a float32 or float16 KV cache, not torch.bfloat16$"
+    with pytest.raises(ValueError, match=refused):
+        case.compiled(cache=case.cache.bfloat16())

@@ -365,26 +365,30 @@ def test_open_routes_without_a_key(server: Server) -> None:
     assert server.get("/v1/models", key=KEY)[0] == 200
 
 
-def weights_card(s: Server, key: str | None = None) -> tuple[tuple[str, list[str], list[str]], str]:
-    """(quantization, weight_formats, activations) of the model card, and the /metrics
-    text."""
+def weights_card(
+    s: Server, key: str | None = None
+) -> tuple[tuple[str, list[str], list[str], str], str]:
+    """(quantization, weight_formats, activations, kv_cache_dtype) of the model card, and
+    the /metrics text."""
     status, body = s.get("/v1/models", key=key)
     assert status == 200
     (card,) = body["data"]
     metrics = httpx.get(s.url + "/metrics", timeout=30).text
-    return (card["quantization"], card["weight_formats"], card["activations"]), metrics
+    held = card["quantization"], card["weight_formats"], card["activations"], card["kv_cache_dtype"]
+    return held, metrics
 
 
 @pytest.mark.kernels
 def test_the_model_card_and_metrics_say_how_the_weights_are_held(server: Server) -> None:
     """The default load (--quantization auto) of the shipped Q4_1 GGUF: its blocks as they
     are, Q4_1 projections and the Q8_0 tied embedding / LM head, read by the kernels
-    with fp32 activations (the default)."""
+    with fp32 activations (the default), over an fp16 KV cache (auto's, under quantized
+    weights)."""
     card, metrics = weights_card(server, KEY)
-    assert card == ("gguf", ["Q4_1", "Q8_0"], ["fp32"])
+    assert card == ("gguf", ["Q4_1", "Q8_0"], ["fp32"], "float16")
     assert (
         'pdserve_model_weights_info{activations="fp32",formats="Q4_1,Q8_0",'
-        'quantization="gguf"} 1.0' in metrics
+        'kv_cache_dtype="float16",quantization="gguf"} 1.0' in metrics
     )
 
 
@@ -401,16 +405,19 @@ def test_server_exits_nonzero_when_the_engine_dies() -> None:
     s = Server("--max-model-len", "512", "--quantization", "auto", env={"PDSERVE_NO_KERNELS": "1"})
     try:
         card, metrics = weights_card(s)
-        assert card == ("none", ["float32"], ["float32"])
+        assert card == ("none", ["float32"], ["float32"], "float32")
         assert (
             'pdserve_model_weights_info{activations="float32",formats="float32",'
-            'quantization="none"} 1.0' in metrics
+            'kv_cache_dtype="float32",quantization="none"} 1.0' in metrics
         )
         engine_process(s).kill()
         assert s.proc.wait(10) == 1
         err = s.proc.stderr.read() if s.proc.stderr else ""
         assert "the engine process died" in err
-        assert "pdserve: weights: float32 (--quantization auto: PDSERVE_NO_KERNELS is set)" in err
+        assert (
+            "pdserve: weights: float32 (--quantization auto: PDSERVE_NO_KERNELS is set); "
+            "KV cache: float32" in err
+        )
     finally:
         s.stop()
 
@@ -519,10 +526,10 @@ def test_64_concurrent_streams_and_16_disconnects_leave_the_pool_clean() -> None
 
     try:
         card, metrics = weights_card(s, KEY)
-        assert card == ("gguf", ["Q4_1", "Q8_0"], ["int8"])
+        assert card == ("gguf", ["Q4_1", "Q8_0"], ["int8"], "float16")
         assert (
             'pdserve_model_weights_info{activations="int8",formats="Q4_1,Q8_0",'
-            'quantization="gguf"} 1.0' in metrics
+            'kv_cache_dtype="float16",quantization="gguf"} 1.0' in metrics
         )
         asyncio.run(scenario())
         deadline = time.monotonic() + 10  # far less than 4000 tokens would take

@@ -104,7 +104,7 @@ class EngineCore:
             block_size=kv_config.block_size,
             num_kv_heads=mc.num_key_value_heads,
             head_dim=mc.head_dim,
-            dtype=config.dtype,
+            dtype=config.kv_dtype(model.quantization.quantized),
         )
         # A prefill or decode pool is its transfer region's tensor from the start: peers
         # read and write it in place. A colocated core opens one if it ever switches.

@@ -17,6 +17,7 @@ from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.config import KVCacheConfig
+from pdserve.kv.layout import DTYPE_SIZES
 from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import (
@@ -97,7 +98,7 @@ def load_model(config: EngineConfig) -> CausalLM:
 
 def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[int]) -> EngineCore:
     """The token-level engine over a loaded model; KV pool sized from the config."""
-    kv_config = kv_config_for(config, model.config)
+    kv_config = kv_config_for(config, model.config, model.quantization.quantized)
     max_len = max_model_len_for(config, model.config, kv_config)
     eos = set(stop_token_ids) | set(model.config.eos_token_ids)
     head = None
@@ -106,9 +107,11 @@ def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[i
     return EngineCore(config, model, kv_config, max_len, sorted(eos), head)
 
 
-def kv_config_for(config: EngineConfig, model: ModelConfig) -> KVCacheConfig:
+def kv_config_for(config: EngineConfig, model: ModelConfig, quantized: bool) -> KVCacheConfig:
+    """The pool's block counts: the configured memory over a block's bytes in the pool's
+    dtype (`config.kv_dtype(quantized)`)."""
     c = config.cache
-    elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    elem = DTYPE_SIZES[config.kv_dtype(quantized)]
     block_bytes = c.block_size * model.kv_bytes_per_token(elem)
     num_blocks = c.num_blocks or max(1, int(c.kv_cache_memory_gib * 2**30) // block_bytes)
     num_host = c.num_host_blocks

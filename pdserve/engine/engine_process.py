@@ -292,9 +292,9 @@ def _start_heartbeat(ctx: zmq.Context, output_addr: str, interval_s: float) -> t
     return stop
 
 
-def weights_info(model: CausalLM) -> WeightsInfo:
+def weights_info(model: CausalLM, kv_dtype: str) -> WeightsInfo:
     q = model.quantization
-    return WeightsInfo(q.mode, model.weight_formats, q.reason, model.activations)
+    return WeightsInfo(q.mode, model.weight_formats, q.reason, model.activations, kv_dtype)
 
 
 def run_engine_process(
@@ -324,7 +324,10 @@ def run_engine_process(
         sys.exit(1)
     freeze_startup_heap()
     ready = EngineReady(
-        core.max_model_len, model.config.vocab_size, core.kv_layout, weights_info(model)
+        core.max_model_len,
+        model.config.vocab_size,
+        core.kv_layout,
+        weights_info(model, core.kv_layout.dtype),
     )
     out.send(encoder.encode(ready))
     loop = _Loop(core, inp, out, report)

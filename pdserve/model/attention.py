@@ -338,10 +338,11 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots,
+    rounded to the cache's dtype where it is narrower (round to nearest even)."""
     nkv, hd = k.shape[1], k.shape[2]
-    k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -383,10 +384,16 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor, out: torch.Tensor) -> tor
 
 
 def _gather_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ws: GatherWorkspace
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    ws: GatherWorkspace,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' K and V, in `dtype` (the queries'; widened from a narrower cache)."""
     kbuf, vbuf = ws.buffers(tables.numel(), k_cache)
-    return _gather(k_cache, tables, kbuf), _gather(v_cache, tables, vbuf)
+    ks, vs = _gather(k_cache, tables, kbuf), _gather(v_cache, tables, vbuf)
+    return ks.to(dtype), vs.to(dtype)
 
 
 def _decode_attention(
@@ -402,7 +409,7 @@ def _decode_attention(
     # GQA without repeating K/V: the `h // hkv` query heads sharing a KV head become
     # the "query length" axis of that KV head (HF orders heads kv-major, as here).
     qg = q.view(b, hkv, h // hkv, d)
-    kc, vc = _gather_kv(k_cache, v_cache, group.block_tables, ws)
+    kc, vc = _gather_kv(k_cache, v_cache, group.block_tables, ws, q.dtype)
     o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=group.mask, scale=scale)
     return o.reshape(b, h, d)
 
@@ -419,12 +426,13 @@ def _prefill_attention(
 ) -> torch.Tensor:
     qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if p.num_cached == 0:
-        # Fresh prompt: its whole context is this step's K/V; no cache read needed.
-        ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
-        vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        # Fresh prompt: its whole context is this step's K/V; no cache read needed. Its
+        # values are the cache's (rounded as the cache holds them), as a decode reads them.
+        ks = k[p.start : p.end].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        vs = v[p.start : p.end].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
     else:
         n_ctx = p.num_cached + (p.end - p.start)
-        ks, vs = _gather_kv(k_cache, v_cache, p.block_table[None], ws)
+        ks, vs = _gather_kv(k_cache, v_cache, p.block_table[None], ws, q.dtype)
         ks, vs = ks[:, :, :n_ctx], vs[:, :, :n_ctx]
     gqa = q.shape[1] != k.shape[1]
     if p.mask is None:
@@ -434,6 +442,21 @@ def _prefill_attention(
             qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=gqa
         )
     return o[0].transpose(0, 1)
+
+
+# The cache dtypes the compiled kernels read: fp32, and fp16 widened exactly to fp32 as it
+# is read (so the float operations after the load are the ones an fp32 cache holding the
+# same values gets).
+COMPILED_KV_DTYPES = (torch.float32, torch.float16)
+
+
+def kv_is_f16(cache: torch.Tensor) -> int:
+    """The kernels' `kv16` argument for a cache: 1 for fp16, 0 for fp32 (else ValueError)."""
+    if cache.dtype not in COMPILED_KV_DTYPES:
+        raise ValueError(
+            f"the compiled attention reads a float32 or float16 KV cache, not {cache.dtype}"
+        )
+    return int(cache.dtype == torch.float16)
 
 
 def row_attention(
@@ -451,19 +474,23 @@ def row_attention(
     k (in place in `qkv`), this step's K/V into the cache, then each row over its keys.
 
     qkv: [T, (H + 2 Hkv) D] fp32, contiguous rows; positions: [T] int64; cos, sin: the
-    whole [max_positions, D] tables; caches [num_blocks, bs, Hkv, D]. Returns [T, H D].
+    whole [max_positions, D] tables; caches [num_blocks, bs, Hkv, D], fp32 or fp16 (K/V
+    rounded to fp16 as they are written, widened exactly as they are read: `kv_is_f16`).
+    Returns [T, H D].
     Needs a `per_row` metadata and the compiled kernels (the caller checks both)."""
     mod, ranges = kernels(), meta.ranges
     assert mod is not None and ranges is not None
     t, (_, bs, hkv, d) = qkv.shape[0], k_cache.shape
     slots, ld = meta.slot_mapping, qkv.stride(0)
+    f16 = kv_is_f16(k_cache)
     mod.rope_write_kv(
         qkv.data_ptr(), ld, t, num_heads, hkv, d, positions.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), f16,
+        slots.data_ptr(),
     )  # fmt: skip
     out = torch.empty(t, num_heads * d, dtype=qkv.dtype)
     mod.paged_attention(
-        qkv.data_ptr(), ld, t, num_heads, hkv, d, k_cache.data_ptr(), v_cache.data_ptr(), bs,
+        qkv.data_ptr(), ld, t, num_heads, hkv, d, k_cache.data_ptr(), v_cache.data_ptr(), f16, bs,
         ranges.rows.data_ptr(), ranges.tables.data_ptr(), ranges.tables.stride(0),
         out.data_ptr(), out.stride(0), scale, torch.get_num_threads(),
     )  # fmt: skip

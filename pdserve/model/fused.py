@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.model.attention import AttentionMetadata
+from pdserve.model.attention import AttentionMetadata, kv_is_f16
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from pdserve.model.linear import Linear
 from pdserve.quant.kernels import kernels
@@ -104,8 +104,9 @@ class FusedLayers:
         greedy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """h: contiguous fp32 [T, hidden], updated in place; positions: int64 [T];
-        kv_caches: contiguous [layers, 2, blocks, bs, Hkv, D]; meta with `ranges`; sample:
-        int64 rows of h, each in [0, T) (IndexError otherwise), at most T of them.
+        kv_caches: contiguous [layers, 2, blocks, bs, Hkv, D], fp32 or fp16; meta with
+        `ranges`; sample: int64 rows of h, each in [0, T) (IndexError otherwise), at most T
+        of them.
 
         Returns (the final-norm hidden states of the `sample` rows, [len(sample), hidden];
         their logits, [len(sample), vocab], or None with no rows to sample or where the LM
@@ -128,7 +129,7 @@ class FusedLayers:
         self._call(
             self._records.data_ptr(), self._layers, h.data_ptr(), t, positions.data_ptr(),
             meta.slot_mapping.data_ptr(), self._rotary.cos.data_ptr(), self._rotary.sin.data_ptr(),
-            kv_caches.data_ptr(), kv_caches.stride(1), kv_caches.shape[3],
+            kv_caches.data_ptr(), kv_caches.stride(1), kv_is_f16(kv_caches), kv_caches.shape[3],
             ranges.rows.data_ptr(), ranges.tables.data_ptr(), ranges.tables.stride(0),
             qkv, att, gate_up, torch.get_num_threads(),
             norm.weight.data_ptr(), float(norm.eps), sample.data_ptr(), n, hidden.data_ptr(),

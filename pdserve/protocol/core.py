@@ -83,12 +83,14 @@ class WeightsInfo(msgspec.Struct, frozen=True):
     `quantization` "none" | "gguf" | "q8_0" | "q4_0"; `formats` what the projections
     read, sorted ("Q4_1", "Q8_0"; "float32" for full-precision ones); `note` why
     `--quantization auto` chose "none" ("" otherwise); `activations` how the projections
-    take activations, sorted ("fp32", "int8"; "float32" for full-precision ones)."""
+    take activations, sorted ("fp32", "int8"; "float32" for full-precision ones); and
+    beside the weights, `kv_cache_dtype` what the KV pool holds (`--kv-cache-dtype`)."""
 
     quantization: str
     formats: list[str]
     note: str = ""
     activations: list[str] = msgspec.field(default_factory=lambda: ["float32"])
+    kv_cache_dtype: str = "float32"
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag=True):

@@ -35,24 +35,24 @@
  * order; heads g + 1 ... of the same key follow at key + D .... The block arithmetic is
  * done once per run, not once per key (an integer division per key cost more than the
  * key's dot product). RUN runs at the start of each run, `blk` its index in the table. */
-#define FOR_EACH_KEY_RUN(a, cache, table, g, j0, j1, i, key, blk, RUN, BODY)            \
+#define FOR_EACH_KEY_RUN(a, cache, ES, table, g, j0, j1, i, key, blk, RUN, BODY)        \
     do {                                                                                  \
-        const int64_t stride_ = (a)->Hkv * (a)->D;                                        \
+        const int64_t stride_ = (a)->Hkv * (a)->D * (ES);                                 \
         for (int64_t j_ = (j0); j_ < (j1);) {                                             \
             const int64_t blk = j_ / (a)->bs, off_ = j_ % (a)->bs;                        \
             const int64_t run_ = (a)->bs - off_ < (j1) - j_ ? (a)->bs - off_ : (j1) - j_; \
-            const float *base_ = (cache) + (((int64_t)(table)[blk] * (a)->bs + off_) * (a)->Hkv + (g)) * (a)->D; \
+            const char *base_ = (const char *)(cache) + (((int64_t)(table)[blk] * (a)->bs + off_) * (a)->Hkv + (g)) * (a)->D * (ES); \
             RUN;                                                                          \
             for (int64_t r_ = 0; r_ < run_; r_++) {                                       \
                 const int64_t i = j_ - (j0) + r_;                                         \
-                const float *key = base_ + r_ * stride_;                                  \
+                const char *key = base_ + r_ * stride_;                                   \
                 BODY;                                                                     \
             }                                                                             \
             j_ += run_;                                                                   \
         }                                                                                 \
     } while (0)
-#define FOR_EACH_KEY(a, cache, table, g, j0, j1, i, key, BODY) \
-    FOR_EACH_KEY_RUN(a, cache, table, g, j0, j1, i, key, blk_, (void)0, BODY)
+#define FOR_EACH_KEY(a, cache, ES, table, g, j0, j1, i, key, BODY) \
+    FOR_EACH_KEY_RUN(a, cache, ES, table, g, j0, j1, i, key, blk_, (void)0, BODY)
 
 /* p = exp(s - max(s)) in place over n scores; returns sum(p). */
 INLINE float softmax_numerator(float *s, int64_t n) {
@@ -139,21 +139,30 @@ INLINE __m256 reduce8(const __m256 acc[8]) {
                          _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* Elements i .. i + 7 of a key or value record at p, as fp32: F16 (an fp16 cache) widens
+ * them exactly (F16C), so every float operation after the load is the one an fp32 cache
+ * holding the same values gets. ES: the cache's bytes per element. */
+#define ES_OF(F16) ((F16) ? 2 : 4)
+INLINE __m256 load_kv(const char *p, int64_t i, const int F16) {
+    if (F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i)));
+    return _mm256_loadu_ps((const float *)(p + 4 * i));
+}
+
 /* q.k for 8 keys at once and GH query heads (q, q + D, ...): out[x] lane m is exactly
  * dot(q_x, k_m) - the same FMA chain (8 lanes over D) and reduce8, however many heads go
  * together; GH > 1 loads each key vector once for all of them (see WIDE). */
-INLINE void dot8(const float *q, const float *const k[8], const int64_t D, const int GH,
-                 __m256 *out) {
+INLINE void dot8(const float *q, const char *const k[8], const int64_t D, const int GH,
+                 const int F16, __m256 *out) {
     __m256 acc[GROUP_HEADS][8];
     for (int x = 0; x < GH; x++) {
         const __m256 qv = _mm256_loadu_ps(q + x * D);
-        for (int m = 0; m < 8; m++) acc[x][m] = _mm256_mul_ps(qv, _mm256_loadu_ps(k[m]));
+        for (int m = 0; m < 8; m++) acc[x][m] = _mm256_mul_ps(qv, load_kv(k[m], 0, F16));
     }
     for (int64_t i = 8; i < D; i += 8) {
         __m256 qv[GROUP_HEADS];
         for (int x = 0; x < GH; x++) qv[x] = _mm256_loadu_ps(q + x * D + i);
         for (int m = 0; m < 8; m++) {
-            const __m256 kv = _mm256_loadu_ps(k[m] + i);
+            const __m256 kv = load_kv(k[m], i, F16);
             for (int x = 0; x < GH; x++) acc[x][m] = _mm256_fmadd_ps(qv[x], kv, acc[x][m]);
         }
     }
@@ -162,8 +171,8 @@ INLINE void dot8(const float *q, const float *const k[8], const int64_t D, const
 
 /* Scores of keys j0 .. j0 + cnt - 1 (addresses k of KV head b->g; padded to 8 with valid
  * addresses) for every (row, head) of the block whose range holds them. */
-INLINE void score_group(Block *b, const float *const k[8], int64_t j0, int64_t cnt,
-                        const int64_t DV, const int WIDE) {
+INLINE void score_group(Block *b, const char *const k[8], int64_t j0, int64_t cnt,
+                        const int64_t DV, const int WIDE, const int F16) {
     const Attn *a = b->a;
     const int64_t D = DV ? DV : b->D, G = b->G;
     const __m256 scale = _mm256_set1_ps(a->scale);
@@ -171,8 +180,8 @@ INLINE void score_group(Block *b, const float *const k[8], int64_t j0, int64_t c
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256i live = tail_mask(cnt);
     for (int64_t kv = 0; kv < b->ng; kv++) {
-        const float *kh[8]; /* KV head g + kv of the 8 keys */
-        for (int m = 0; m < 8; m++) kh[m] = k[m] + kv * D;
+        const char *kh[8]; /* KV head g + kv of the 8 keys */
+        for (int m = 0; m < 8; m++) kh[m] = k[m] + kv * D * ES_OF(F16);
         for (int64_t r = 0; r < b->R; r++) {
             const int64_t start = b->start[r], end = start + b->n[r];
             if (j0 >= end || j0 + cnt <= start) continue;
@@ -187,9 +196,9 @@ INLINE void score_group(Block *b, const float *const k[8], int64_t j0, int64_t c
                 __m256 dots[GROUP_HEADS];
                 const int64_t left = (kv + 1) * G - h;
                 const int gh = !WIDE ? 1 : left >= 3 ? 3 : (int)left;
-                if (gh == 3) dot8(q + h * D, kh, D, 3, dots);
-                else if (gh == 2) dot8(q + h * D, kh, D, 2, dots);
-                else dot8(q + h * D, kh, D, 1, dots);
+                if (gh == 3) dot8(q + h * D, kh, D, 3, F16, dots);
+                else if (gh == 2) dot8(q + h * D, kh, D, 2, F16, dots);
+                else dot8(q + h * D, kh, D, 1, F16, dots);
                 for (int x = 0; x < gh; x++, h++)
                     _mm256_maskstore_ps(s + h * b->stride, mask, _mm256_mul_ps(dots[x], scale));
             }
@@ -198,11 +207,13 @@ INLINE void score_group(Block *b, const float *const k[8], int64_t j0, int64_t c
 }
 
 /* Scores of every (row, head) of the block: s = q.k * scale, keys in order. */
-INLINE void block_scores(Block *b, const int64_t DV, const int WIDE, const int ASK_VALUES) {
+INLINE void block_scores(Block *b, const int64_t DV, const int WIDE, const int ASK_VALUES,
+                         const int F16) {
     const Attn *a = b->a;
-    const float *k8[8];
-    int64_t cnt = 0, first = 0, ahead = 0; /* ahead: floats to this slot of the next block */
-    const int64_t block = a->bs * a->Hkv * a->D, lines = (b->ng * a->D * 4 + 63) / 64;
+    const int64_t ES = ES_OF(F16);
+    const char *k8[8];
+    int64_t cnt = 0, first = 0, ahead = 0; /* ahead: bytes to this slot of the next block */
+    const int64_t block = a->bs * a->Hkv * a->D * ES, lines = (b->ng * a->D * ES + 63) / 64;
     /* With each key, the key in the same slot of the next cache block is asked for, into
      * L2, and with ASK_VALUES its value (read after every score) too. In a decode step
      * the KV comes from memory (the layers' weights streamed through L3 since; at batch
@@ -212,24 +223,24 @@ INLINE void block_scores(Block *b, const int64_t DV, const int WIDE, const int A
      * --attention; KV read at 17.5-22 GB/s instead of 14-16) over a whole block asked for
      * at once into L1 (itself 1.1-1.25x over no prefetch); two blocks ahead gained nothing
      * more. A decode row asks for its values later instead (see VALUES_AHEAD). */
-    FOR_EACH_KEY_RUN(a, a->kc, b->table, b->g, b->lo, b->hi, i, k, blk, {
+    FOR_EACH_KEY_RUN(a, a->kc, ES, b->table, b->g, b->lo, b->hi, i, k, blk, {
         ahead = (blk + 1) * a->bs < b->hi ? ((int64_t)b->table[blk + 1] - b->table[blk]) * block : 0;
     }, {
-        const char *v = (const char *)(a->vc + (k - a->kc));
+        const char *v = (const char *)a->vc + (k - (const char *)a->kc);
         if (ASK_VALUES)
             for (int64_t l = 0; l < lines; l++) _mm_prefetch(v + 64 * l, _MM_HINT_T1);
         if (ahead != 0)
-            for (int64_t l = 0; l < lines; l++) _mm_prefetch((const char *)(k + ahead) + 64 * l, _MM_HINT_T1);
+            for (int64_t l = 0; l < lines; l++) _mm_prefetch(k + ahead + 64 * l, _MM_HINT_T1);
         if (cnt == 0) first = b->lo + i;
         k8[cnt++] = k;
         if (cnt == 8) {
-            score_group(b, k8, first, 8, DV, WIDE);
+            score_group(b, k8, first, 8, DV, WIDE, F16);
             cnt = 0;
         }
     });
     if (cnt > 0) {
         for (int64_t m = cnt; m < 8; m++) k8[m] = k8[0];
-        score_group(b, k8, first, cnt, DV, WIDE);
+        score_group(b, k8, first, cnt, DV, WIDE, F16);
     }
 }
 
@@ -237,7 +248,7 @@ INLINE void block_scores(Block *b, const int64_t DV, const int WIDE, const int A
  * [d0, d0 + 64), += sum of p_j v_j over keys [lo, hi), in order: each (head, lane) chain
  * as alone, one load of each value vector feeding the GH heads (see WIDE). */
 INLINE void value_heads(Block *b, int64_t r, int64_t kv, int64_t h0, int64_t d0, int64_t lo,
-                        int64_t hi, const int GH, const int64_t D) {
+                        int64_t hi, const int GH, const int64_t D, const int F16) {
     const Attn *a = b->a;
     __m256 acc[GROUP_HEADS][8];
     const float *p[GROUP_HEADS];
@@ -248,12 +259,12 @@ INLINE void value_heads(Block *b, int64_t r, int64_t kv, int64_t h0, int64_t d0,
         out[x] = b->acc + rh * D + d0;
         for (int i = 0; i < 8; i++) acc[x][i] = _mm256_loadu_ps(out[x] + 8 * i);
     }
-    FOR_EACH_KEY(a, a->vc, b->table, b->g, lo, hi, j, v, {
-        const float *vv = v + kv * D + d0;
+    FOR_EACH_KEY(a, a->vc, ES_OF(F16), b->table, b->g, lo, hi, j, v, {
+        const char *vv = v + (kv * D + d0) * ES_OF(F16);
         __m256 pj[GROUP_HEADS];
         for (int x = 0; x < GH; x++) pj[x] = _mm256_broadcast_ss(p[x] + j);
         for (int i = 0; i < 8; i++) {
-            const __m256 vi = _mm256_loadu_ps(vv + 8 * i);
+            const __m256 vi = load_kv(vv, 8 * i, F16);
             for (int x = 0; x < GH; x++) acc[x][i] = _mm256_fmadd_ps(pj[x], vi, acc[x][i]);
         }
     });
@@ -263,7 +274,8 @@ INLINE void value_heads(Block *b, int64_t r, int64_t kv, int64_t h0, int64_t d0,
 
 /* acc[r][h] += sum of p_j v_j over the keys of [j0, j1) in row r's range, in order. WIDE
  * (D a multiple of 64): the heads of a KV head three at a time (value_heads). */
-INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV, const int WIDE) {
+INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV, const int WIDE,
+                         const int F16) {
     const Attn *a = b->a;
     const int64_t D = DV ? DV : b->D, G = b->G;
     for (int64_t r = 0; r < b->R; r++) {
@@ -275,9 +287,9 @@ INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV, con
                 for (int64_t d0 = 0; d0 < D; d0 += 64)
                     for (int64_t h0 = 0; h0 < G;) {
                         const int64_t gh = G - h0 >= 3 ? 3 : G - h0;
-                        if (gh == 3) value_heads(b, r, kv, h0, d0, lo, hi, 3, D);
-                        else if (gh == 2) value_heads(b, r, kv, h0, d0, lo, hi, 2, D);
-                        else value_heads(b, r, kv, h0, d0, lo, hi, 1, D);
+                        if (gh == 3) value_heads(b, r, kv, h0, d0, lo, hi, 3, D, F16);
+                        else if (gh == 2) value_heads(b, r, kv, h0, d0, lo, hi, 2, D, F16);
+                        else value_heads(b, r, kv, h0, d0, lo, hi, 1, D, F16);
                         h0 += gh;
                     }
             continue;
@@ -287,10 +299,10 @@ INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV, con
             float *out = b->acc + (r * b->nh + h) * D;
             __m256 acc[32];
             for (int64_t i = 0; i < D / 8; i++) acc[i] = _mm256_loadu_ps(out + 8 * i);
-            FOR_EACH_KEY(a, a->vc, b->table, b->g, lo, hi, j, v, {
+            FOR_EACH_KEY(a, a->vc, ES_OF(F16), b->table, b->g, lo, hi, j, v, {
                 const __m256 pj = _mm256_broadcast_ss(p + j);
                 for (int64_t i = 0; i < D / 8; i++)
-                    acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + off + 8 * i), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(pj, load_kv(v, off + 8 * i, F16), acc[i]);
             });
             for (int64_t i = 0; i < D / 8; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
         }
@@ -309,18 +321,18 @@ INLINE void block_values(Block *b, int64_t j0, int64_t j1, const int64_t DV, con
 #define VALUES_AHEAD 64
 
 /* The values of keys [j0, j1) (KV heads [b->g, b->g + b->ng) of each), asked for into L2. */
-INLINE void ask_values(const Block *b, int64_t j0, int64_t j1) {
+INLINE void ask_values(const Block *b, int64_t j0, int64_t j1, const int F16) {
     const Attn *a = b->a;
-    const int64_t lines = (b->ng * a->D * 4 + 63) / 64;
-    FOR_EACH_KEY(a, a->vc, b->table, b->g, j0, j1, i, v, {
+    const int64_t lines = (b->ng * a->D * ES_OF(F16) + 63) / 64;
+    FOR_EACH_KEY(a, a->vc, ES_OF(F16), b->table, b->g, j0, j1, i, v, {
         (void)i;
-        for (int64_t l = 0; l < lines; l++) _mm_prefetch((const char *)v + 64 * l, _MM_HINT_T1);
+        for (int64_t l = 0; l < lines; l++) _mm_prefetch(v + 64 * l, _MM_HINT_T1);
     });
 }
 
 /* One row block, KV heads [g, g + ng). scratch: ROWS * H * (longest + D) floats. */
 INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scratch,
-                   int64_t longest, const int64_t DV, const int WIDE) {
+                   int64_t longest, const int64_t DV, const int WIDE, const int F16) {
     Block b = {.a = a, .g = g, .ng = ng, .G = a->H / a->Hkv, .D = DV ? DV : a->D,
                .t0 = rb.first, .R = rb.count, .stride = longest};
     const int64_t D = b.D, NH = b.nh = ng * b.G;
@@ -341,16 +353,17 @@ INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scr
     memset(b.acc, 0, sizeof(float) * (size_t)(b.R * NH * D));
     if (b.lo < b.hi) {
         const int64_t ahead = b.R == 1 ? VALUES_AHEAD : 0; /* see VALUES_AHEAD */
-        block_scores(&b, DV, WIDE, ahead == 0);
-        if (ahead > 0) ask_values(&b, b.lo, b.lo + ahead < b.hi ? b.lo + ahead : b.hi);
+        block_scores(&b, DV, WIDE, ahead == 0, F16);
+        if (ahead > 0) ask_values(&b, b.lo, b.lo + ahead < b.hi ? b.lo + ahead : b.hi, F16);
         for (int64_t r = 0; r < b.R; r++)
             for (int64_t h = 0; h < NH; h++)
                 if (b.n[r] > 0) b.s[(r * NH + h) * b.stride + longest - 1] =
                     softmax_numerator(b.s + (r * NH + h) * b.stride, b.n[r]);
         for (int64_t j = b.lo; j < b.hi; j += KEY_TILE) {
             const int64_t next = j + ahead + KEY_TILE;
-            if (ahead > 0 && j + ahead < b.hi) ask_values(&b, j + ahead, next < b.hi ? next : b.hi);
-            block_values(&b, j, j + KEY_TILE < b.hi ? j + KEY_TILE : b.hi, DV, WIDE);
+            if (ahead > 0 && j + ahead < b.hi)
+                ask_values(&b, j + ahead, next < b.hi ? next : b.hi, F16);
+            block_values(&b, j, j + KEY_TILE < b.hi ? j + KEY_TILE : b.hi, DV, WIDE, F16);
         }
     }
     for (int64_t r = 0; r < b.R; r++) {
@@ -370,18 +383,30 @@ INLINE void attend(const Attn *a, RowBlock rb, int64_t g, int64_t ng, float *scr
 
 KERNEL static void attend_any(const Attn *a, RowBlock rb, int64_t g, int64_t ng,
                               float *scratch, int64_t longest) {
+    const int f16 = a->kv16;
     switch (a->D) {
-        case 64: attend(a, rb, g, ng, scratch, longest, 64, 0); break;
-        case 128: attend(a, rb, g, ng, scratch, longest, 128, 0); break;
-        default: attend(a, rb, g, ng, scratch, longest, 0, 0); break;
+        case 64:
+            if (f16) attend(a, rb, g, ng, scratch, longest, 64, 0, 1);
+            else attend(a, rb, g, ng, scratch, longest, 64, 0, 0);
+            break;
+        case 128:
+            if (f16) attend(a, rb, g, ng, scratch, longest, 128, 0, 1);
+            else attend(a, rb, g, ng, scratch, longest, 128, 0, 0);
+            break;
+        default:
+            if (f16) attend(a, rb, g, ng, scratch, longest, 0, 0, 1);
+            else attend(a, rb, g, ng, scratch, longest, 0, 0, 0);
+            break;
     }
 }
 
 /* attend_any's WIDE build (see WIDE), for a head size of 64 or 128. */
 KERNEL_WIDE static void attend_wide(const Attn *a, RowBlock rb, int64_t g, int64_t ng,
                                     float *scratch, int64_t longest) {
-    if (a->D == 64) attend(a, rb, g, ng, scratch, longest, 64, 1);
-    else attend(a, rb, g, ng, scratch, longest, 128, 1);
+    if (a->D == 64 && a->kv16) attend(a, rb, g, ng, scratch, longest, 64, 1, 1);
+    else if (a->D == 64) attend(a, rb, g, ng, scratch, longest, 64, 1, 0);
+    else if (a->kv16) attend(a, rb, g, ng, scratch, longest, 128, 1, 1);
+    else attend(a, rb, g, ng, scratch, longest, 128, 1, 0);
 }
 
 /* The block's attention, WIDE where the plan says so and the block has several rows. */
@@ -407,21 +432,22 @@ static void attend_item(const AttnPlan *p, const Attn *a, RowBlock rb, int64_t g
  * each head's sum in its slot stride - 1. */
 INLINE void lone_values(const Attn *a, const int32_t *table, const float *s, int64_t stride,
                         int64_t lo, int64_t hi, int64_t kv, int64_t h, int64_t d0, int nv,
-                        const int GH) {
+                        const int GH, const int F16) {
     __m256 acc[3][VALUE_VECS];
     for (int x = 0; x < GH; x++)
         for (int i = 0; i < nv; i++) acc[x][i] = _mm256_setzero_ps();
-    const int64_t block = a->bs * a->Hkv * a->D;
-    int64_t ahead = 0; /* floats to this slot of the next block */
-    FOR_EACH_KEY_RUN(a, a->vc, table, kv, lo, hi, j, v, blk, {
+    const int64_t ES = ES_OF(F16), block = a->bs * a->Hkv * a->D * ES;
+    int64_t ahead = 0; /* bytes to this slot of the next block */
+    FOR_EACH_KEY_RUN(a, a->vc, ES, table, kv, lo, hi, j, v, blk, {
         ahead = (blk + 1) * a->bs < hi ? ((int64_t)table[blk + 1] - table[blk]) * block : 0;
     }, {
         if (ahead != 0) /* these lanes of this slot of the next block (else they stall) */
-            for (int i = 0; i < nv; i += 2) _mm_prefetch((const char *)(v + ahead + d0 + 8 * i), _MM_HINT_T1);
+            for (int i = 0; i < nv; i += 8 / ES) /* a line: 8 / ES vectors */
+                _mm_prefetch(v + ahead + (d0 + 8 * i) * ES, _MM_HINT_T1);
         __m256 pj[3];
         for (int x = 0; x < GH; x++) pj[x] = _mm256_broadcast_ss(s + (h + x) * stride + j);
         for (int i = 0; i < nv; i++) {
-            const __m256 vi = _mm256_loadu_ps(v + d0 + 8 * i);
+            const __m256 vi = load_kv(v, d0 + 8 * i, F16);
             for (int x = 0; x < GH; x++) acc[x][i] = _mm256_fmadd_ps(pj[x], vi, acc[x][i]);
         }
     });
@@ -434,8 +460,9 @@ INLINE void lone_values(const Attn *a, const int32_t *table, const float *s, int
 
 /* Thread c's lanes of the V records: [c L / P, (c + 1) L / P) of L = Hkv * D, at vector
  * bounds, a KV head's heads three at a time. */
-KERNEL static void lone_value_part(const Attn *a, const int32_t *table, const float *s,
-                                   int64_t stride, int64_t lo, int64_t hi, int64_t c, int64_t P) {
+INLINE void lone_value_lanes(const Attn *a, const int32_t *table, const float *s,
+                             int64_t stride, int64_t lo, int64_t hi, int64_t c, int64_t P,
+                             const int F16) {
     const int64_t vecs = a->Hkv * a->D / 8, G = a->H / a->Hkv;
     const int64_t first = c * vecs / P * 8, end = (c + 1) * vecs / P * 8;
     for (int64_t l = first; l < end;) {
@@ -446,13 +473,19 @@ KERNEL static void lone_value_part(const Attn *a, const int32_t *table, const fl
         for (int64_t h = kv * G; h < (kv + 1) * G;) {
             const int64_t gh = (kv + 1) * G - h;
             if (gh >= 3 && nv == VALUE_VECS)
-                lone_values(a, table, s, stride, lo, hi, kv, h, d0, VALUE_VECS, 3), h += 3;
-            else if (gh >= 3) lone_values(a, table, s, stride, lo, hi, kv, h, d0, nv, 3), h += 3;
-            else if (gh == 2) lone_values(a, table, s, stride, lo, hi, kv, h, d0, nv, 2), h += 2;
-            else lone_values(a, table, s, stride, lo, hi, kv, h, d0, nv, 1), h += 1;
+                lone_values(a, table, s, stride, lo, hi, kv, h, d0, VALUE_VECS, 3, F16), h += 3;
+            else if (gh >= 3) lone_values(a, table, s, stride, lo, hi, kv, h, d0, nv, 3, F16), h += 3;
+            else if (gh == 2) lone_values(a, table, s, stride, lo, hi, kv, h, d0, nv, 2, F16), h += 2;
+            else lone_values(a, table, s, stride, lo, hi, kv, h, d0, nv, 1, F16), h += 1;
         }
         l += 8 * nv;
     }
+}
+
+KERNEL static void lone_value_part(const Attn *a, const int32_t *table, const float *s,
+                                   int64_t stride, int64_t lo, int64_t hi, int64_t c, int64_t P) {
+    if (a->kv16) lone_value_lanes(a, table, s, stride, lo, hi, c, P, 1);
+    else lone_value_lanes(a, table, s, stride, lo, hi, c, P, 0);
 }
 
 /* Thread c's keys' scores, every head: keys [lo, hi) of the row cut in P ranges at
@@ -468,7 +501,8 @@ KERNEL static void lone_score_part(const Attn *a, float *s, int64_t longest, int
     b.lo = b.start[0] + c * groups / P * 8;
     b.hi = b.start[0] + (c + 1) * groups / P * 8;
     b.hi = b.hi < a->rows[2] ? b.hi : a->rows[2];
-    if (b.lo < b.hi) block_scores(&b, 0, 0, 0);
+    if (b.lo < b.hi && a->kv16) block_scores(&b, 0, 0, 0, 1);
+    else if (b.lo < b.hi) block_scores(&b, 0, 0, 0, 0);
 }
 
 /* A head's probabilities, and their sum in its last slot. */
@@ -590,13 +624,23 @@ int paged_attention(const Attn *a, int64_t T, int threads) {
     return 0;
 }
 
+/* n floats (a multiple of 8) into fp16, rounded to nearest even as torch's .to(float16)
+ * rounds (an fp32 beyond fp16's range becomes an infinity in both). */
+INLINE void store_f16(uint16_t *out, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
 /* qkv rows [T][ld]: H query heads, then Hkv key heads, then Hkv value heads, D each.
  * Rotates q and k in place (rotate-half RoPE: x * cos + rotate_half(x) * sin, as HF and
  * model/layers.py compute it: a product, a product, a sum) at positions[t], then copies
- * k and v into slot slots[t] of the cache. cos, sin: [max_positions][D]. */
+ * k and v into slot slots[t] of the cache (kv16: rounded to fp16). cos, sin:
+ * [max_positions][D]. */
 KERNEL void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv,
                           int64_t D, const int64_t *positions, const float *cos,
-                          const float *sin, float *kc, float *vc, const int64_t *slots) {
+                          const float *sin, void *kc, void *vc, int kv16,
+                          const int64_t *slots) {
     const int64_t half = D / 2;
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * ld;
@@ -609,7 +653,13 @@ KERNEL void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t 
                 x[i + half] = x2 * c[i + half] + x1 * s[i + half];
             }
         }
-        memcpy(kc + slots[t] * Hkv * D, row + H * D, sizeof(float) * Hkv * D);
-        memcpy(vc + slots[t] * Hkv * D, row + (H + Hkv) * D, sizeof(float) * Hkv * D);
+        const int64_t at = slots[t] * Hkv * D;
+        if (kv16) {
+            store_f16((uint16_t *)kc + at, row + H * D, Hkv * D);
+            store_f16((uint16_t *)vc + at, row + (H + Hkv) * D, Hkv * D);
+        } else {
+            memcpy((float *)kc + at, row + H * D, sizeof(float) * Hkv * D);
+            memcpy((float *)vc + at, row + (H + Hkv) * D, sizeof(float) * Hkv * D);
+        }
     }
 }

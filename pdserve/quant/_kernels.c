@@ -437,13 +437,19 @@ typedef struct {
     int64_t T;
     const int64_t *positions, *slots;
     const float *cos, *sin;
-    float *kv;         /* [layers][2][slots][Hkv][D] */
-    int64_t kv_layer;  /* floats from one layer's K to its V (and V to the next K) */
+    void *kv;          /* [layers][2][slots][Hkv][D], fp32 or (kv16) fp16 */
+    int64_t kv_layer;  /* elements from one layer's K to its V (and V to the next K) */
     int64_t bs;
     const int32_t *rows, *tables;
     int64_t ldt;
     float *qkv, *att, *gate_up; /* scratch: [T][qkv N], [T][H D], [T][gate_up N] */
+    int kv16;
 } Step;
+
+/* Layer i's K cache (v = 0) or V cache (v = 1). */
+static char *layer_kv(const Step *s, int64_t i, int v) {
+    return (char *)s->kv + (2 * i + v) * s->kv_layer * (s->kv16 ? 2 : 4);
+}
 
 /* What follows the layers in the same call: the final RMSNorm of the rows that sample and
  * the LM head over them (see py_fused_layers). */
@@ -595,7 +601,7 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
     if (rc == 0) {
         const Layer *l = &layers[0];
         const Attn shape = {s->qkv, l->qkv.N, s->kv, s->kv, l->H, l->Hkv, l->D, s->bs, s->rows,
-                            s->tables, s->ldt, s->att, l->H * l->D, (float)l->scale};
+                            s->tables, s->ldt, s->att, l->H * l->D, (float)l->scale, s->kv16};
         rc = attention_plan(&plan, &shape, T, threads);
     }
     for (int64_t i = 0; rc == 0 && i < n; i++) {
@@ -624,15 +630,15 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
                 const Prologue norm1 = {PRE_RMSNORM, (const float *)(intptr_t)l->norm1, (float)l->eps1};
                 const Prologue norm2 = {PRE_RMSNORM, (const float *)(intptr_t)l->norm2, (float)l->eps2};
                 const Prologue none = {PRE_NONE, NULL, 0.0f}, swiglu = {PRE_SWIGLU, NULL, 0.0f};
-                float *kc = s->kv + 2 * i * s->kv_layer, *vc = kc + s->kv_layer;
+                char *kc = layer_kv(s, i, 0), *vc = layer_kv(s, i, 1);
                 op_team(&l->qkv, &norm1, s->h, hidden, T, s->qkv, l->qkv.N, 0, my, lr, me);
                 PHASE(0);
 #pragma omp single
                 rope_write_kv(s->qkv, l->qkv.N, T, l->H, l->Hkv, l->D, s->positions, s->cos,
-                              s->sin, kc, vc, s->slots);
+                              s->sin, kc, vc, s->kv16, s->slots);
                 PHASE(1);
                 const Attn a = {s->qkv, l->qkv.N, kc, vc, l->H, l->Hkv, l->D, s->bs, s->rows,
-                                s->tables, s->ldt, s->att, l->H * l->D, (float)l->scale};
+                                s->tables, s->ldt, s->att, l->H * l->D, (float)l->scale, s->kv16};
                 attention_team(&plan, &a);
                 op_team(&l->o, &none, s->att, l->H * l->D, T, s->h, hidden, 1, my, lr + MAX_PARTS,
                         me);
@@ -683,13 +689,13 @@ static int fused_layers(const Layer *layers, int64_t n, const Step *s, const Tai
         const Prologue norm1 = {PRE_RMSNORM, (const float *)(intptr_t)l->norm1, (float)l->eps1};
         const Prologue norm2 = {PRE_RMSNORM, (const float *)(intptr_t)l->norm2, (float)l->eps2};
         const Prologue none = {PRE_NONE, NULL, 0.0f}, swiglu = {PRE_SWIGLU, NULL, 0.0f};
-        float *kc = s->kv + 2 * i * s->kv_layer, *vc = kc + s->kv_layer;
+        char *kc = layer_kv(s, i, 0), *vc = layer_kv(s, i, 1);
         int rc = run_op(&l->qkv, &norm1, s->h, hidden, s->T, s->qkv, l->qkv.N, 0, threads);
         if (rc != 0) return rc;
         rope_write_kv(s->qkv, l->qkv.N, s->T, l->H, l->Hkv, l->D, s->positions, s->cos, s->sin,
-                      kc, vc, s->slots);
+                      kc, vc, s->kv16, s->slots);
         const Attn a = {s->qkv, l->qkv.N, kc, vc, l->H, l->Hkv, l->D, s->bs, s->rows, s->tables,
-                        s->ldt, s->att, l->H * l->D, (float)l->scale};
+                        s->ldt, s->att, l->H * l->D, (float)l->scale, s->kv16};
         if ((rc = paged_attention(&a, s->T, threads)) != 0) return rc;
         if ((rc = run_op(&l->o, &none, s->att, l->H * l->D, s->T, s->h, hidden, 1, threads))) return rc;
         if ((rc = run_op(&l->gate_up, &norm2, s->h, hidden, s->T, s->gate_up, l->gate_up.N, 0,
@@ -822,9 +828,9 @@ static int ids_within(const char *fn, const char *what, const int64_t *ids, int6
     return 0;
 }
 
-/* fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, bs, rows, tables,
- * ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits,
- * argmax):
+/* fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, kv16, bs, rows,
+ * tables, ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head,
+ * logits, argmax):
  * DecoderLayer.forward_fused for n layers in one call (`layers`: n Layer records,
  * pdserve/model/fused.py; the rest up to `threads` as fused_layers' Step), then the tail:
  * hidden[i] = RMSNorm(h[sample[i]]) * norm_w for i < n_sample (sample int64, each in
@@ -833,18 +839,19 @@ static int ids_within(const char *fn, const char *what, const int64_t *ids, int6
  * row's argmax (argmax_rows). A sample row outside [0, T) is refused before anything runs.
  * The caller checks every shape and keeps every tensor alive. */
 static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[26];
-    const int floats[] = {19};
-    if (read_args(args, nargs, 26, v, floats, 1) < 0) return NULL;
+    Arg v[27];
+    const int floats[] = {20};
+    if (read_args(args, nargs, 27, v, floats, 1) < 0) return NULL;
     const Step s = {PTR(float *, v[2]), v[3].i, PTR(const int64_t *, v[4]),
                     PTR(const int64_t *, v[5]), PTR(const float *, v[6]),
-                    PTR(const float *, v[7]), PTR(float *, v[8]), v[9].i, v[10].i,
-                    PTR(const int32_t *, v[11]), PTR(const int32_t *, v[12]), v[13].i,
-                    PTR(float *, v[14]), PTR(float *, v[15]), PTR(float *, v[16])};
-    const int threads = v[17].i > 0 ? (int)v[17].i : 1;
-    const Tail tail = {{PRE_RMSNORM, PTR(const float *, v[18]), (float)v[19].f},
-                       PTR(const int64_t *, v[20]), v[21].i, PTR(float *, v[22]),
-                       PTR(const Op *, v[23]), PTR(float *, v[24]), PTR(int64_t *, v[25])};
+                    PTR(const float *, v[7]), PTR(void *, v[8]), v[9].i, v[11].i,
+                    PTR(const int32_t *, v[12]), PTR(const int32_t *, v[13]), v[14].i,
+                    PTR(float *, v[15]), PTR(float *, v[16]), PTR(float *, v[17]),
+                    v[10].i != 0};
+    const int threads = v[18].i > 0 ? (int)v[18].i : 1;
+    const Tail tail = {{PRE_RMSNORM, PTR(const float *, v[19]), (float)v[20].f},
+                       PTR(const int64_t *, v[21]), v[22].i, PTR(float *, v[23]),
+                       PTR(const Op *, v[24]), PTR(float *, v[25]), PTR(int64_t *, v[26])};
     if (tail.n < 0 || tail.n > s.T) {
         PyErr_Format(PyExc_ValueError, "fused_layers: %lld rows to sample, of %lld",
                      (long long)tail.n, (long long)s.T);
@@ -935,17 +942,18 @@ static PyObject *py_int8_supported(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(int8_supported());
 }
 
-/* paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, bs, rows, tables, ldt, out, ldo,
- * scale, threads): see _attention.c. rows and tables are int32. */
+/* paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, kv16, bs, rows, tables, ldt,
+ * out, ldo, scale, threads): see _attention.c. rows and tables are int32; kv16: the caches
+ * are fp16 (else fp32). */
 static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[16];
-    const int floats[] = {14};
-    if (read_args(args, nargs, 16, v, floats, 1) < 0) return NULL;
-    const Attn a = {PTR(const float *, v[0]), v[1].i, PTR(const float *, v[6]),
-                    PTR(const float *, v[7]), v[3].i, v[4].i, v[5].i, v[8].i,
-                    PTR(const int32_t *, v[9]), PTR(const int32_t *, v[10]), v[11].i,
-                    PTR(float *, v[12]), v[13].i, (float)v[14].f};
-    const int threads = v[15].i > 0 ? (int)v[15].i : 1;
+    Arg v[17];
+    const int floats[] = {15};
+    if (read_args(args, nargs, 17, v, floats, 1) < 0) return NULL;
+    const Attn a = {PTR(const float *, v[0]), v[1].i, PTR(const void *, v[6]),
+                    PTR(const void *, v[7]), v[3].i, v[4].i, v[5].i, v[9].i,
+                    PTR(const int32_t *, v[10]), PTR(const int32_t *, v[11]), v[12].i,
+                    PTR(float *, v[13]), v[14].i, (float)v[15].f, v[8].i != 0};
+    const int threads = v[16].i > 0 ? (int)v[16].i : 1;
     int rc;
     Py_BEGIN_ALLOW_THREADS;
     rc = paged_attention(&a, v[2].i, threads);
@@ -960,15 +968,16 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
-/* rope_write_kv(qkv, ld, T, H, Hkv, D, positions, cos, sin, k_cache, v_cache, slots):
- * see _attention.c. positions and slots are int64. */
+/* rope_write_kv(qkv, ld, T, H, Hkv, D, positions, cos, sin, k_cache, v_cache, kv16,
+ * slots): see _attention.c. positions and slots are int64; kv16: the caches are fp16. */
 static PyObject *py_rope_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[12];
-    if (read_args(args, nargs, 12, v, NULL, 0) < 0) return NULL;
+    Arg v[13];
+    if (read_args(args, nargs, 13, v, NULL, 0) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS;
     rope_write_kv(PTR(float *, v[0]), v[1].i, v[2].i, v[3].i, v[4].i, v[5].i,
                   PTR(const int64_t *, v[6]), PTR(const float *, v[7]), PTR(const float *, v[8]),
-                  PTR(float *, v[9]), PTR(float *, v[10]), PTR(const int64_t *, v[11]));
+                  PTR(void *, v[9]), PTR(void *, v[10]), v[11].i != 0,
+                  PTR(const int64_t *, v[12]));
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
@@ -981,8 +990,8 @@ static PyMethodDef methods[] = {
      "qlinear_int8(packed, kind, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,"
      " accumulate): y (+)= int8(P(x)) @ W^T, W packed by pack_int8"},
     {"fused_layers", (PyCFunction)(void (*)(void))py_fused_layers, METH_FASTCALL,
-     "fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, bs, rows, tables,"
-     " ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits,"
+     "fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, kv16, bs, rows,"
+     " tables, ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits,"
      " argmax): n fused decoder layers, then the final norm and LM head of the rows that"
      " sample (and their argmax), in one call"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
@@ -995,10 +1004,11 @@ static PyMethodDef methods[] = {
     {"int8_supported", py_int8_supported, METH_NOARGS,
      "whether this CPU runs qlinear_int8 (AVX-512 F/BW/VL/DQ and VNNI)"},
     {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
-     "paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, bs, rows, tables, ldt, out, ldo,"
+     "paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, kv16, bs, rows, tables, ldt, out,"
+     " ldo,"
      " scale, threads): each query row over its keys in the paged cache"},
     {"rope_write_kv", (PyCFunction)(void (*)(void))py_rope_write_kv, METH_FASTCALL,
-     "rope_write_kv(qkv, ld, T, H, Hkv, D, positions, cos, sin, k_cache, v_cache, slots):"
+     "rope_write_kv(qkv, ld, T, H, Hkv, D, positions, cos, sin, k_cache, v_cache, kv16, slots):"
      " RoPE on q and k in place, k and v into their cache slots"},
     {NULL, NULL, 0, NULL},
 };

@@ -138,7 +138,7 @@ static inline int64_t chunk_of(int64_t tiles, int threads, int per_thread) {
 typedef struct {
     const float *q;       /* query of row t, head h: q + t * ldq + h * D */
     int64_t ldq;
-    const float *kc, *vc; /* [slots][Hkv][D] */
+    const void *kc, *vc; /* [slots][Hkv][D], fp32 or (kv16) fp16 */
     int64_t H, Hkv, D, bs;
     const int32_t *rows;   /* [T][3]: sequence, first key, end key (exclusive) */
     const int32_t *tables; /* [S][ldt]: each sequence's block ids */
@@ -146,6 +146,7 @@ typedef struct {
     float *out; /* row t, head h: out + t * ldo + h * D */
     int64_t ldo;
     float scale;
+    int kv16; /* the cache holds fp16 (read widened to fp32) */
 } Attn;
 
 int paged_attention(const Attn *a, int64_t T, int threads);
@@ -171,8 +172,8 @@ int attention_plan(AttnPlan *p, const Attn *a, int64_t T, int threads);
 void attention_team(const AttnPlan *p, const Attn *a);
 void attention_plan_free(AttnPlan *p);
 void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                   const int64_t *positions, const float *cos, const float *sin, float *kc,
-                   float *vc, const int64_t *slots);
+                   const int64_t *positions, const float *cos, const float *sin, void *kc,
+                   void *vc, int kv16, const int64_t *slots);
 
 /* The int8-activation products (_int8.c): whether this CPU has what they need (AVX-512
  * F/BW/VL/DQ and VNNI), and y (+)= x @ W^T for a weight packed by linear.py's

@@ -140,6 +140,7 @@ class _Api:
             "quantization": self.client.weights.quantization,
             "weight_formats": self.client.weights.formats,
             "activations": self.client.weights.activations,
+            "kv_cache_dtype": self.client.weights.kv_cache_dtype,
         }
         return {"object": "list", "data": [card]}
 

@@ -55,16 +55,20 @@ def served_name(model: str | None) -> str:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The instances' config; a --quantization that does not fit the model, or a device
-    torch cannot use, is a usage error here, before any instance starts."""
+    """The instances' config; a --quantization that does not fit the model, a KV cache
+    dtype its attention cannot read, or a device torch cannot use, is a usage error here,
+    before any instance starts."""
     check_device(args.device)
-    resolve_quantization(args.quantization, args.model, args.device, args.activations, args.dtype)
-    return EngineConfig(
+    quant = resolve_quantization(
+        args.quantization, args.model, args.device, args.activations, args.dtype
+    )
+    config = EngineConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
         activations=args.activations,
+        kv_cache_dtype=args.kv_cache_dtype,
         length_predictor=resolve_predictor(args.predictor, args.model),
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
@@ -94,6 +98,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             fault_seed=args.kv_fault_seed,
         ),
     )
+    config.kv_dtype(quant.quantized)  # bfloat16 under quantized weights: the usage error
+    return config
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
@@ -170,15 +176,16 @@ def ray_launcher(
 
 
 def weights_line(weights: WeightsInfo) -> str:
-    """How the weights are served, and why where `auto` fell back to fp."""
-    formats = ", ".join(weights.formats)
+    """How the weights are served, and why where `auto` fell back to fp; and what the KV
+    cache holds."""
+    formats, kv = ", ".join(weights.formats), f"; KV cache: {weights.kv_cache_dtype}"
     if weights.quantization == "none":
         why = f" (--quantization auto: {weights.note})" if weights.note else ""
-        return f"pdserve: weights: {formats}{why}"
+        return f"pdserve: weights: {formats}{why}{kv}"
     how = "int8 activations" if "int8" in weights.activations else "fp32 activations"
     return (
         f"pdserve: weights: {formats} blocks ({weights.quantization}), by the compiled kernels "
-        f"({how})"
+        f"({how}){kv}"
     )
 
 

@@ -67,16 +67,20 @@ class ServerMetrics:
             self.tpot.observe(m.decode_time / (len(out.token_ids) - 1))
 
     def describe_weights(self, weights: WeightsInfo) -> None:
-        """pdserve_model_weights_info{quantization, formats, activations} 1: what the
-        engine reads, and how its projections take activations."""
+        """pdserve_model_weights_info{quantization, formats, activations, kv_cache_dtype}
+        1: what the engine reads, how its projections take activations, and what its KV
+        pool holds."""
         Gauge(
             "pdserve_model_weights_info",
             "How the served weights are held (formats: what the projections read; "
-            "activations: how they take them)",
-            ["quantization", "formats", "activations"],
+            "activations: how they take them; kv_cache_dtype: what the KV cache holds)",
+            ["quantization", "formats", "activations", "kv_cache_dtype"],
             registry=self.registry,
         ).labels(
-            weights.quantization, ",".join(weights.formats), ",".join(weights.activations)
+            weights.quantization,
+            ",".join(weights.formats),
+            ",".join(weights.activations),
+            weights.kv_cache_dtype,
         ).set(1)
 
     def watch_faults(self, faults: FaultCounters) -> None:
