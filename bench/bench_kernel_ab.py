@@ -45,7 +45,9 @@ layers' KV (12 MB at batch 1) fits the 32 MB L3, so the "weights read between" c
 attention calls, and time the calls alone: the KV then comes from memory, as it does in
 a real step. First it prints what plain reads of the same 12 KB blocks reach
 (bench/reads.py's `block_read`: in address order, shuffled, shuffled with the next block
-asked for): the ceilings of the KV GB/s columns.
+asked for): the ceilings of the KV GB/s columns. `--kv16 B` makes B read an fp16 cache
+of the same values (A reads them in fp32: the bits must still be the same; what the fp16
+cache saves), `--kv16 AB` both builds (a change to the fp16 path).
 """
 
 from __future__ import annotations
@@ -179,8 +181,8 @@ def attention_step(
     return outs, spent
 
 
-def attention_ab(mods: list[ModuleType], threads: int, b_f16: bool = False) -> None:
-    """See the module docstring (`--attention`; `b_f16`: `--kv16`)."""
+def attention_ab(mods: list[ModuleType], threads: int, kv16: str = "") -> None:
+    """See the module docstring (`--attention`, `--kv16`: which builds read fp16)."""
     rng = torch.Generator().manual_seed(0)
     # What a read of the same bytes can reach, for the KV GB/s columns: 12 KB blocks (16
     # tokens of one layer's K or V) in 377 MB (batch 32's KV), scattered as in the cases.
@@ -198,20 +200,21 @@ def attention_ab(mods: list[ModuleType], threads: int, b_f16: bool = False) -> N
     cases += [(f"decode b={b}, ctx 256, weights read between", b, 256, 0, weights) for b in (1, 8)]
     cases.append(("prefill chunk 512, ctx 512", 1, 512, 512, None))
     for name, batch, context, chunk, between in cases:
-        case = attention_case(batch, context, chunk, rng, b_f16)
+        case = attention_case(batch, context, chunk, rng, kv16 != "")
         times: list[list[float]] = [[], []]
         outs: list[list[torch.Tensor]] = []
         for rep in range(16):
             outs = [[], []]
             for i in (0, 1) if rep % 2 == 0 else (1, 0):  # which goes first alternates
-                outs[i], spent = attention_step(mods[i], case, threads, between, b_f16 and i == 1)
+                f16 = "AB"[i] in kv16
+                outs[i], spent = attention_step(mods[i], case, threads, between, f16)
                 times[i].append(spent)
         for a, b in zip(*outs, strict=True):
             assert torch.equal(a, b), f"{name}: bits differ"
         ta, tb = (statistics.median(t) for t in times)
-        gb = case["bytes"] / 1e9  # fp32's bytes: B reads half of them with --kv16
-        gb_b = gb / 2 if b_f16 else gb
-        print(f"| {name} | {ta * 1e3:.2f} | {tb * 1e3:.2f} | {gb / ta:.1f} | {gb_b / tb:.1f} "
+        gb = case["bytes"] / 1e9  # fp32's: a build reading fp16 reads half of them
+        gb_a, gb_b = (gb / 2 if x in kv16 else gb for x in "AB")
+        print(f"| {name} | {ta * 1e3:.2f} | {tb * 1e3:.2f} | {gb_a / ta:.1f} | {gb_b / tb:.1f} "
               f"| {ta / tb:.2f}x |")  # fmt: skip
 
 
@@ -295,7 +298,11 @@ def main() -> int:
     )
     ap.add_argument("--attention", action="store_true", help="time paged_attention instead")
     ap.add_argument(
-        "--kv16", action="store_true", help="--attention: B reads an fp16 cache of A's values"
+        "--kv16",
+        choices=("B", "AB"),
+        default="",
+        help="--attention: these builds read an fp16 cache (the others an fp32 one of the "
+        "same values)",
     )
     ap.add_argument("--step", action="store_true", help="time a decode step's layers instead")
     ap.add_argument("--whole", action="store_true", help="--step: whole steps, builds alternating")
