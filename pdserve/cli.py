@@ -89,6 +89,21 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_decode_burst_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--decode-burst, shared by `generate` and `serve` (engine/core.py, decode bursts)."""
+    from pdserve.config import SchedulerConfig
+
+    p.add_argument(
+        "--decode-burst",
+        type=int,
+        default=SchedulerConfig.decode_burst,
+        metavar="N",
+        help="while every running request decodes greedily and nothing waits, run up to N "
+        "steps in one compiled call (at most ~25 ms of them; their tokens stream together); "
+        "1: off (default: %(default)s)",
+    )
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
@@ -101,11 +116,12 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--stats", action="store_true", help="print timing to stderr")
+    add_decode_burst_flag(p)
     p.set_defaults(func=_generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pdserve.config import EngineConfig
+    from pdserve.config import EngineConfig, SchedulerConfig
     from pdserve.engine.engine import Engine
     from pdserve.engine.sampling_params import SamplingParams
 
@@ -123,6 +139,7 @@ def _generate(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         activations=args.activations,
         kv_cache_dtype=args.kv_cache_dtype,
+        scheduler=SchedulerConfig(decode_burst=args.decode_burst),
     )
     engine = Engine.from_config(config)
     tok = engine.tokenizer
@@ -206,6 +223,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         "(keeps their time between tokens near a decode step's; default 128 on CPU, no "
         "cap on other devices; 0: no cap)",
     )
+    add_decode_burst_flag(p)
     p.add_argument(
         "--max-queued-requests",
         type=int,

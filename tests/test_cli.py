@@ -36,6 +36,14 @@ def test_generate_reports_bad_sampling_values_cleanly() -> None:
     assert proc.stderr == "pdserve: error: temperature must be at least 0, got -1.0\n"
 
 
+def test_a_decode_burst_below_one_step_is_a_usage_error() -> None:
+    for command in ("generate", "serve"):
+        args = ["hi"] if command == "generate" else []
+        proc = pdserve(command, *args, "--decode-burst", "0")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == "pdserve: error: decode_burst must be an integer >= 1, got 0\n"
+
+
 def test_engine_cpu_lists_parse_and_bad_ones_are_usage_errors() -> None:
     from pdserve.cli import cpu_list
 

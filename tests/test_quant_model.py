@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers.tiny_models import make_tiny_gguf, make_tiny_model
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine, load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import ModelLoadError
@@ -312,9 +312,12 @@ def test_int8_activations_serve_a_gguf_the_same_batched_or_alone(tmp_path: Path)
 def test_a_greedy_step_takes_its_tokens_from_the_argmax_of_its_one_call(tmp_path: Path) -> None:
     """Every row greedy: the compiled call that ran the LM head also took each row's
     argmax, and those are the tokens (numpy's argmax of the same logits); a step with a
-    sampled row does not ask for it and samples as before."""
+    sampled row does not ask for it and samples as before. One step a call (decode
+    bursts take the same argmax in their call: tests/test_decode_burst.py)."""
     path = make_tiny_gguf(tmp_path, quant="Q8_0")
-    engine = Engine.from_config(EngineConfig(model=str(path), quantization="gguf"))
+    scheduler = SchedulerConfig(decode_burst=1)
+    config = EngineConfig(model=str(path), quantization="gguf", scheduler=scheduler)
+    engine = Engine.from_config(config)
     runner = engine.core.runner
     execute, steps = runner.execute, []
 

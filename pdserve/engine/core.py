@@ -21,6 +21,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
+import msgspec
 import torch
 
 from pdserve.config import DecodeAdmission, EngineConfig, Role
@@ -44,9 +45,9 @@ from pdserve.engine.roles import (
     TransferRole,
     open_link,
 )
-from pdserve.engine.sampler import SampledToken, SamplingRow, sample
+from pdserve.engine.sampler import SampledToken, SamplingRow, is_plain_greedy, sample
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledSeq, Scheduler
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pdserve.engine.validation import check_request
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.kv.cache import KVCache
@@ -119,6 +120,10 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, config.device)
         self.runner = ModelRunner(model, cache, self.kv)
+        # Decode bursts: the steps the last `step` ran, and the last decode step's time
+        # for each batch size (what sizes a burst).
+        self.last_steps = 1
+        self._step_s: dict[int, float] = {}
         self.requests: dict[str, Request] = {}
         # Output-length prediction at each prompt's first token. `prompt_state_sink`
         # (the predictor's data tool) sees each fresh prompt's final hidden state.
@@ -494,7 +499,14 @@ class EngineCore:
     # ---- one step --------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
+        """One step, or a decode burst of several (see `_burst`): `last_steps` says how
+        many ran."""
         sched = self.scheduler.schedule()
+        start = time.perf_counter()
+        steps = self._burst_steps(sched)
+        if steps > 1 and self.scheduler.extend(sched.seqs, steps):
+            return self._burst(sched.seqs, steps, start)
+        self.last_steps = 1
         self.role.begin_step(sched.seqs)
         result = self.runner.execute(sched)
         self.role.end_step()
@@ -504,9 +516,81 @@ class EngineCore:
         if result.logits is not None and result.hidden is not None:
             self._predict(result.sampled, result.hidden)
             outputs = self._sample(result.sampled, result.logits, result.argmax)
+        if steps > 0:  # a decode step a burst could have taken: its time sizes the next
+            self._step_s[len(sched.seqs)] = time.perf_counter() - start
         # The step's KV is committed and ended requests are gone: replicate the rest.
         self.replicator.after_step(self.scheduler.running)
         return outputs
+
+    # ---- decode bursts -----------------------------------------------------------
+
+    def _burst_steps(self, sched: SchedulerOutput) -> int:
+        """How many steps this one may run as a burst: 0 when it cannot be one (not a
+        step of greedy decodes alone, something waits, a role or the replicator wants
+        every step, no compiled path), else up to `decode_burst`, no more than any row
+        has left before its length limit and as many as fit `decode_burst_ms` at the last
+        decode step's time for this batch size (1 until one was timed)."""
+        cfg = self.scheduler.config
+        sch = self.scheduler
+        if cfg.decode_burst == 1 or sched.empty or sched.swap_in or sched.swap_out:
+            return 0
+        if sch.waiting or sch.swapped or not self.runner.bursts:
+            return 0
+        if self.role.forward_hooks is not None or self.replicator.active:
+            return 0
+        if self.transfers_in_flight():
+            return 0
+        steps = cfg.decode_burst
+        for s in sched.seqs:
+            req = s.request
+            if s.num_new_tokens != 1 or not s.samples or not req.output_token_ids:
+                return 0
+            if not is_plain_greedy(self._sampling_row(s)):
+                return 0
+            left = min(
+                req.params.max_tokens - len(req.output_token_ids),
+                self.max_model_len - req.num_tokens,
+            )
+            steps = min(steps, left)
+        timed = self._step_s.get(len(sched.seqs))
+        if timed is None:
+            return 1
+        return max(1, min(steps, int(cfg.decode_burst_ms / 1000 / timed)))
+
+    def _burst(self, seqs: list[ScheduledSeq], steps: int, start: float) -> list[EngineOutput]:
+        """Up to `steps` greedy decode steps of `seqs` in one compiled call (their blocks
+        already cover them): the tokens each step of its own would sample, committed and
+        stop-checked one step at a time as `step` does; a request's tokens come back in
+        one output. The call ends after a step that samples an EOS or stop token, and no
+        row passes its length limit (`_burst_steps`), so no request gets a token after it
+        finished."""
+        self.role.begin_step(seqs)
+        tokens = self.runner.execute_burst(seqs, steps, self._stop_ids(seqs))
+        self.role.end_step()
+        self.last_steps = len(tokens)
+        news: dict[str, list[EngineOutput]] = {}
+        for step_tokens in tokens:
+            for seq, token in zip(seqs, step_tokens, strict=True):
+                req = seq.request
+                if req.status is not RequestStatus.RUNNING:
+                    continue  # finished at an earlier step of the burst
+                self.scheduler.advance(seq)
+                out = self._append(req, SampledToken(token), [])
+                news.setdefault(req.request_id, []).append(out)
+        if tokens:
+            self._step_s[len(seqs)] = (time.perf_counter() - start) / len(tokens)
+        self.replicator.after_step(self.scheduler.running)
+        return [_merged(outs) for outs in news.values()]
+
+    def _stop_ids(self, seqs: Sequence[ScheduledSeq]) -> set[int]:
+        """Every token that ends one of `seqs` (EOS unless ignored, its stop ids)."""
+        stop: set[int] = set()
+        for s in seqs:
+            p = s.request.params
+            stop.update(p.stop_token_ids)
+            if not p.ignore_eos:
+                stop.update(self.eos_token_ids)
+        return stop
 
     def _predict(self, sampled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """Predict the output length of each fresh prompt sampling its first token (one
@@ -609,3 +693,12 @@ class EngineCore:
         if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return RequestStatus.RUNNING
+
+
+def _merged(outputs: list[EngineOutput]) -> EngineOutput:
+    """One request's outputs of a burst's steps as one: all their tokens, the last's state
+    (only the last can have finished; none is a first token, so none has a prediction)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    tokens = tuple(t for out in outputs for t in out.new_tokens)
+    return msgspec.structs.replace(outputs[-1], new_tokens=tokens)

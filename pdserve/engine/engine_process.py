@@ -112,7 +112,7 @@ class _Loop:
                 dt = time.perf_counter() - t0
                 self.busy_s += dt
                 if self.trace is not None:
-                    self.trace.record(t0, dt)
+                    self.trace.record(t0, dt, self.core.last_steps)
                 if outputs:
                     self.send(OutputBatch(outputs))
             elif os.getppid() != self.parent:

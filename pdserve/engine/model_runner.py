@@ -7,15 +7,23 @@ blocks a swap-out released may already be reassigned in the same step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.kv.cache import KVCache
 from pdserve.kv.manager import KVManager
-from pdserve.model.attention import CPU_GROUP_BYTES, AttentionMetadata, GatherWorkspace, SeqSpec
+from pdserve.model.attention import (
+    CPU_GROUP_BYTES,
+    AttentionMetadata,
+    GatherWorkspace,
+    RowRanges,
+    SeqSpec,
+    slots_of,
+)
 from pdserve.model.base import CausalLM, ForwardHooks
 
 
@@ -83,6 +91,50 @@ class ModelRunner:
         if not sampled:  # only partial prompt chunks: no rows, so no LM head ran
             return StepResult([], None, None)
         return StepResult(sampled, out.logits, out.hidden, out.argmax)
+
+    @property
+    def bursts(self) -> bool:
+        """Whether `execute_burst` runs here (the model's compiled one-call path)."""
+        return self.device.type == "cpu" and self.model.burst_call() is not None
+
+    @torch.inference_mode()
+    def execute_burst(
+        self, seqs: Sequence[ScheduledSeq], steps: int, stop: Collection[int]
+    ) -> list[list[int]]:
+        """Up to `steps` greedy decode steps of `seqs` (each a decode row: one new token
+        that samples) in one call, each sequence's blocks already covering them
+        (`Scheduler.extend`). Returns each step's tokens, a list per step in `seqs` order:
+        the argmax a step of its own would sample. Ends after a step that samples a token
+        of `stop`. The caller commits the steps (`Scheduler.advance`) and checks each
+        token's stop conditions. Requires `bursts`."""
+        bs, t = self.cache.block_size, len(seqs)
+        specs: list[SeqSpec] = []
+        last: list[int] = []
+        for s in seqs:
+            req = s.request
+            assert s.num_new_tokens == 1 and s.samples
+            k = req.num_computed_tokens
+            specs.append(SeqSpec(k, steps, self.kv.block_table(req.request_id)))
+            last.extend(_token_slice(req.prompt_token_ids, req.output_token_ids, k, k + 1))
+        ranges = RowRanges.build(specs, bs, self.model.sliding_window)
+        rows = ranges.rows.view(t, steps, 3).transpose(0, 1).contiguous().view(-1, 3)
+        positions = torch.tensor(
+            [[spec.num_cached + k for spec in specs] for k in range(steps)], dtype=torch.long
+        )
+        slots = torch.tensor([slots_of(spec, bs) for spec in specs], dtype=torch.long)
+        tokens = torch.empty(steps + 1, t, dtype=torch.long)
+        tokens[0] = torch.tensor(last, dtype=torch.long)
+        call = self.model.burst_call()
+        assert call is not None
+        done = call.decode_burst(
+            tokens,
+            positions,
+            slots.t().contiguous(),
+            RowRanges(rows, ranges.tables),
+            self.cache.device_tensor,
+            torch.tensor(sorted(set(stop)), dtype=torch.long),
+        )
+        return cast(list[list[int]], tokens[1 : done + 1].tolist())
 
     def _ids(self, values: list[int]) -> torch.Tensor:
         ids = torch.tensor(values, dtype=torch.long)

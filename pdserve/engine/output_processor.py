@@ -73,24 +73,33 @@ class OutputProcessor:
 
         A returned stop string means the caller must finish the request in the core.
         A token that stopped the request in the core (EOS, a stop token id) is kept in
-        `token_ids` but not rendered into the text, as OpenAI servers do. Returns
-        (None, None) for a request that is no longer tracked.
+        `token_ids` but not rendered into the text, as OpenAI servers do. An output of
+        several tokens (a decode burst) whose stop string ends before its last token
+        keeps the tokens up to the one that completed it, as one token an output would.
+        Returns (None, None) for a request that is no longer tracked.
         """
         st = self._states.get(out.request_id)
         if st is None:
             return None, None
-        new_ids = [t.token_id for t in out.new_tokens]
+        new = out.new_tokens
+        to_render = new[:-1] if out.stopped_by_token else new
+        parts = []
+        for i, t in enumerate(to_render):
+            parts.append(st.detok.add_token(t.token_id))
+            if st.detok.stopped:  # a stop string: the tokens after it are not output
+                new = new[: i + 1]
+                break
+        delta = "".join(parts)
+        new_ids = [t.token_id for t in new]
         st.token_ids.extend(new_ids)
         if out.prediction is not None:
             st.prediction = out.prediction
         if st.logprobs is not None:
             st.logprobs.extend(
                 TokenLogprob(t.token_id, t.logprob, t.top_logprobs)
-                for t in out.new_tokens
+                for t in new
                 if t.logprob is not None
             )
-        to_render = new_ids[:-1] if out.stopped_by_token else new_ids
-        delta = "".join(st.detok.add_token(t) for t in to_render if not st.detok.stopped)
         if out.finish_reason is not None and not st.detok.stopped:
             delta += st.detok.finish()  # releases held-back text; may still complete a stop
         stop_string = st.detok.stop_reason

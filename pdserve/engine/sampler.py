@@ -78,7 +78,7 @@ def sample(
         raise ValueError(
             f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}"
         )
-    if all(_is_plain_greedy(row) for row in rows):
+    if all(is_plain_greedy(row) for row in rows):
         ids = _argmax(logits) if argmax is None else cast(list[int], argmax.tolist())
         return [SampledToken(t) for t in ids]
     x = logits.to(torch.float32, copy=True)
@@ -98,7 +98,9 @@ def _argmax(logits: torch.Tensor) -> list[int]:
     return cast(list[int], logits.argmax(dim=-1).tolist())
 
 
-def _is_plain_greedy(row: SamplingRow) -> bool:
+def is_plain_greedy(row: SamplingRow) -> bool:
+    """Whether the row's token is its logits' argmax: greedy, no penalties, no logprobs,
+    nothing masked by min_tokens."""
     p = row.params
     return (
         p.temperature == 0.0

@@ -69,9 +69,17 @@ class StepTrace:
         prefix = os.environ.get(ENV)
         return cls(scheduler, f"{prefix}.{instance}.jsonl") if prefix else None
 
-    def record(self, start: float, seconds: float) -> None:
-        if any(self.observer.last):
-            row = {"counts": self.observer.last, "seconds": seconds, "start": start}
+    def record(self, start: float, seconds: float, steps: int = 1) -> None:
+        """The step that began at `start`; `steps` > 1: a decode burst (engine/core.py)
+        of that many steps, written as as many lines of equal shares, each step's
+        decodes attending one token more than the last's."""
+        pt, units, finishing, dec, ctx = self.observer.last
+        if not any(self.observer.last):
+            return
+        share = seconds / steps
+        for k in range(steps):
+            counts = (pt, units, finishing, dec, ctx + k * dec)
+            row = {"counts": counts, "seconds": share, "start": start + k * share}
             self.file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:

@@ -249,7 +249,7 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         slots: list[int] = []
         for s in seqs:
-            slots.extend(_slots(s, block_size))
+            slots.extend(slots_of(s, block_size))
         if per_row:
             return AttentionMetadata(
                 slot_mapping=torch.tensor(slots, dtype=torch.long),
@@ -280,7 +280,8 @@ class AttentionMetadata:
         )
 
 
-def _slots(s: SeqSpec, block_size: int) -> list[int]:
+def slots_of(s: SeqSpec, block_size: int) -> list[int]:
+    """The cache slots of `s`'s new tokens, in order."""
     table = s.block_table
     return [
         table[i // block_size] * block_size + i % block_size

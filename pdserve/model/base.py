@@ -167,6 +167,15 @@ class CausalLM(nn.Module):
         hidden = self.norm(h[logits_indices])
         return FinalStates(hidden, self.compute_logits(hidden))
 
+    def burst_call(self) -> FusedLayers | None:
+        """The compiled call that runs decode bursts (`FusedLayers.decode_burst`), where
+        this model has one: the one-call compiled path with a compiled LM head and an
+        embedding the call can look up; else None."""
+        if not (self.fused and self.layers_in_one_call):
+            return None
+        call = self._fused_layers()
+        return call if call.bursts else None
+
     def _fused_layers(self) -> FusedLayers:
         """Every layer's `forward_fused`, the final norm and the LM head as one compiled
         call (model/fused.py), built on first use and kept: the ops it points at are built
@@ -174,7 +183,11 @@ class CausalLM(nn.Module):
         layers = self.__dict__.get("_fused_layers_call")
         if layers is None:
             layers = FusedLayers(
-                cast(list[DecoderLayer], self.layers), self.rotary, self.norm, self.lm_head_op
+                cast(list[DecoderLayer], self.layers),
+                self.rotary,
+                self.norm,
+                self.lm_head_op,
+                self.embed_tokens,
             )
             self.__dict__["_fused_layers_call"] = layers
         return cast(FusedLayers, layers)

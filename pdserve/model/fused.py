@@ -25,11 +25,11 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.model.attention import AttentionMetadata, kv_is_f16
+from pdserve.model.attention import AttentionMetadata, RowRanges, kv_is_f16
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from pdserve.model.linear import Linear
 from pdserve.quant.kernels import kernels
-from pdserve.quant.linear import QuantLinear
+from pdserve.quant.linear import QuantEmbedding, QuantLinear
 
 # _kernels.c's Op: parts, N, K, bias, then MAX_PARTS parts of six words. A projection has
 # a part per run of one format among the weights it fuses: at most three (q, k, v).
@@ -57,11 +57,18 @@ class FusedLayers:
     that sample, in one compiled call (see the module docstring)."""
 
     def __init__(
-        self, layers: Sequence[DecoderLayer], rotary: RotaryEmbedding, norm: RMSNorm, head: Linear
+        self,
+        layers: Sequence[DecoderLayer],
+        rotary: RotaryEmbedding,
+        norm: RMSNorm,
+        head: Linear,
+        embed: torch.Tensor | QuantEmbedding | None = None,
     ) -> None:
+        """`embed`: the token embedding, for `decode_burst` (None: no bursts)."""
         mod = kernels()
         assert mod is not None
         self._call = mod.fused_layers
+        self._burst_call = mod.decode_burst
         self._rotary = rotary
         self._norm = norm
         records = []
@@ -93,6 +100,13 @@ class FusedLayers:
         self._gate_up_n = 2 * first.mlp.intermediate
         self._width = self._qkv_n + self._att_n + self._gate_up_n  # scratch floats per row
         self._scratch = torch.empty(SCRATCH_ROWS * self._width)
+        self._embed = _embedding_rows(embed)
+
+    @property
+    def bursts(self) -> bool:
+        """Whether `decode_burst` can run: the LM head and the embedding are compiled
+        lookups (or an fp32 table)."""
+        return self._head is not None and self._embed is not None
 
     def __call__(
         self,
@@ -138,6 +152,66 @@ class FusedLayers:
             0 if argmax is None else argmax.data_ptr(),
         )  # fmt: skip
         return hidden, logits, argmax
+
+    def decode_burst(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        ranges: RowRanges,
+        kv_caches: torch.Tensor,
+        stop: torch.Tensor,
+    ) -> int:
+        """Up to `steps` greedy decode steps of T sequences (one decode row each) in one
+        compiled call: each step embeds its tokens, runs this call's layers, final norm and
+        LM head, and takes every row's argmax as the next step's token - the operations of
+        a step of its own, so the same tokens. Ends early after a step that samples a token
+        of `stop`. Returns the steps run, k: their tokens are tokens[1 : k + 1].
+
+        tokens: int64 [steps + 1, T], row 0 the first step's input ids (each in [0, vocab),
+        else IndexError); positions, slots: int64 [steps, T]; ranges: rows int32
+        [steps * T, 3] step by step (each step's key ranges), tables covering every step's
+        slots; kv_caches as for a call; stop: int64 [n]. Requires `bursts`."""
+        assert self._embed is not None and self._head is not None
+        steps, t = positions.shape
+        for x in (tokens, positions, slots, ranges.rows, ranges.tables, stop, kv_caches):
+            assert x.is_contiguous()
+        assert tokens.shape == (steps + 1, t) and slots.shape == (steps, t)
+        assert ranges.rows.shape == (steps * t, 3) and tokens.dtype == torch.long
+        scratch = self._scratch if t <= SCRATCH_ROWS else torch.empty(t * self._width)
+        qkv = scratch.data_ptr()
+        att = qkv + 4 * t * self._qkv_n
+        gate_up = att + 4 * t * self._att_n
+        hidden = torch.empty(t, self._hidden)
+        logits = torch.empty(t, self._vocab)
+        h = torch.empty(t, self._hidden)
+        layout, qs, d, m, vocab = self._embed
+        done: int = self._burst_call(
+            self._records.data_ptr(), self._layers, h.data_ptr(), t, positions.data_ptr(),
+            slots.data_ptr(), self._rotary.cos.data_ptr(), self._rotary.sin.data_ptr(),
+            kv_caches.data_ptr(), kv_caches.stride(1), kv_is_f16(kv_caches), kv_caches.shape[3],
+            ranges.rows.data_ptr(), ranges.tables.data_ptr(), ranges.tables.stride(0),
+            qkv, att, gate_up, torch.get_num_threads(),
+            self._norm.weight.data_ptr(), float(self._norm.eps), hidden.data_ptr(),
+            self._head.data_ptr(), logits.data_ptr(), layout, qs, d, m, vocab,
+            tokens.data_ptr(), steps, stop.data_ptr(), stop.shape[0],
+        )  # fmt: skip
+        return done
+
+
+def _embedding_rows(
+    embed: torch.Tensor | QuantEmbedding | None,
+) -> tuple[int, int, int, int, int] | None:
+    """(layout, qs, d, m, vocab) as decode_burst takes the embedding (layout -1: fp32
+    rows at qs); None where it cannot look the rows up itself."""
+    if isinstance(embed, QuantEmbedding):
+        rows = embed.compiled_rows()
+        return None if rows is None else (*rows, embed.shape[0])
+    if embed is not None and embed.dtype == torch.float32 and embed.dim() == 2:
+        table = embed.data
+        if table.is_contiguous():
+            return -1, table.data_ptr(), 0, 0, table.shape[0]
+    return None
 
 
 def norm_rows(h: torch.Tensor, rows: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

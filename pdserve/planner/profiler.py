@@ -186,7 +186,8 @@ def build_core(cfg: ProfileConfig) -> tuple[Any, ModelSpec]:
         model=cfg.model,
         dtype=cfg.dtype,
         num_threads=cfg.threads,
-        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=128),
+        # One step a call: the latency model's unit (a decode burst would time several).
+        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=128, decode_burst=1),
         cache=CacheConfig(kv_cache_memory_gib=1.0, swap_space_gib=0.01, enable_prefix_cache=False),
     )
     try:

@@ -717,6 +717,74 @@ static int fused_layers(const Layer *layers, int64_t n, const Step *s, const Tai
     return rc;
 }
 
+/* ---- a decode burst: several greedy steps in one call ---------------------------------- */
+
+/* What a burst reads besides one step's inputs. Step k (k < steps) of T rows, one decode
+ * row per sequence: its tokens are tokens[k] ([steps + 1][T]), its positions, slots and
+ * key ranges the k-th [T] (or [T][3]) of each array, and its argmax goes to
+ * tokens[k + 1]: the next step's input. */
+typedef struct {
+    const int64_t *positions, *slots; /* [steps][T] */
+    const int32_t *rows;              /* [steps][T][3] */
+    int64_t *tokens;                  /* [steps + 1][T] */
+    int64_t steps;
+    const int64_t *stop; /* [n_stop]: a step that samples one of these ends the burst */
+    int64_t n_stop;
+    QWeight embed;       /* the token embedding; type -1: fp32 rows at embed.qs */
+} Burst;
+
+/* out[i] = the embedding of token ids[i]: embed_rows' operations, or an fp32 row's copy. */
+static void embed_ids(const QWeight *w, const int64_t *ids, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        if (w->type < 0)
+            memcpy(out + i * w->K, (const float *)(const void *)w->qs + ids[i] * w->K,
+                   sizeof(float) * (size_t)w->K);
+        else
+            dequantize_any(w, ids[i], 1, out + i * w->K);
+    }
+}
+
+static int any_of(const int64_t *x, int64_t n, const int64_t *set, int64_t n_set) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < n_set; j++)
+            if (x[i] == set[j]) return 1;
+    return 0;
+}
+
+/* Up to b->steps greedy decode steps: each embeds its tokens, runs fused_layers with its
+ * own positions, slots and key ranges, every row sampling, and takes each row's argmax as
+ * the next step's token - a step's operations, so each token is the one a step of its own
+ * would give. Stops after a step that samples a token of b->stop. Returns the steps run
+ * (their tokens are in b->tokens[1 ..]); *rc: fused_layers' code when it failed. */
+static int64_t decode_burst(const Layer *layers, int64_t n, const Step *s0, const Tail *t0,
+                            const Burst *b, int threads, int *rc) {
+    const int64_t T = s0->T;
+    int64_t *sample = malloc(sizeof(int64_t) * (size_t)T);
+    *rc = sample == NULL ? -1 : 0;
+    for (int64_t t = 0; *rc == 0 && t < T; t++) sample[t] = t;
+    int64_t done = 0;
+    for (int64_t k = 0; *rc == 0 && k < b->steps; k++) {
+        embed_ids(&b->embed, b->tokens + k * T, T, s0->h);
+        Step s = *s0;
+        s.positions = b->positions + k * T;
+        s.slots = b->slots + k * T;
+        s.rows = b->rows + 3 * k * T;
+        Tail tail = *t0;
+        tail.rows = sample;
+        tail.n = T;
+        tail.argmax = b->tokens + (k + 1) * T;
+        *rc = fused_layers(layers, n, &s, &tail, threads);
+        if (*rc != 0) break;
+        done = k + 1;
+        if (any_of(tail.argmax, T, b->stop, b->n_stop)) break;
+        int64_t wide = 0; /* a head wider than the embedding: the token is Python's to look up */
+        for (int64_t t = 0; t < T; t++) wide |= tail.argmax[t] >= b->embed.N;
+        if (wide) break;
+    }
+    free(sample);
+    return done;
+}
+
 /* ---- Python bindings ----------------------------------------------------------------- */
 
 static int cpu_ok(void) {
@@ -870,6 +938,57 @@ static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* decode_burst(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, kv16, bs, rows,
+ * tables, ldt, qkv, att, gate_up, threads, norm_w, eps, hidden, head, logits, embed_layout,
+ * embed_qs, embed_d, embed_m, vocab, tokens, steps, stop, n_stop) -> the steps run:
+ * `steps` greedy decode steps of T rows (one decode row per sequence) in one call
+ * (decode_burst above). positions and slots are int64 [steps][T], rows int32
+ * [steps][T][3] (each step's key ranges), tables its sequences' block tables covering
+ * every step; tokens int64 [steps + 1][T], row 0 the first step's input ids (each in
+ * [0, vocab), else IndexError before anything runs), rows 1 .. the steps' argmax; stop
+ * int64 [n_stop]. The embedding: a quantized [vocab][K] weight (embed_layout, qs, d, m as
+ * embed_rows takes them) or, with embed_layout -1, fp32 rows at embed_qs. head (an Op
+ * record) is required; hidden [T][K] and logits [T][head N] are scratch. The caller
+ * checks every shape and keeps every tensor alive. */
+static PyObject *py_decode_burst(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Arg v[33];
+    const int floats[] = {20};
+    if (read_args(args, nargs, 33, v, floats, 1) < 0) return NULL;
+    const int64_t T = v[3].i, vocab = v[28].i, steps = v[30].i, n_stop = v[32].i;
+    const int64_t hidden = ((const Layer *)(intptr_t)v[0].i)->o.N;
+    if (v[1].i <= 0 || T <= 0 || steps <= 0 || n_stop < 0 || vocab <= 0 || v[22].i == 0 ||
+        v[24].i < -1 || v[24].i > U8M || (v[24].i >= 0 && hidden % QK != 0)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "decode_burst: layers, rows, steps and a head are required, and an "
+                        "embedding layout -1 to 4");
+        return NULL;
+    }
+    const Step s = {PTR(float *, v[2]), T, NULL, NULL, PTR(const float *, v[6]),
+                    PTR(const float *, v[7]), PTR(void *, v[8]), v[9].i, v[11].i, NULL,
+                    PTR(const int32_t *, v[13]), v[14].i, PTR(float *, v[15]),
+                    PTR(float *, v[16]), PTR(float *, v[17]), v[10].i != 0};
+    const Tail tail = {{PRE_RMSNORM, PTR(const float *, v[19]), (float)v[20].f}, NULL, T,
+                       PTR(float *, v[21]), PTR(const Op *, v[22]), PTR(float *, v[23]), NULL};
+    const Burst b = {PTR(const int64_t *, v[4]), PTR(const int64_t *, v[5]),
+                     PTR(const int32_t *, v[12]), PTR(int64_t *, v[29]), steps,
+                     PTR(const int64_t *, v[31]), n_stop,
+                     {(int)v[24].i, PTR(const uint8_t *, v[25]), PTR(const float *, v[26]),
+                      PTR(const float *, v[27]), vocab, hidden, hidden / QK}};
+    if (ids_within("decode_burst", "token id", b.tokens, T, vocab) < 0) return NULL;
+    const int threads = v[18].i > 0 ? (int)v[18].i : 1;
+    int rc;
+    int64_t done;
+    Py_BEGIN_ALLOW_THREADS;
+    done = decode_burst(PTR(const Layer *, v[0]), v[1].i, &s, &tail, &b, threads, &rc);
+    Py_END_ALLOW_THREADS;
+    if (rc == -1) return PyErr_NoMemory();
+    if (rc != 0) {
+        PyErr_SetString(PyExc_ValueError, "decode_burst: a head size the attention cannot take");
+        return NULL;
+    }
+    return PyLong_FromLongLong(done);
+}
+
 /* argmax_rows(x, ld, rows, n, out): out[i] (int64) = the index of the first largest of the
  * first n floats of row i of x [rows][ld] (a NaN counting as the largest), i < rows: numpy's
  * argmax, as fused_layers takes it for a greedy step; bound so tests hold it to numpy's. */
@@ -994,6 +1113,11 @@ static PyMethodDef methods[] = {
      " tables, ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits,"
      " argmax): n fused decoder layers, then the final norm and LM head of the rows that"
      " sample (and their argmax), in one call"},
+    {"decode_burst", (PyCFunction)(void (*)(void))py_decode_burst, METH_FASTCALL,
+     "decode_burst(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, kv16, bs, rows,"
+     " tables, ldt, qkv, att, gate_up, threads, norm_w, eps, hidden, head, logits, embed_layout,"
+     " embed_qs, embed_d, embed_m, vocab, tokens, steps, stop, n_stop): up to `steps` greedy"
+     " decode steps in one call; returns the steps run"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
      "argmax_rows(x, ld, rows, n, out): each row's first largest (numpy's argmax)"},
     {"rms_norm_rows", (PyCFunction)(void (*)(void))py_rms_norm_rows, METH_FASTCALL,

@@ -299,6 +299,16 @@ class QuantEmbedding:
     def shape(self) -> torch.Size:
         return torch.Size(self.weight.shape)
 
+    def compiled_rows(self) -> tuple[int, int, int, int] | None:
+        """(layout, qs, d, m) addresses as `embed_rows` takes them (m 0 without minimums),
+        for a compiled call that looks rows up itself; None where the kernels are not
+        built. Valid while this embedding lives."""
+        if self._compiled is None:
+            return None
+        _, qs, d, m = self._compiled
+        layout = int(self.weight.qtype.layout)
+        return layout, qs.data_ptr(), d.data_ptr(), 0 if m is None else m.data_ptr()
+
     def __getitem__(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         index = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
         if self._compiled is None or index.dim() != 1:

@@ -81,6 +81,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             prefill_policy=PrefillPolicy(args.prefill_policy),
             prefill_sched_batch=args.prefill_sched_batch,
             decode_admission=DecodeAdmission(args.decode_admission),
+            decode_burst=args.decode_burst,
         ),
         cache=CacheConfig(
             kv_cache_memory_gib=args.kv_cache_memory_gib,
