@@ -9,8 +9,9 @@ or the KV pool's pages.
 
 The shipped model as `--quantization gguf` (with `--activations`); `--rounds` rounds of
 `--batch` requests of 256 random prompt tokens, each decoding 128 greedy tokens; prints
-the median of their `Engine.step()` times after the prefill. Whole steps as served (the
-layers, final norm and LM head in one compiled call, metadata, sampling): what
+the mean time of their decode steps after the prefill (a decode burst's steps counted
+one by one). Whole steps as served (the layers, final norm and LM head in one compiled
+call, metadata, sampling, decode bursts where the engine takes them): what
 `bench_engine.py`'s decode rows measure, in a process short enough to alternate with
 another tree's several times.
 
@@ -40,14 +41,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import ours_decode, ours_prefill  # the engine benchmark's own loops
 
 
-def served_engine(activations: str) -> Engine:
+def served_engine(activations: str, decode_burst: int = SchedulerConfig.decode_burst) -> Engine:
     """The shipped model as `pdserve serve --quantization gguf --activations ...` loads it;
-    prompts prefill whole, before decodes join (bench_engine.py's decode rows)."""
+    prompts prefill whole, before decodes join (bench_engine.py's decode rows).
+    `decode_burst` 1: one step a call (a harness that times or swaps a step's call)."""
     cfg = EngineConfig(
         model=str(resolve_model(None)),
         quantization="gguf",
         activations=activations,
-        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_prefill_tokens_with_decodes=0),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=4096,
+            max_prefill_tokens_with_decodes=0,
+            decode_burst=decode_burst,
+        ),
         cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_cache=False),
     )
     return Engine.from_config(cfg)

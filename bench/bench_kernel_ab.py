@@ -227,7 +227,7 @@ def step_ab(
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.model.fused import FusedLayers
 
-    engine = served_engine(activations)
+    engine = served_engine(activations, decode_burst=1)  # each step's layers swapped
     times: list[list[float]] = [[], []]
     call = FusedLayers.__call__
     turn = [0]

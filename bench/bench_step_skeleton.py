@@ -14,7 +14,7 @@ figures, alternating round by round so that the machine's drift hits all of them
   gate/up, down; then the head), each op's bytes split in two contiguous halves between
   the two threads, a barrier after each op, nothing computed - what the step's ~150
   dependent reads cost on their own, the structure's floor;
-* the served step (`Engine.step()`, its median);
+* the served step (`Engine.step()`: its mean, a decode burst's steps one by one);
 * the same flat read on one thread: whether the second core adds bandwidth. When it
   doubles it (this machine's "fast" memory, ~55-70 GB/s), the floor is two cores that
   do nothing but read, each at its own limit (27-35 GB/s here), and any time a core does

@@ -527,6 +527,31 @@ static void lone_team(const AttnPlan *p, const Attn *a) {
     PHASE(4);
 }
 
+/* A LONE step's next layer, read ahead (see WARM in _kernels.c): thread c loads its part
+ * of that layer's KV - the K records of the keys lone_score_part gives it, its lanes of
+ * every V record as lone_value_lanes cuts them - a float per line, summed and returned
+ * so the loads stay. */
+float attention_warm(const AttnPlan *p, const Attn *a, int64_t c) {
+    float sum = 0.0f;
+    if (!p->lone) return sum;
+    const int64_t P = p->threads, ES = a->kv16 ? 2 : 4, record = a->Hkv * a->D * ES;
+    const int32_t *table = a->tables + (int64_t)a->rows[0] * a->ldt;
+    const int64_t start = a->rows[1], end = a->rows[2], groups = (end - start + 7) / 8;
+    const int64_t lo = start + c * groups / P * 8, hi = start + (c + 1) * groups / P * 8;
+    const int64_t vecs = a->Hkv * a->D / 8;
+    const int64_t first = c * vecs / P * 8 * ES, last = (c + 1) * vecs / P * 8 * ES;
+    for (int64_t j = start; j < end; j++) {
+        const int64_t slot = (int64_t)table[j / a->bs] * a->bs + j % a->bs;
+        const char *k = (const char *)a->kc + slot * record;
+        const char *v = (const char *)a->vc + slot * record;
+        if (j >= lo && j < hi)
+            for (int64_t b = 0; b < record; b += 64) sum += *(const float *)(const void *)(k + b);
+        for (int64_t b = first & ~(int64_t)63; b < last; b += 64)
+            sum += *(const float *)(const void *)(v + b);
+    }
+    return sum;
+}
+
 /* Consecutive rows of one sequence, up to ROWS at a time. Returns the count. */
 static int64_t row_blocks(const Attn *a, int64_t T, RowBlock *out) {
     int64_t count = 0;

@@ -522,7 +522,18 @@ static void argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int
 typedef struct { /* one thread's scratch */
     float *xt;    /* the prologue's rows: [TEAM_ROWS][cap] */
     Rows8 a;      /* those rows rounded to int8 */
+    float warmed; /* the sum attention_warm returned (kept, so its loads stay) */
 } Mine;
+
+/* WARM: in a step of one decode row, each thread reads its part of the next layer's KV
+ * (attention_warm) before its part of this layer's down projection. The attention alone
+ * reads its ~200 KB a layer (fp16, 256 tokens) at ~13 GB/s: a thread's K records and V
+ * lanes are ~800 lines each, asked for a block ahead, latency-bound. Read among the
+ * weights' stream they arrive at ~40 GB/s and wait in L2 (the down and q/k/v weights
+ * that stream past them are ~0.45 MB a thread). Each read is a load, not a prefetch: a
+ * prefetch of the same lines gained nothing (0.99-1.01x). Layers of b=1 steps
+ * 1.02-1.05x on one CCD, 1.03x on two (bench_kernel_ab.py --step); before gate/up
+ * instead, the same (1.00x); spread over the down's items, the same (0.99-1.02x). */
 
 /* The largest K of any op of the layers: the scratch rows' width. */
 static int64_t widest_input(const Layer *layers, int64_t n) {
@@ -622,6 +633,7 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
         {
             const int me = THREAD_ME;
             Mine *my = &mine[me];
+            float warmed = 0.0f;
             PHASE_START(0);
             for (int64_t i = 0; i < n; i++) {
                 const Layer *l = &layers[i];
@@ -646,6 +658,13 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
                 op_team(&l->gate_up, &norm2, s->h, hidden, T, s->gate_up, l->gate_up.N, 0, my,
                         lr + 2 * MAX_PARTS, me);
                 PHASE(6);
+                if (plan.lone && i + 1 < n) {
+                    const Attn next = {s->qkv, l->qkv.N, layer_kv(s, i + 1, 0),
+                                       layer_kv(s, i + 1, 1), l->H, l->Hkv, l->D, s->bs,
+                                       s->rows, s->tables, s->ldt, s->att, l->H * l->D,
+                                       (float)l->scale, s->kv16};
+                    warmed += attention_warm(&plan, &next, me); /* see WARM */
+                }
                 op_team(&l->down, &swiglu, s->gate_up, l->gate_up.N, T, s->h, hidden, 1, my,
                         lr + 3 * MAX_PARTS, me);
                 PHASE(7);
@@ -663,6 +682,7 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
                     argmax_rows(tail->logits, head->N, tail->n, head->N, tail->argmax);
                 }
             }
+            my->warmed = warmed;
         }
     }
     attention_plan_free(&plan);

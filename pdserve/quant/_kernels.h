@@ -171,6 +171,9 @@ int attention_plan(AttnPlan *p, const Attn *a, int64_t T, int threads);
  * running team of p->threads threads or fewer (an orphaned `omp for`; ends in a barrier). */
 void attention_team(const AttnPlan *p, const Attn *a);
 void attention_plan_free(AttnPlan *p);
+/* A LONE plan's thread c reads its part of the KV `a` will attend (nothing for another
+ * plan); returns a sum of what it read, for the caller to keep. */
+float attention_warm(const AttnPlan *p, const Attn *a, int64_t c);
 void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                    const int64_t *positions, const float *cos, const float *sin, void *kc,
                    void *vc, int kv16, const int64_t *slots);
