@@ -101,6 +101,22 @@ def test_a_burst_gives_every_request_the_tokens_of_one_step_a_call(
     assert max(together[8][1]) == 8  # whole bursts ran
 
 
+def test_the_core_counts_its_steps_and_those_run_in_bursts(engines: dict[int, Engine]) -> None:
+    """37 tokens: the prefill's first, then 36 decode steps - bursts of 8, 8, 8, 8 and the
+    4 left (the batch size's step time is known by now: no single timing step)."""
+    params = SamplingParams(max_tokens=37, temperature=0, ignore_eos=True)
+    prompt = chat(engines[1], QUESTIONS[0])
+    run(engines[8], [(prompt, params)])  # the step time of a batch of one, measured
+    for burst, engine in engines.items():
+        core = engine.core
+        before = core.num_steps, core.num_burst_steps
+        outs, calls = run(engine, [(prompt, params)])
+        assert len(outs[0].token_ids) == 37
+        assert calls == ([1] * 37 if burst == 1 else [1, 8, 8, 8, 8, 4])
+        assert core.num_steps - before[0] == 37
+        assert core.num_burst_steps - before[1] == (0 if burst == 1 else 36)
+
+
 def test_a_stop_token_or_stop_string_inside_a_burst_ends_where_one_step_a_call_does(
     engines: dict[int, Engine],
 ) -> None:

@@ -617,6 +617,12 @@ def test_prometheus_metrics_are_open_and_count_requests(server: Server, client: 
     assert samples["pdserve_num_requests_running"] == 0
     assert samples["pdserve_kv_cache_usage_ratio"] == 0
     assert 0 < samples["pdserve_prefix_cache_hit_rate"] < 1
+    # each request: a prefill step and 3 decode steps, some perhaps in a decode burst
+    steps, in_bursts = (
+        samples["pdserve_engine_steps_total"],
+        samples["pdserve_decode_burst_steps_total"],
+    )
+    assert steps >= 8 and 0 <= in_bursts <= steps - 2
 
 
 def test_batched_prompts_with_n_choices_in_prompt_major_order(client: OpenAI) -> None:

@@ -121,9 +121,12 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, config.device)
         self.runner = ModelRunner(model, cache, self.kv)
         # Decode bursts: the steps the last `step` ran, and the last decode step's time
-        # for each batch size (what sizes a burst).
+        # for each batch size (what sizes a burst). Since start: forward steps run (a
+        # burst's one by one), and those that ran inside bursts.
         self.last_steps = 1
         self._step_s: dict[int, float] = {}
+        self.num_steps = 0
+        self.num_burst_steps = 0
         self.requests: dict[str, Request] = {}
         # Output-length prediction at each prompt's first token. `prompt_state_sink`
         # (the predictor's data tool) sees each fresh prompt's final hidden state.
@@ -507,6 +510,7 @@ class EngineCore:
         if steps > 1 and self.scheduler.extend(sched.seqs, steps):
             return self._burst(sched.seqs, steps, start)
         self.last_steps = 1
+        self.num_steps += 0 if sched.empty else 1
         self.role.begin_step(sched.seqs)
         result = self.runner.execute(sched)
         self.role.end_step()
@@ -568,6 +572,8 @@ class EngineCore:
         tokens = self.runner.execute_burst(seqs, steps, self._stop_ids(seqs))
         self.role.end_step()
         self.last_steps = len(tokens)
+        self.num_steps += len(tokens)
+        self.num_burst_steps += len(tokens)
         news: dict[str, list[EngineOutput]] = {}
         for step_tokens in tokens:
             for seq, token in zip(seqs, step_tokens, strict=True):

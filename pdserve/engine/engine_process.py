@@ -258,6 +258,8 @@ class _Loop:
             num_preemptions=s.num_preemptions,
             num_admission_waits=self.core.num_admission_waits,
             busy_ms=round(self.busy_s * 1000),
+            num_steps=self.core.num_steps,
+            num_burst_steps=self.core.num_burst_steps,
             kv_routes_shm=routes.get("shm", 0),
             kv_routes_tcp=routes.get("tcp", 0),
         )

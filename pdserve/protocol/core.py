@@ -143,6 +143,8 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_preemptions: int = 0  # since start: running requests swapped out or recomputed
     num_admission_waits: int = 0  # since start: times the decode admission rule said wait
     busy_ms: int = 0  # since start: wall time spent in steps (resource time, TetriInfer §5)
+    num_steps: int = 0  # since start: forward steps (a decode burst's one by one)
+    num_burst_steps: int = 0  # since start: the steps that ran inside decode bursts
     # since start, the auto transport only (kv/transfer/auto.py): KV transfers this instance
     # sent through shared memory (a peer on its node) and over TCP (a peer on another node)
     kv_routes_shm: int = 0

@@ -49,6 +49,8 @@ class ServerMetrics:
             "Prompt tokens served from the prefix cache / prompt tokens",
             registry=r,
         )
+        self.engine_stats: EngineStats | None = None  # the last scrape's, for the counters
+        r.register(_StepCollector(self))
 
     def _hist(self, name: str, doc: str) -> Histogram:
         return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -96,6 +98,7 @@ class ServerMetrics:
         self.registry.register(_PredictionCollector(predictions))
 
     def render(self, stats: EngineStats | None) -> bytes:
+        self.engine_stats = stats
         if stats is not None:
             self.running.set(stats.num_running)
             self.waiting.set(stats.num_waiting + stats.num_swapped)
@@ -104,6 +107,29 @@ class ServerMetrics:
             queries = stats.prefix_cache_queries
             self.hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
         return generate_latest(self.registry)
+
+
+class _StepCollector(Collector):
+    """The engines' step counters from the stats of the scrape (none when no engine
+    answered): forward steps, and those run inside decode bursts (engine/core.py)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.metrics.engine_stats
+        if stats is None:
+            return
+        yield CounterMetricFamily(
+            "pdserve_engine_steps",
+            "Forward steps the engines ran (a decode burst's steps one by one)",
+            value=stats.num_steps,
+        )
+        yield CounterMetricFamily(
+            "pdserve_decode_burst_steps",
+            "Steps that ran inside decode bursts (several greedy steps in one call)",
+            value=stats.num_burst_steps,
+        )
 
 
 class _FaultCollector(Collector):
