@@ -496,6 +496,8 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     assert free + cached == blocks[kv]
     hits, queries = stats.pop("prefix_cache_hits"), stats.pop("prefix_cache_queries")
     assert stats.pop("busy_ms") > 0  # it ran steps
+    steps, in_bursts = stats.pop("num_steps"), stats.pop("num_burst_steps")
+    assert steps > 0 and 0 <= in_bursts < steps  # a prefill step is never a burst's
     assert 0 <= hits <= queries
     idle = ("num_running", "num_waiting", "num_swapped", "num_used_blocks", "num_held")
     idle += ("num_transferring", "num_reserved", "num_replicas", "num_replica_blocks")
