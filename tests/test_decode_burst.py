@@ -186,27 +186,33 @@ def test_sampled_rows_logprobs_and_waiting_prompts_take_one_step_a_call(
 
 
 def test_a_burst_asks_for_all_its_blocks_or_runs_one_step(engines: dict[int, Engine]) -> None:
-    """Scheduler.extend: blocks for every row's burst, all or none; with the pool empty
-    the step runs alone and the request still ends as one step a call ends it."""
+    """Scheduler.extend: blocks for every row's burst, all or none. With the pool held
+    empty the step runs alone and takes no block; once it is free the bursts go on, and
+    the request ends as one step a call ends it."""
     engine = engines[8]
-    core, bs = engine.core, engines[8].core.kv.cfg.block_size
+    core, bs = engine.core, engine.core.kv.cfg.block_size
     prompt = chat(engine, QUESTIONS[2])
     prompt += prompt[-1:] * ((bs - 1 - len(prompt)) % bs)  # the burst's 8 cross a block
-    params = SamplingParams(max_tokens=20, temperature=0)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     rid = engine.add_request(prompt, params)
     engine.step()  # the prefill and the first token
-    out = core.scheduler.schedule()
     held = core.kv.block_table(rid)
+    assert core.kv.num_new_blocks(rid, 8) == 1 and core.kv.num_new_blocks(rid, 1) == 0
     assert core.kv.hold("filler", [], num_tokens=core.kv.num_obtainable_blocks * bs) == 0
     assert core.kv.num_obtainable_blocks == 0
-    assert not core.scheduler.extend(out.seqs, 8)
-    assert core.kv.block_table(rid) == held
+    engine.step()
+    assert core.last_steps == 1 and core.kv.block_table(rid) == held
     core.kv.free("filler")
-    assert core.scheduler.extend(out.seqs, 8)
-    assert len(core.kv.block_table(rid)) == len(held) + 1
-    core.abort(rid)
+    final = None
+    calls = []
+    while engine.has_unfinished():
+        final = next((o for o in engine.step() if o.finished), final)
+        calls.append(core.last_steps)
+    assert max(calls) == 8
     core.check_integrity()
     assert core.kv.num_used_blocks == 0
+    want = run(engines[1], [(prompt, params)])[0][0]
+    assert final is not None and summary(final) == summary(want)
 
 
 def test_a_trace_writes_a_line_for_every_step_of_a_burst(tmp_path: Path) -> None:

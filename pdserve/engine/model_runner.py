@@ -132,7 +132,7 @@ class ModelRunner:
             slots.t().contiguous(),
             RowRanges(rows, ranges.tables),
             self.cache.device_tensor,
-            torch.tensor(sorted(set(stop)), dtype=torch.long),
+            torch.tensor(sorted(stop), dtype=torch.long),
         )
         return cast(list[list[int]], tokens[1 : done + 1].tolist())
 

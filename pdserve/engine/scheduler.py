@@ -231,12 +231,7 @@ class Scheduler:
     def extend(self, seqs: list[ScheduledSeq], steps: int) -> bool:
         """Make every decode row of `seqs` hold blocks for `steps` tokens (a decode burst,
         engine/core.py), if the pool has them all; else False with nothing allocated."""
-        bs = self.kv.cfg.block_size
-        need = 0
-        for s in seqs:
-            req = s.request
-            held = len(self.kv.block_table(req.request_id))
-            need += max(0, -(-(req.num_computed_tokens + steps) // bs) - held)
+        need = sum(max(0, self.kv.num_new_blocks(s.request.request_id, steps)) for s in seqs)
         if need > self.kv.num_obtainable_blocks:
             return False
         for s in seqs:

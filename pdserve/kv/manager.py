@@ -193,7 +193,7 @@ class KVManager:
         if state is None:
             return self._allocate_first(req_id, token_ids, num_new_tokens)
         self._require_running(req_id, state)
-        num_new = self._blocks_for(state.num_computed + num_new_tokens) - len(state.blocks)
+        num_new = self.num_new_blocks(req_id, num_new_tokens)
         if num_new <= 0:
             return Allocation(num_cached_tokens=0, num_new_blocks=0)
         new_blocks = self._take_blocks(num_new)
@@ -201,6 +201,12 @@ class KVManager:
             return None
         state.blocks.extend(new_blocks)
         return Allocation(num_cached_tokens=0, num_new_blocks=num_new)
+
+    def num_new_blocks(self, req_id: ReqId, num_new_tokens: int) -> int:
+        """Fresh blocks `allocate(req_id, ..., num_new_tokens)` would take now (<= 0: none),
+        for a request that already has KV state."""
+        state = self._state(req_id)
+        return self._blocks_for(state.num_computed + num_new_tokens) - len(state.blocks)
 
     def hold(self, req_id: ReqId, token_ids: Sequence[int], num_tokens: int = 0) -> int | None:
         """A KV state that is no request: references on the indexed full-block prefix of
