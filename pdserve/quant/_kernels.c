@@ -1072,7 +1072,7 @@ static PyObject *py_embed_rows(PyObject *self, PyObject *const *args, Py_ssize_t
                        PTR(const float *, v[3]), N, K, K / QK};
     float *out = PTR(float *, v[8]);
     Py_BEGIN_ALLOW_THREADS;
-    for (int64_t i = 0; i < n; i++) dequantize_any(&w, ids[i], 1, out + i * K);
+    embed_ids(&w, ids, n, out);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
