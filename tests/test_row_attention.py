@@ -590,3 +590,45 @@ def test_the_compiled_attention_refuses_a_cache_dtype_it_cannot_read() -> None:
     refused = r"^the compiled attention reads a float32 or float16 KV cache, not torch.bfloat16$"
     with pytest.raises(ValueError, match=refused):
         case.compiled(cache=case.cache.bfloat16())
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_a_lone_decode_in_the_team_gives_the_bits_of_the_calls_per_layer(
+    tmp_path: pytest.TempPathFactory, kv: str
+) -> None:
+    """One decode row with enough context for the attention to go by phases on both
+    threads (LONE in _attention.c: work x H x D >= 65,536): in the one-call team each
+    thread rotates the query itself and writes only the new K and V it reads
+    (LONE_ROPE), where the calls per layer rotate and write all of it first. The same
+    logits and the same cache, bit for bit, at contexts whose new key falls in either
+    thread's score range or at a block's start."""
+    path = make_tiny_gguf(
+        tmp_path, "LlamaForCausalLM", quant="Q4_1", hidden_size=128, head_dim=32,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+    config = EngineConfig(model=str(path), quantization="gguf", num_threads=2)
+    model = load_model(config)
+    c = model.config
+    assert model.fused and c.num_attention_heads * c.head_dim == 128
+    gen = torch.Generator().manual_seed(5)
+    for context in (512, 515, 600):  # >= 512 keys: LONE; 600 = 75 groups of 8 keys
+        ids = torch.randint(0, c.vocab_size, (context + 1,), generator=gen)
+        blocks = -(-(context + 1) // BS)
+        layout = KVLayout(
+            c.num_hidden_layers, blocks + 1, BS, c.num_key_value_heads, c.head_dim, kv
+        )
+        table = list(range(1, blocks + 1))
+        results = []
+        for hooks in (ForwardHooks(on_layer_done=lambda _: None), None):
+            cache = KVCache(layout, num_host_blocks=0)
+            with torch.inference_mode():
+                meta = AttentionMetadata.build([SeqSpec(0, context, table)], BS, per_row=True)
+                model(ids[:context], torch.arange(context), cache.device_tensor, meta,
+                      torch.tensor([context - 1]))  # fmt: skip
+                meta = AttentionMetadata.build([SeqSpec(context, 1, table)], BS, per_row=True)
+                logits = model(ids[context:], torch.tensor([context]), cache.device_tensor,
+                               meta, torch.tensor([0]), hooks)  # fmt: skip
+            results.append((logits, cache.device_tensor.clone()))
+        (per_layer, cache_a), (team, cache_b) = results
+        assert torch.equal(team, per_layer) and torch.equal(cache_b, cache_a), context
+        assert cache_b[:, :, table[context // BS]].any()  # the new token was written

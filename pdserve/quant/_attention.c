@@ -657,34 +657,63 @@ INLINE void store_f16(uint16_t *out, const float *x, int64_t n) {
                          _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
 }
 
+/* n consecutive heads of x rotated into out (which may be x): rotate-half RoPE, x * cos
+ * + rotate_half(x) * sin, as HF and model/layers.py compute it (a product, a product, a
+ * sum), with c, s the position's [D] cos and sin. */
+INLINE void rope_heads(const float *x, float *out, int64_t n, int64_t D, const float *c,
+                       const float *s) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < n; h++, x += D, out += D) {
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = x[i], x2 = x[i + half];
+            out[i] = x1 * c[i] + (-x2) * s[i];
+            out[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+    }
+}
+
+/* n values of x (a multiple of 8 when kv16) into a cache at element `at`. */
+INLINE void write_kv(void *cache, int64_t at, const float *x, int64_t n, int kv16) {
+    if (kv16) store_f16((uint16_t *)cache + at, x, n);
+    else memcpy((float *)cache + at, x, sizeof(float) * (size_t)n);
+}
+
 /* qkv rows [T][ld]: H query heads, then Hkv key heads, then Hkv value heads, D each.
- * Rotates q and k in place (rotate-half RoPE: x * cos + rotate_half(x) * sin, as HF and
- * model/layers.py compute it: a product, a product, a sum) at positions[t], then copies
- * k and v into slot slots[t] of the cache (kv16: rounded to fp16). cos, sin:
- * [max_positions][D]. */
+ * Rotates q and k in place (rope_heads) at positions[t], then copies k and v into slot
+ * slots[t] of the cache (kv16: rounded to fp16). cos, sin: [max_positions][D]. */
 KERNEL void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv,
                           int64_t D, const int64_t *positions, const float *cos,
                           const float *sin, void *kc, void *vc, int kv16,
                           const int64_t *slots) {
-    const int64_t half = D / 2;
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * ld;
-        const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
-        for (int64_t h = 0; h < H + Hkv; h++) {
-            float *x = row + h * D;
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = x[i], x2 = x[i + half];
-                x[i] = x1 * c[i] + (-x2) * s[i];
-                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
-            }
-        }
+        rope_heads(row, row, H + Hkv, D, cos + positions[t] * D, sin + positions[t] * D);
         const int64_t at = slots[t] * Hkv * D;
-        if (kv16) {
-            store_f16((uint16_t *)kc + at, row + H * D, Hkv * D);
-            store_f16((uint16_t *)vc + at, row + (H + Hkv) * D, Hkv * D);
-        } else {
-            memcpy((float *)kc + at, row + H * D, sizeof(float) * Hkv * D);
-            memcpy((float *)vc + at, row + (H + Hkv) * D, sizeof(float) * Hkv * D);
-        }
+        write_kv(kc, at, row + H * D, Hkv * D, kv16);
+        write_kv(vc, at, row + (H + Hkv) * D, Hkv * D, kv16);
     }
+}
+
+/* LONE_ROPE: a LONE step's RoPE and KV write with no thread doing them for the team and
+ * no barrier after them. Thread c rotates every query head of the row into q (its own
+ * [H][D]: the scores of its keys need them all), and writes only what of the new token's
+ * K and V its own phases of this layer's attention read: the K record when the new key
+ * (the row's last) is in its score range (lone_score_part's split; rotated into q after
+ * the query heads: q has room for H + Hkv heads), and its lanes of the V record
+ * (lone_value_lanes' split). Before, one thread did all of it (`omp single`)
+ * and the team waited at a barrier, then read the rotated q and the new K across cores.
+ * Every value written is rope_write_kv's (the same rope_heads, the same rounding). */
+KERNEL void lone_rope_write_kv(const AttnPlan *p, const Attn *a, const float *qkv,
+                               int64_t position, const float *cos, const float *sin,
+                               int64_t slot, float *q, int64_t c) {
+    const int64_t P = p->threads, H = a->H, Hkv = a->Hkv, D = a->D;
+    const float *cs = cos + position * D, *sn = sin + position * D;
+    const int64_t start = a->rows[1], last = a->rows[2] - 1, groups = (last - start + 8) / 8;
+    const int64_t lo = start + c * groups / P * 8, hi = start + (c + 1) * groups / P * 8;
+    const int64_t at = slot * Hkv * D;
+    const int key = last >= lo && last < hi; /* the new key is among this thread's */
+    rope_heads(qkv, q, key ? H + Hkv : H, D, cs, sn);
+    if (key) write_kv((void *)a->kc, at, q + H * D, Hkv * D, a->kv16);
+    const int64_t vecs = Hkv * D / 8, first = c * vecs / P * 8, end = (c + 1) * vecs / P * 8;
+    write_kv((void *)a->vc, at + first, qkv + (H + Hkv) * D + first, end - first, a->kv16);
 }

@@ -522,6 +522,7 @@ static void argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int
 typedef struct { /* one thread's scratch */
     float *xt;    /* the prologue's rows: [TEAM_ROWS][cap] */
     Rows8 a;      /* those rows rounded to int8 */
+    float *q;     /* a LONE step's rotated query and key heads (LONE_ROPE, _attention.c) */
     float warmed; /* the sum attention_warm returned (kept, so its loads stay) */
 } Mine;
 
@@ -599,13 +600,17 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
     Runs *runs = malloc(sizeof(Runs) * (size_t)n_runs);
     Mine *mine = calloc((size_t)threads, sizeof(Mine));
     int rc = words == NULL || runs == NULL || mine == NULL ? -1 : 0;
+    const int64_t heads = n > 0 ? (layers[0].H + layers[0].Hkv) * layers[0].D : 0;
     for (int t = 0; rc == 0 && t < threads; t++) {
+        mine[t].q = malloc(sizeof(float) * (size_t)(heads > 0 ? heads : 1));
         mine[t].xt = malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap));
         mine[t].a = (Rows8){malloc((size_t)(TEAM_ROWS * cap)),
                             malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap / QK)),
                             malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap / QK)),
                             malloc(sizeof(float) * (size_t)(2 * TEAM_ROWS * cap / QK)), 0, 0};
-        if (!mine[t].xt || !mine[t].a.q || !mine[t].a.d || !mine[t].a.s || !mine[t].a.h) rc = -1;
+        if (!mine[t].xt || !mine[t].q || !mine[t].a.q || !mine[t].a.d || !mine[t].a.s ||
+            !mine[t].a.h)
+            rc = -1;
     }
     /* One plan serves every layer: only q, the caches and the output differ. */
     AttnPlan plan = {0};
@@ -645,12 +650,18 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
                 char *kc = layer_kv(s, i, 0), *vc = layer_kv(s, i, 1);
                 op_team(&l->qkv, &norm1, s->h, hidden, T, s->qkv, l->qkv.N, 0, my, lr, me);
                 PHASE(0);
+                Attn a = {s->qkv, l->qkv.N, kc, vc, l->H, l->Hkv, l->D, s->bs, s->rows,
+                          s->tables, s->ldt, s->att, l->H * l->D, (float)l->scale, s->kv16};
+                if (plan.lone) { /* no barrier: each thread reads what it wrote (LONE_ROPE) */
+                    lone_rope_write_kv(&plan, &a, s->qkv, s->positions[0], s->cos, s->sin,
+                                       s->slots[0], my->q, me);
+                    a.q = my->q, a.ldq = l->H * l->D;
+                } else {
 #pragma omp single
-                rope_write_kv(s->qkv, l->qkv.N, T, l->H, l->Hkv, l->D, s->positions, s->cos,
-                              s->sin, kc, vc, s->kv16, s->slots);
+                    rope_write_kv(s->qkv, l->qkv.N, T, l->H, l->Hkv, l->D, s->positions, s->cos,
+                                  s->sin, kc, vc, s->kv16, s->slots);
+                }
                 PHASE(1);
-                const Attn a = {s->qkv, l->qkv.N, kc, vc, l->H, l->Hkv, l->D, s->bs, s->rows,
-                                s->tables, s->ldt, s->att, l->H * l->D, (float)l->scale, s->kv16};
                 attention_team(&plan, &a);
                 op_team(&l->o, &none, s->att, l->H * l->D, T, s->h, hidden, 1, my, lr + MAX_PARTS,
                         me);
@@ -687,7 +698,7 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
     }
     attention_plan_free(&plan);
     for (int t = 0; mine != NULL && t < threads; t++) {
-        free(mine[t].xt);
+        free(mine[t].xt), free(mine[t].q);
         free(mine[t].a.q), free(mine[t].a.d), free(mine[t].a.s), free(mine[t].a.h);
     }
     free(mine);

@@ -177,6 +177,11 @@ float attention_warm(const AttnPlan *p, const Attn *a, int64_t c);
 void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                    const int64_t *positions, const float *cos, const float *sin, void *kc,
                    void *vc, int kv16, const int64_t *slots);
+/* A LONE plan's RoPE and KV write, thread c's share (_attention.c, LONE_ROPE): every query
+ * head of the row's qkv rotated into q ([H + Hkv][D] room), what of the new token's K and
+ * V thread c's attention phases read written into a's caches at `slot`. */
+void lone_rope_write_kv(const AttnPlan *p, const Attn *a, const float *qkv, int64_t position,
+                        const float *cos, const float *sin, int64_t slot, float *q, int64_t c);
 
 /* The int8-activation products (_int8.c): whether this CPU has what they need (AVX-512
  * F/BW/VL/DQ and VNNI), and y (+)= x @ W^T for a weight packed by linear.py's
