@@ -593,21 +593,30 @@ def test_the_compiled_attention_refuses_a_cache_dtype_it_cannot_read() -> None:
 
 
 @pytest.mark.parametrize("kv", ["float32", "float16"])
+@pytest.mark.parametrize("threads", [2, 3])
 def test_a_lone_decode_in_the_team_gives_the_bits_of_the_calls_per_layer(
-    tmp_path: pytest.TempPathFactory, kv: str
+    tmp_path: pytest.TempPathFactory, kv: str, threads: int
 ) -> None:
-    """One decode row with enough context for the attention to go by phases on both
-    threads (LONE in _attention.c: work x H x D >= 65,536): in the one-call team each
-    thread rotates the query itself and writes only the new K and V it reads
-    (LONE_ROPE), where the calls per layer rotate and write all of it first. The same
-    logits and the same cache, bit for bit, at contexts whose new key falls in either
-    thread's score range or at a block's start."""
+    """One decode row with enough context for the attention to go by phases on the team
+    (LONE in _attention.c: work x H x D >= 65,536): in the one-call team each thread
+    rotates the query itself and writes only the new K and V it reads (LONE_ROPE: the K
+    record by the thread whose keys hold the new one, the V record's lanes each by its
+    own thread), where the calls per layer rotate and write all of it first. The same
+    logits and the same cache, bit for bit, on 2 and 3 threads, the new key at a block's
+    start or inside one."""
     path = make_tiny_gguf(
         tmp_path, "LlamaForCausalLM", quant="Q4_1", hidden_size=128, head_dim=32,
         max_position_embeddings=1024,
     )  # fmt: skip
-    config = EngineConfig(model=str(path), quantization="gguf", num_threads=2)
-    model = load_model(config)
+    before = torch.get_num_threads()
+    try:
+        _lone_decodes_match(load_model(EngineConfig(model=str(path), quantization="gguf",
+                                                    num_threads=threads)), kv)  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+
+
+def _lone_decodes_match(model: CausalLM, kv: str) -> None:
     c = model.config
     assert model.fused and c.num_attention_heads * c.head_dim == 128
     gen = torch.Generator().manual_seed(5)
