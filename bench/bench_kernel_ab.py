@@ -27,6 +27,10 @@ saves around the layers too (a cache it leaves colder, say). No bit check then. 
 `--block N` the builds take turns every N steps instead, and each block's first 2 steps
 are left out: what a change leaves in the caches for the next step (the KV, Python's
 objects) is then its own, where alternating every step hands it to the other build.
+With `--layers N` each call runs only the first N layers and the final norm (the LM head
+is left to the step's Python, untimed): with N = 2 their weights (~4.4 MB) stay in cache
+from step to step, so the layers' own cost shows apart from the memory's (the tokens
+are then not the model's).
 
 `AB_CFLAGS_B=-DPHASES` builds B with a timer per phase of the team's step (_kernels.h,
 PHASES; printed at exit).
@@ -219,9 +223,15 @@ def attention_ab(mods: list[ModuleType], threads: int, kv16: str = "") -> None:
 
 
 def step_ab(
-    mods: list[ModuleType], batch: int, steps: int, whole: bool, activations: str, block: int = 1
+    mods: list[ModuleType],
+    batch: int,
+    steps: int,
+    whole: bool,
+    activations: str,
+    block: int = 1,
+    layers: int = 0,
 ) -> None:
-    """See the module docstring (`--step`, `--whole`)."""
+    """See the module docstring (`--step`, `--whole`, `--layers`)."""
     from bench_decode_step import served_engine
 
     from pdserve.engine.sampling_params import SamplingParams
@@ -242,6 +252,8 @@ def step_ab(
         for i in order:
             h.copy_(h0)
             self._call = mods[i].fused_layers
+            if layers:
+                self._layers, self._head = layers, None
             t = time.perf_counter()
             out = call(self, h, *rest)
             times[i].append(time.perf_counter() - t)
@@ -256,6 +268,8 @@ def step_ab(
 
     def one(self: FusedLayers, h: torch.Tensor, *rest: Any) -> Out:
         self._call = mods[build_now()].fused_layers
+        if layers:
+            self._layers, self._head = layers, None
         return call(self, h, *rest)
 
     FusedLayers.__call__ = one if whole else both  # type: ignore[method-assign]
@@ -309,6 +323,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help="--step's sequences")
     ap.add_argument("--steps", type=int, default=40, help="--step's decode steps")
     ap.add_argument("--block", type=int, default=1, help="--whole: steps per build's turn")
+    ap.add_argument("--layers", type=int, default=0, help="--step: run only the first N layers")
     args = ap.parse_args()
     if len(args.build) != 2:
         ap.error("give --build twice: A, then B")
@@ -320,9 +335,8 @@ def main() -> int:
             attention_ab(mods, args.threads, args.kv16)
             return 0
         if args.step:
-            step_ab(
-                mods, args.batch, args.steps, args.whole, args.activations or "int8", args.block
-            )
+            activations = args.activations or "int8"
+            step_ab(mods, args.batch, args.steps, args.whole, activations, args.block, args.layers)
             return 0
         rng = np.random.default_rng(0)
         print("| shape N x K | format | M | A GMAC/s | B GMAC/s | B vs A |")

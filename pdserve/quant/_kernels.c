@@ -570,7 +570,8 @@ static void op_team(const Op *op, const Prologue *pre, const float *x, int64_t l
         const QWeight w = {(int)p->layout, (const uint8_t *)(intptr_t)p->qs,
                            (const float *)(intptr_t)p->d, (const float *)(intptr_t)p->m,
                            p->rows, op->K, op->K / QK};
-        for (int64_t t; (t = runs_take(runs[i], me)) >= 0;) {
+        Claim claim = {0, 0};
+        for (int64_t t; (t = runs_take(runs[i], me, &claim)) >= 0;) {
             const int64_t n0 = t * width, cols = n0 + width <= p->rows ? width : p->rows - n0;
             if (p->layout < 0)
                 int8_group(w.qs, (int)p->d, &mine->a, M, t, yp, ldy, p->rows, acc);

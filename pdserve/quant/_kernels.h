@@ -64,17 +64,34 @@ INLINE __m256i tail_mask(int64_t n) {
  * prefetcher follows (interleaved streams and dynamic chunks halved a cold GEMV's
  * bandwidth) - and that a thread done with its own run steals from, one item at a time
  * from the back of the run with the most left - so a thread that loses its core holds
- * back one item, not its whole run (a static split once made a 0.1 ms product take 8 ms
- * while another process ran). Each run is one 64-bit word, next item in the low half and
- * end in the high half, changed only by compare-and-swap: an item is taken once. The
- * words are a cache line apart (a run's owner updates it once per item; sharing a line
+ * back a few items, not its whole run (a static split once made a 0.1 ms product take 8
+ * ms while another process ran). Each run is one 64-bit word, next item in the low half
+ * and end in the high half, changed only by compare-and-swap: an item is taken once. The
+ * words are a cache line apart (a run's owner updates it once per claim; sharing a line
  * with the other runs' words made the exact kernel's GEMV pass slower than dynamic
- * chunks). */
+ * chunks).
+ *
+ * CLAIM: an owner takes its own items CLAIM at a time, one compare-and-swap per claim.
+ * A locked instruction waits for the stores before it, and an item's last act is to
+ * store its outputs, lines the other thread read in the op before: with a CAS an item,
+ * each waited for those lines to be taken back from the other core. Across two CCDs
+ * that was ~120 ns an item (a b=1 step's ~320 items a layer): with weights hot in
+ * cache, a layer took 69-78 us on two CCDs against 41-44 on one, and 53 with claims of 8
+ * (37-38 on one). A thread that loses its core then holds back up to CLAIM - 1 items it
+ * has not begun, besides the one it is in. */
 #define RUN_STRIDE 8 /* uint64_t words: 64 bytes */
+#ifndef CLAIM
+#define CLAIM 8
+#endif
 typedef struct {
     uint64_t *runs;
     int parts;
 } Runs;
+
+/* One thread's place in its claim: items [next, next + left) are its own to run. */
+typedef struct {
+    int64_t next, left;
+} Claim;
 
 /* runs: parts * RUN_STRIDE words (parts >= 1); n < 2^32. */
 static inline Runs runs_init(uint64_t *runs, int parts, int64_t n) {
@@ -85,13 +102,22 @@ static inline Runs runs_init(uint64_t *runs, int parts, int64_t n) {
     return (Runs){runs, parts};
 }
 
-/* The next item for thread `me` (its own run first), or -1 when none is left. */
-static inline int64_t runs_take(Runs r, int me) {
-    uint64_t v = __atomic_load_n(&r.runs[me % r.parts * RUN_STRIDE], __ATOMIC_RELAXED);
-    while ((uint32_t)v < (v >> 32))
-        if (__atomic_compare_exchange_n(&r.runs[me % r.parts * RUN_STRIDE], &v, v + 1, 1, __ATOMIC_RELAXED,
-                                        __ATOMIC_RELAXED))
-            return (int64_t)(uint32_t)v;
+/* Up to CLAIM items from the front of thread me's own run into c; 0 when it is empty. */
+static inline int64_t runs_claim(Runs r, int me, Claim *c) {
+    uint64_t *word = &r.runs[me % r.parts * RUN_STRIDE];
+    uint64_t v = __atomic_load_n(word, __ATOMIC_RELAXED);
+    while ((uint32_t)v < (v >> 32)) {
+        const uint64_t left = (v >> 32) - (uint32_t)v, n = left < CLAIM ? left : CLAIM;
+        if (__atomic_compare_exchange_n(word, &v, v + n, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *c = (Claim){(int64_t)(uint32_t)v, (int64_t)n};
+            return (int64_t)n;
+        }
+    }
+    return 0;
+}
+
+/* One item from the back of the run with the most left, or -1 when none is left. */
+static inline int64_t runs_steal(Runs r) {
     for (;;) {
         int victim = -1;
         uint64_t most = 0;
@@ -109,6 +135,14 @@ static inline int64_t runs_take(Runs r, int me) {
     }
 }
 
+/* The next item for thread `me` (its claim, then its own run, then a steal), or -1 when
+ * none is left. c: the thread's claim in these runs, {0, 0} before its first call. */
+static inline int64_t runs_take(Runs r, int me, Claim *c) {
+    if (c->left == 0 && runs_claim(r, me, c) == 0) return runs_steal(r);
+    c->left--;
+    return c->next++;
+}
+
 /* The calling thread's number in its OpenMP team (0 in a build without OpenMP). */
 #ifdef _OPENMP
 #include <omp.h>
@@ -124,8 +158,10 @@ static inline int64_t runs_take(Runs r, int me) {
         const int threads_ = (threads);                                                \
         uint64_t words_[threads_ * RUN_STRIDE] __attribute__((aligned(64)));           \
         const Runs runs_ = runs_init(words_, threads_, (n));                           \
-        _Pragma("omp parallel num_threads(threads_)")                                  \
-        for (int64_t item; (item = runs_take(runs_, THREAD_ME)) >= 0;) BODY;            \
+        _Pragma("omp parallel num_threads(threads_)") {                                \
+            Claim claim_ = {0, 0};                                                     \
+            for (int64_t item; (item = runs_take(runs_, THREAD_ME, &claim_)) >= 0;) BODY; \
+        }                                                                              \
     } while (0)
 
 /* Dynamic-schedule chunk: `tiles` in about threads * per_thread chunks. */
