@@ -244,7 +244,8 @@ void int8_group(const uint8_t *W, int kind, const Rows8 *a, int64_t M, int64_t g
  * bench/bench_kernel_ab.py --step): thread 0 of fused_layers_team adds the time since its
  * last mark to phase k at PHASE(k) - each mark stands after a barrier, so a phase is the
  * team's - and the module prints each phase's time per call when the process exits.
- * Phases: 0 q/k/v, 1 RoPE + KV write, 2-4 the LONE attention's scores, softmax and
+ * Phases: 0 q/k/v, 1 RoPE + KV write (in a LONE step thread 0's own share, with no
+ * barrier after it: LONE_ROPE), 2-4 the LONE attention's scores, softmax and
  * values (a step of 2-3 rows marks none of them: its attention counts in o), 5 o, 6
  * gate/up, 7 down, 8 the final norm and LM head. Per call: per
  * fused_layers_team call, or where there was none (a harness of paged_attention alone)
