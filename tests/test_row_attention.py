@@ -7,6 +7,8 @@ prefill (what a resumed request relies on).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -595,7 +597,7 @@ def test_the_compiled_attention_refuses_a_cache_dtype_it_cannot_read() -> None:
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_lone_decode_in_the_team_gives_the_bits_of_the_calls_per_layer(
-    tmp_path: pytest.TempPathFactory, kv: str, threads: int
+    tmp_path: Path, kv: str, threads: int
 ) -> None:
     """One decode row with enough context for the attention to go by phases on the team
     (LONE in _attention.c: work x H x D >= 65,536): in the one-call team each thread

@@ -601,9 +601,9 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
     Runs *runs = malloc(sizeof(Runs) * (size_t)n_runs);
     Mine *mine = calloc((size_t)threads, sizeof(Mine));
     int rc = words == NULL || runs == NULL || mine == NULL ? -1 : 0;
-    const int64_t heads = n > 0 ? (layers[0].H + layers[0].Hkv) * layers[0].D : 0;
+    const int64_t heads = (layers[0].H + layers[0].Hkv) * layers[0].D; /* n > 0 here */
     for (int t = 0; rc == 0 && t < threads; t++) {
-        mine[t].q = malloc(sizeof(float) * (size_t)(heads > 0 ? heads : 1));
+        mine[t].q = malloc(sizeof(float) * (size_t)heads);
         mine[t].xt = malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap));
         mine[t].a = (Rows8){malloc((size_t)(TEAM_ROWS * cap)),
                             malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap / QK)),
