@@ -237,7 +237,9 @@ def step_ab(
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.model.fused import FusedLayers
 
+    threads = torch.get_num_threads()  # --threads: the engine sets its config's
     engine = served_engine(activations, decode_burst=1)  # each step's layers swapped
+    torch.set_num_threads(threads)
     times: list[list[float]] = [[], []]
     call = FusedLayers.__call__
     turn = [0]

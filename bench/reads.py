@@ -14,6 +14,10 @@ as bench_kernel_ab.py builds): what `bench_engine.py`'s floors and
   paged KV pool's layer): in address order, shuffled, and shuffled with the next block
   asked for as `_attention.c` asks for it - the ceilings of a decode step's KV read.
 * `fma_rate(threads)`: fp32 multiply-adds a second.
+* `read_with_arithmetic(nbytes, threads, fmas)`: the flat read with `fmas` multiply-adds on
+  every 32 bytes it loads, cold and with the bytes in L2: whether a core hides
+  arithmetic under its stream (a cold rate near the lower of the pure read's and the
+  hot rate) or pays for both (near their harmonic sum).
 * `round_trip(n)`: a cache line's trip between the two threads and back, which tells
   where the machine put this VM's two cores: ~60 ns on one CCD (one L3, one link to
   memory: a flat read on two threads takes ~35-40 GB/s), ~300 ns on two (two links:
@@ -83,6 +87,65 @@ double flat_read(int64_t n, int threads, int reps) {
     }
     free(buf), free(other);
     return sink == 0.5 ? 0 : best; /* never 0: keeps the reads */
+}
+
+/* p[0, n) read as floats with `fmas` (even) multiply-adds on each 32 bytes, in 8 chains
+ * held in registers; returns their sum's first lane. */
+static float arith_range(const char *p, int64_t n, int fmas) {
+    const __m256 m = _mm256_set1_ps(0.999f);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t i = 0; i + 128 <= n; i += 128) {
+        const __m256 v0 = _mm256_load_ps((const float *)(p + i)),
+                     v1 = _mm256_load_ps((const float *)(p + i + 32)),
+                     v2 = _mm256_load_ps((const float *)(p + i + 64)),
+                     v3 = _mm256_load_ps((const float *)(p + i + 96));
+        if (fmas == 0) {
+            a0 = _mm256_add_ps(a0, v0), a1 = _mm256_add_ps(a1, v1);
+            a2 = _mm256_add_ps(a2, v2), a3 = _mm256_add_ps(a3, v3);
+        }
+        for (int k = 0; k < fmas; k += 2) {
+            a0 = _mm256_fmadd_ps(v0, m, a0), a1 = _mm256_fmadd_ps(v1, m, a1);
+            a2 = _mm256_fmadd_ps(v2, m, a2), a3 = _mm256_fmadd_ps(v3, m, a3);
+            a4 = _mm256_fmadd_ps(v0, m, a4), a5 = _mm256_fmadd_ps(v1, m, a5);
+            a6 = _mm256_fmadd_ps(v2, m, a6), a7 = _mm256_fmadd_ps(v3, m, a7);
+        }
+    }
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                                   _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    return s[0];
+}
+
+/* Seconds of the best of `reps` passes over n bytes on `threads` threads (each a contiguous
+ * share) with `fmas` (even) multiply-adds on each 32 bytes (0: an add, as a read): cold
+ * (hot 0: right after 64 MB of other reads) or hot (the pass repeated over a 256 KB share
+ * that stays in L2, its time scaled to n). -1 when the buffers could not be had. */
+double read_arith(int64_t n, int threads, int reps, int fmas, int hot) {
+    const int64_t share = 256 << 10, m = hot ? share * threads : n;
+    char *buf = pages(m), *other = pages(64 << 20);
+    if (buf == NULL || other == NULL) return -1;
+    double best = 1e9, sink = 0;
+    for (int rep = 0; rep < reps; rep++) {
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+        {
+            const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+            float acc = 0;
+            __m256i a = read_share(other, 64 << 20, me, nt, _mm256_setzero_si256());
+            const int64_t part = m / nt / 128 * 128, passes = hot ? n / m : 1;
+            if (hot) acc += arith_range(buf + me * part, part, fmas); /* into L2 */
+#pragma omp barrier
+            const double t0 = omp_get_wtime();
+            for (int64_t k = 0; k < passes; k++) {
+                acc += arith_range(buf + me * part, part, fmas);
+                __asm__ volatile("" ::: "memory"); /* each pass reads again */
+            }
+#pragma omp barrier
+            const double t = (omp_get_wtime() - t0) * (double)n / (double)(passes * m);
+            if (me == 0 && t < best) best = t;
+            sink += _mm256_extract_epi32(a, 0) + acc;
+        }
+    }
+    free(buf), free(other);
+    return sink == 0.5 ? 0 : best; /* never 0: keeps the work */
 }
 
 /* Block b of `nb` in the order a read takes them: address order (order 0), or shuffled by
@@ -256,6 +319,8 @@ def build() -> ctypes.CDLL:
     lib.skeleton.restype = ctypes.c_int
     lib.flat_read.restype = ctypes.c_double
     lib.flat_read.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.read_arith.restype = ctypes.c_double
+    lib.read_arith.argtypes = [ctypes.c_int64] + [ctypes.c_int] * 4
     lib.fma_rate.restype = ctypes.c_double
     lib.fma_rate.argtypes = [ctypes.c_int]
     lib.block_read.restype = ctypes.c_double
@@ -284,6 +349,19 @@ def flat_read_bandwidth(lib: ctypes.CDLL, nbytes: int, threads: int, reps: int =
     if best < 0:
         raise MemoryError(f"flat_read: could not allocate {nbytes} bytes")
     return float(nbytes / best)
+
+
+def read_with_arithmetic(
+    lib: ctypes.CDLL, nbytes: int, threads: int, fmas: int, reps: int = 3
+) -> tuple[float, float]:
+    """Bytes/s of the flat read with `fmas` multiply-adds on every 32 bytes: (cold, hot)."""
+    rates = []
+    for hot in (0, 1):
+        best = lib.read_arith(nbytes, threads, reps, fmas, hot)
+        if best < 0:
+            raise MemoryError(f"read_arith: could not allocate {nbytes} bytes")
+        rates.append(float(nbytes / best))
+    return rates[0], rates[1]
 
 
 BLOCK_ORDERS = ("in address order", "shuffled", "shuffled, next block asked for")

@@ -603,7 +603,7 @@ int attention_plan(AttnPlan *p, const Attn *a, int64_t T, int threads) {
             items[n_items++] = (Item){i, k * (a->Hkv / split), a->Hkv / split};
     }
     const int wide = (a->D == 64 || a->D == 128) && wide_supported();
-    const int lone = T == 1 && threads > 1 && a->rows[2] > a->rows[1];
+    const int lone = T == 1 && threads >= TEAM_MIN_THREADS && a->rows[2] > a->rows[1];
     *p = (AttnPlan){longest, per_thread, n_items, blocks, items, scratch, threads, wide, lone};
     return 0;
 }

@@ -713,7 +713,7 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
  * QuantLinear.run's operations). */
 static int fused_layers(const Layer *layers, int64_t n, const Step *s, const Tail *tail,
                         int threads) {
-    if (threads > 1 && s->T <= TEAM_ROWS && n > 0)
+    if (threads >= TEAM_MIN_THREADS && s->T <= TEAM_ROWS && n > 0)
         return fused_layers_team(layers, n, s, tail, threads);
     for (int64_t i = 0; i < n; i++) {
         const Layer *l = &layers[i];

@@ -59,6 +59,15 @@ INLINE __m256i tail_mask(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx);
 }
 
+/* The team's step (fused_layers_team) runs from this many threads. A development
+ * build with -DTEAM_MIN_THREADS=1 runs it, its LONE attention included, on one thread:
+ * one core streaming the whole step with no other core to hand over to - what a core
+ * of a two-CCD step would cost with nothing to wait for (bench_kernel_ab.py --step
+ * --threads 1, with AB_CFLAGS_A and AB_CFLAGS_B=-DTEAM_MIN_THREADS=1). */
+#ifndef TEAM_MIN_THREADS
+#define TEAM_MIN_THREADS 2
+#endif
+
 /* Work items [0, n) in contiguous runs, one per thread, that a thread walks front to
  * back - so a thread reads its weights as one sequential stream, which the hardware
  * prefetcher follows (interleaved streams and dynamic chunks halved a cold GEMV's
