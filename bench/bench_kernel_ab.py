@@ -52,6 +52,12 @@ a real step. First it prints what plain reads of the same 12 KB blocks reach
 asked for): the ceilings of the KV GB/s columns. `--kv16 B` makes B read an fp16 cache
 of the same values (A reads them in fp32: the bits must still be the same; what the fp16
 cache saves), `--kv16 AB` both builds (a change to the fp16 path).
+
+Every mode ends with where the machine had the two cores at the run's start and at its
+end (bench/reads.py's `placement`: one CCD or two). It can move them within a minute; a
+run that began on two CCDs and ended on one says so, and is a mix of the two, not a
+two-CCD result. `--threads N` runs every mode on N threads (`--step` too: the engine's
+own thread count is set back after it is made).
 """
 
 from __future__ import annotations
@@ -303,6 +309,46 @@ def step_ab(
           f"(metadata, sampling, Python) {tr * 1e3:.2f} ms")  # fmt: skip
 
 
+def print_placement(before: float, after: float) -> None:
+    """Where the machine had the two cores at the run's start and end (reads.placement):
+    it can move them within a minute, and a run that began on two CCDs and ended on one
+    is a mix of both, not a two-CCD result."""
+    print(f"{reads.placement(before)} at the start, {reads.placement(after)} at the end")
+    if (before > reads.TWO_CCD_TRIP) != (after > reads.TWO_CCD_TRIP):
+        print("the placement changed during the run: its result mixes the two")
+
+
+def products_ab(mods: list[ModuleType], args: argparse.Namespace) -> None:
+    """The products of SHAPES in each format of --formats, M of --rows (the default mode)."""
+    rng = np.random.default_rng(0)
+    print("| shape N x K | format | M | A GMAC/s | B GMAC/s | B vs A |")
+    print("|---|---|---:|---:|---:|---:|")
+    for n, k in SHAPES:
+        for name in args.formats.split(","):
+            qtype = QuantType.parse(name)
+            if k % qtype.block_values:
+                continue
+            op = QuantLinear(random_blocks(qtype, n, k, rng), None, args.activations or "fp32")
+            for m in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(m, k)
+                times: list[list[float]] = [[], []]
+                outs: list[torch.Tensor] = []
+                for _ in range(30 if m < 64 else 12):
+                    outs = []
+                    for i, mod in enumerate(mods):
+                        op._qlinear, op._qlinear_int8 = mod.qlinear, mod.qlinear_int8
+                        t = time.perf_counter()
+                        outs.append(op(x))
+                        times[i].append(time.perf_counter() - t)
+                assert torch.equal(outs[0], outs[1]), f"{n}x{k} {name} M={m}: bits differ"
+                ta, tb = (statistics.median(t) for t in times)
+                rate = m * n * k / 1e9
+                print(
+                    f"| {n} x {k} | {name} | {m} | {rate / ta:.1f} | {rate / tb:.1f} "
+                    f"| {ta / tb:.2f}x |"
+                )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--build", action="append", type=Path, required=True, help="A, then B")
@@ -330,43 +376,19 @@ def main() -> int:
     if len(args.build) != 2:
         ap.error("give --build twice: A, then B")
     torch.set_num_threads(args.threads)
+    lib = reads.build()
+    before = lib.round_trip(20000)
     with tempfile.TemporaryDirectory() as tmp:
         pairs = zip("ab", args.build, strict=True)
         mods = [load(f"{lab}._kernels", build(f, Path(tmp) / lab)) for lab, f in pairs]
         if args.attention:
             attention_ab(mods, args.threads, args.kv16)
-            return 0
-        if args.step:
+        elif args.step:
             activations = args.activations or "int8"
             step_ab(mods, args.batch, args.steps, args.whole, activations, args.block, args.layers)
-            return 0
-        rng = np.random.default_rng(0)
-        print("| shape N x K | format | M | A GMAC/s | B GMAC/s | B vs A |")
-        print("|---|---|---:|---:|---:|---:|")
-        for n, k in SHAPES:
-            for name in args.formats.split(","):
-                qtype = QuantType.parse(name)
-                if k % qtype.block_values:
-                    continue
-                op = QuantLinear(random_blocks(qtype, n, k, rng), None, args.activations or "fp32")
-                for m in (int(r) for r in args.rows.split(",")):
-                    x = torch.randn(m, k)
-                    times: list[list[float]] = [[], []]
-                    outs: list[torch.Tensor] = []
-                    for _ in range(30 if m < 64 else 12):
-                        outs = []
-                        for i, mod in enumerate(mods):
-                            op._qlinear, op._qlinear_int8 = mod.qlinear, mod.qlinear_int8
-                            t = time.perf_counter()
-                            outs.append(op(x))
-                            times[i].append(time.perf_counter() - t)
-                    assert torch.equal(outs[0], outs[1]), f"{n}x{k} {name} M={m}: bits differ"
-                    ta, tb = (statistics.median(t) for t in times)
-                    rate = m * n * k / 1e9
-                    print(
-                        f"| {n} x {k} | {name} | {m} | {rate / ta:.1f} | {rate / tb:.1f} "
-                        f"| {ta / tb:.2f}x |"
-                    )
+        else:
+            products_ab(mods, args)
+    print_placement(before, lib.round_trip(20000))
     return 0
 
 
