@@ -89,8 +89,8 @@ double flat_read(int64_t n, int threads, int reps) {
     return sink == 0.5 ? 0 : best; /* never 0: keeps the reads */
 }
 
-/* p[0, n) read as floats with `fmas` (even) multiply-adds on each 32 bytes, in 8 chains
- * held in registers; returns their sum's first lane. */
+/* p[0, n) read as floats with `fmas` (even, >= 2) multiply-adds on each 32 bytes, in 8
+ * chains held in registers; returns their sum's first lane. */
 static float arith_range(const char *p, int64_t n, int fmas) {
     const __m256 m = _mm256_set1_ps(0.999f);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -99,10 +99,6 @@ static float arith_range(const char *p, int64_t n, int fmas) {
                      v1 = _mm256_load_ps((const float *)(p + i + 32)),
                      v2 = _mm256_load_ps((const float *)(p + i + 64)),
                      v3 = _mm256_load_ps((const float *)(p + i + 96));
-        if (fmas == 0) {
-            a0 = _mm256_add_ps(a0, v0), a1 = _mm256_add_ps(a1, v1);
-            a2 = _mm256_add_ps(a2, v2), a3 = _mm256_add_ps(a3, v3);
-        }
         for (int k = 0; k < fmas; k += 2) {
             a0 = _mm256_fmadd_ps(v0, m, a0), a1 = _mm256_fmadd_ps(v1, m, a1);
             a2 = _mm256_fmadd_ps(v2, m, a2), a3 = _mm256_fmadd_ps(v3, m, a3);
@@ -116,7 +112,8 @@ static float arith_range(const char *p, int64_t n, int fmas) {
 }
 
 /* Seconds of the best of `reps` passes over n bytes on `threads` threads (each a contiguous
- * share) with `fmas` (even) multiply-adds on each 32 bytes (0: an add, as a read): cold
+ * share) with `fmas` (even, >= 2) multiply-adds on each 32 bytes (flat_read is the plain
+ * read): cold
  * (hot 0: right after 64 MB of other reads) or hot (the pass repeated over a 256 KB share
  * that stays in L2, its time scaled to n). -1 when the buffers could not be had. */
 double read_arith(int64_t n, int threads, int reps, int fmas, int hot) {
@@ -355,6 +352,8 @@ def read_with_arithmetic(
     lib: ctypes.CDLL, nbytes: int, threads: int, fmas: int, reps: int = 3
 ) -> tuple[float, float]:
     """Bytes/s of the flat read with `fmas` multiply-adds on every 32 bytes: (cold, hot)."""
+    if fmas < 2 or fmas % 2:
+        raise ValueError(f"fmas must be even and at least 2, got {fmas}")
     rates = []
     for hot in (0, 1):
         best = lib.read_arith(nbytes, threads, reps, fmas, hot)
