@@ -91,7 +91,7 @@ def bursts_ab(engine: Engine, rounds: int, batch: int) -> None:
     for name, ts in times.items():
         print(f"{name}, b={batch}: " + " ".join(f"{t:.2f}" for t in ts) + " ms a step")
     ratios = [a / b for a, b in zip(times["one step a call"], times["bursts"], strict=True)]
-    two = sum(t > reads.TWO_CCD_TRIP for t in trips)
+    two = sum(reads.placement_kind(t) == "two CCDs" for t in trips)
     print(f"bursts faster by {statistics.median(ratios):.3f}x (median of paired ratios, "
           f"{min(ratios):.3f}-{max(ratios):.3f}); cores on two CCDs after {two} of "
           f"{rounds} rounds")  # fmt: skip

@@ -403,10 +403,11 @@ def main() -> int:
     print(f"  the same moments: two threads multiply-added at {share:.2f}x one thread's rate"
           " (2.0: the second core was ours alone; a read floor does not see "
           "a core shared with another tenant, a step does)")  # fmt: skip
-    two = sum(t > reads.TWO_CCD_TRIP for t in trips)
+    two = sum(reads.placement_kind(t) == "two CCDs" for t in trips)
     print(
         f"  and the two cores sat on two CCDs at {two} of {len(trips)} of them (round trips "
-        f"{', '.join(f'{t * 1e9:.0f}' for t in trips)} ns; ~60 on one CCD, ~300 on two)"
+        f"{', '.join(f'{t * 1e9:.0f}' for t in trips)} ns; ~60 on one CCD, ~300 on two, "
+        "~110-175 on an Intel mesh)"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -314,7 +314,7 @@ def print_placement(before: float, after: float) -> None:
     it can move them within a minute, and a run that began on two CCDs and ended on one
     is a mix of both, not a two-CCD result."""
     print(f"{reads.placement(before)} at the start, {reads.placement(after)} at the end")
-    if (before > reads.TWO_CCD_TRIP) != (after > reads.TWO_CCD_TRIP):
+    if reads.placement_kind(before) != reads.placement_kind(after):
         print("the placement changed during the run: its result mixes the two")
 
 

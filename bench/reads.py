@@ -21,7 +21,8 @@ as bench_kernel_ab.py builds): what `bench_engine.py`'s floors and
 * `round_trip(n)`: a cache line's trip between the two threads and back, which tells
   where the machine put this VM's two cores: ~60 ns on one CCD (one L3, one link to
   memory: a flat read on two threads takes ~35-40 GB/s), ~300 ns on two (two links:
-  ~60-70 GB/s, and every exchange between the threads crosses the fabric).
+  ~60-70 GB/s, and every exchange between the threads crosses the fabric); on an Intel
+  Xeon's mesh, 108-175 ns (`placement_kind`: "mesh").
 """
 
 from __future__ import annotations
@@ -270,7 +271,8 @@ static float chains(int64_t n) {
 /* Seconds a cache line takes to go from one thread to the other and back (two threads,
  * each waiting for the other's write before its own; the mean of n such round trips).
  * About 60 ns here when the two cores share an L3 (one CCD) and about 300 ns when they
- * do not: the machine placing this VM's two cores on two CCDs. -1 when OpenMP gave one
+ * do not: the machine placing this VM's two cores on two CCDs (an Intel mesh: 108-175
+ * ns). -1 when OpenMP gave one
  * thread (each would wait for a write that never comes). */
 double round_trip(int64_t n) {
     static volatile int64_t line[8] __attribute__((aligned(64)));
@@ -327,16 +329,29 @@ def build() -> ctypes.CDLL:
     return lib
 
 
-# A round trip above this is two CCDs (seen here: 60-70 ns on one, 300-340 ns on two).
-TWO_CCD_TRIP = 150e-9
+# Round trips on an AMD EPYC here: 60-70 ns with both cores on one CCD, 300-340 ns across
+# two. An Intel Xeon's mesh (stop 48) put them 108-175 ns apart, steadily: no CCDs, and
+# neither of those bands, so a single cut at 150 ns read it as "moving" between them.
+ONE_CCD_TRIP = 100e-9
+TWO_CCD_TRIP = 250e-9
+
+
+def placement_kind(trip: float) -> str:
+    """The band of a round trip: one CCD, two CCDs, mesh (between them), unknown (-1)."""
+    if trip < 0:
+        return "unknown"
+    if trip < ONE_CCD_TRIP:
+        return "one CCD"
+    return "two CCDs" if trip > TWO_CCD_TRIP else "mesh"
 
 
 def placement(trip: float) -> str:
     """Where the machine put this VM's two cores, from a cache line's round trip between
-    them (`round_trip`): ~60 ns on one CCD, ~300 ns across two."""
-    if trip < 0:
+    them (`round_trip`): ~60 ns on one CCD, ~300 ns across two, ~110-175 on a mesh."""
+    kind = placement_kind(trip)
+    if kind == "unknown":
         return "cores unknown (OpenMP gave one thread)"
-    where = "two CCDs" if trip > TWO_CCD_TRIP else "one CCD"
+    where = "a mesh, no CCDs" if kind == "mesh" else kind
     return f"cores on {where} (round trip {trip * 1e9:.0f} ns)"
 
 
