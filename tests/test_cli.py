@@ -87,26 +87,19 @@ def test_dtype_serves_fp_weights_and_refuses_quantized_ones() -> None:
     answered "L'Étoile, la Mar" where the AMD machine's answered as fp32 does."""
     import torch
 
-    from pdserve.config import EngineConfig
-    from pdserve.engine.engine import Engine
+    from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import SamplingParams
 
     question = "What is the capital of France?"
     proc = pdserve("generate", question, "--dtype", "bfloat16", "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr
-    engine = Engine.from_config(EngineConfig(dtype="bfloat16"))
-    weights = {p.dtype for p in engine.core.model.parameters() if p.is_floating_point()}
+    llm = LLM(dtype="bfloat16")
+    weights = {p.dtype for p in llm.engine.core.model.parameters() if p.is_floating_point()}
     assert weights == {torch.bfloat16}
-    tok = engine.tokenizer
-    prompt = tok.encode(
-        tok.apply_chat_template([{"role": "user", "content": question}]),
-        add_special_tokens=False,
+    out = llm.chat(
+        [{"role": "user", "content": question}], SamplingParams(max_tokens=8, temperature=0.0)
     )
-    engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0))
-    text = ""
-    while engine.has_unfinished():
-        text += "".join(out.delta_text for out in engine.step())
-    assert len(text) > 0 and proc.stdout == text + "\n"
+    assert out.token_ids and proc.stdout == out.text + "\n"
     proc = pdserve("generate", "hi", "--dtype", "bfloat16", "--quantization", "gguf")
     assert proc.returncode == 2
     assert proc.stderr == (
