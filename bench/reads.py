@@ -114,9 +114,9 @@ static float arith_range(const char *p, int64_t n, int fmas) {
 
 /* Seconds of the best of `reps` passes over n bytes on `threads` threads (each a contiguous
  * share) with `fmas` (even, >= 2) multiply-adds on each 32 bytes (flat_read is the plain
- * read): cold
- * (hot 0: right after 64 MB of other reads) or hot (the pass repeated over a 256 KB share
- * that stays in L2, its time scaled to n). -1 when the buffers could not be had. */
+ * read): cold (hot 0: right after 64 MB of other reads) or hot (the pass repeated over a
+ * 256 KB share that stays in L2, its time scaled to n). -1 when the buffers could not be
+ * had. */
 double read_arith(int64_t n, int threads, int reps, int fmas, int hot) {
     const int64_t share = 256 << 10, m = hot ? share * threads : n;
     char *buf = pages(m), *other = pages(64 << 20);
@@ -272,8 +272,7 @@ static float chains(int64_t n) {
  * each waiting for the other's write before its own; the mean of n such round trips).
  * About 60 ns here when the two cores share an L3 (one CCD) and about 300 ns when they
  * do not: the machine placing this VM's two cores on two CCDs (an Intel mesh: 108-175
- * ns). -1 when OpenMP gave one
- * thread (each would wait for a write that never comes). */
+ * ns). -1 when OpenMP gave one thread (each would wait for a write that never comes). */
 double round_trip(int64_t n) {
     static volatile int64_t line[8] __attribute__((aligned(64)));
     line[0] = 0;
