@@ -25,8 +25,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rest of the suite then runs the fallback path. Kernels missing for any other reason
     (a failed build) fail those tests instead: CI must not pass without them.
 
-    Likewise the tests of `--activations int8` (marked `int8`) on a CPU without AVX-512
-    VNNI, which cannot run them; the header says so."""
+    Likewise the tests of `--activations int8` (marked `int8`) where `int8_blocker` says
+    they cannot run (a CPU without AVX2, or a stubbed answer); the header says so."""
     from pdserve.quant.kernels import DISABLE_ENV, unavailable_reason
     from pdserve.quant.linear import int8_blocker
 

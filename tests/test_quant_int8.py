@@ -211,8 +211,8 @@ def test_records_hold_the_values_scales_and_minimums() -> None:
         assert int(pad.abs().sum()) == 0
 
 
-def test_a_cpu_without_vnni_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This machine has AVX-512 VNNI; a CPU without it (the extension's answer stubbed
+def test_a_cpu_without_avx2_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine runs an int8 build; a CPU without AVX2 (the extension's answer stubbed
     here) is refused by the op and by --activations, naming what is missing."""
     qw = QuantWeight.quantize(torch.randn(16, 32), QuantType.Q8_0)
     assert int8_blocker() == ""
@@ -221,7 +221,7 @@ def test_a_cpu_without_vnni_is_refused_with_the_reason(monkeypatch: pytest.Monke
     from pdserve.quant import _kernels  # type: ignore[attr-defined]
 
     monkeypatch.setattr(_kernels, "int8_supported", lambda: False)
-    lacks = "this CPU lacks AVX-512 VNNI (with AVX-512 F/BW/VL/DQ), which the int8 kernels need"
+    lacks = "this CPU lacks AVX2 (with FMA and F16C), which the int8 kernels need"
     assert int8_blocker() == lacks
     with pytest.raises(RuntimeError) as info:
         QuantLinear(qw, None, "int8")

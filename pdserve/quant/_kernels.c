@@ -605,13 +605,7 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
     for (int t = 0; rc == 0 && t < threads; t++) {
         mine[t].q = malloc(sizeof(float) * (size_t)heads);
         mine[t].xt = malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap));
-        mine[t].a = (Rows8){malloc((size_t)(TEAM_ROWS * cap)),
-                            malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap / QK)),
-                            malloc(sizeof(float) * (size_t)(TEAM_ROWS * cap / QK)),
-                            malloc(sizeof(float) * (size_t)(2 * TEAM_ROWS * cap / QK)), 0, 0};
-        if (!mine[t].xt || !mine[t].q || !mine[t].a.q || !mine[t].a.d || !mine[t].a.s ||
-            !mine[t].a.h)
-            rc = -1;
+        if (!mine[t].xt || !mine[t].q || rows8_init(&mine[t].a, TEAM_ROWS, cap) != 0) rc = -1;
     }
     /* One plan serves every layer: only q, the caches and the output differ. */
     AttnPlan plan = {0};
@@ -700,7 +694,7 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
     attention_plan_free(&plan);
     for (int t = 0; mine != NULL && t < threads; t++) {
         free(mine[t].xt), free(mine[t].q);
-        free(mine[t].a.q), free(mine[t].a.d), free(mine[t].a.s), free(mine[t].a.h);
+        rows8_free(&mine[t].a);
     }
     free(mine);
     free(runs);
@@ -900,7 +894,7 @@ static PyObject *py_qlinear_int8(PyObject *self, PyObject *const *args, Py_ssize
     const Prologue pre = {(int)v[10].i, PTR(const float *, v[11]), (float)v[12].f};
     if (!int8_supported() || K % QK != 0 || M < 0 || N <= 0 || pre.kind < PRE_NONE ||
         pre.kind > PRE_SWIGLU || v[1].i < 0 || v[1].i > 2) {
-        PyErr_SetString(PyExc_ValueError, "qlinear_int8: no AVX-512 VNNI, or a bad shape or prologue");
+        PyErr_SetString(PyExc_ValueError, "qlinear_int8: no AVX2, or a bad shape or prologue");
         return NULL;
     }
     if (M == 0) Py_RETURN_NONE;
@@ -1093,6 +1087,10 @@ static PyObject *py_int8_supported(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(int8_supported());
 }
 
+static PyObject *py_int8_build(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(int8_build());
+}
+
 /* paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, kv16, bs, rows, tables, ldt,
  * out, ldo, scale, threads): see _attention.c. rows and tables are int32; kv16: the caches
  * are fp16 (else fp32). */
@@ -1158,7 +1156,10 @@ static PyMethodDef methods[] = {
      "embed_rows(layout, qs, d, m, N, K, ids, n, out): rows ids of a quantized weight,"
      " dequantized"},
     {"int8_supported", py_int8_supported, METH_NOARGS,
-     "whether this CPU runs qlinear_int8 (AVX-512 F/BW/VL/DQ and VNNI)"},
+     "whether this CPU runs qlinear_int8 (AVX2, FMA and F16C)"},
+    {"int8_build", py_int8_build, METH_NOARGS,
+     "the build of qlinear_int8 this CPU runs: 'avx512-vnni', 'avx2' (also where"
+     " PDSERVE_INT8_KERNEL=avx2), '' for none"},
     {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
      "paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, kv16, bs, rows, tables, ldt, out,"
      " ldo,"

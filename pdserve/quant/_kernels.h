@@ -228,20 +228,27 @@ void rope_write_kv(float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, in
 void lone_rope_write_kv(const AttnPlan *p, const Attn *a, const float *qkv, int64_t position,
                         const float *cos, const float *sin, int64_t slot, float *q, int64_t c);
 
-/* The int8-activation products (_int8.c): whether this CPU has what they need (AVX-512
- * F/BW/VL/DQ and VNNI), and y (+)= x @ W^T for a weight packed by linear.py's
- * pack_int8. */
+/* The int8-activation products (_int8.c): whether this CPU has what they need (AVX2, FMA
+ * and F16C; AVX-512 F/BW/VL/DQ and VNNI for the faster build), which build it runs
+ * ("avx512-vnni", "avx2", "" for none; INT8_ENV=avx2 takes the AVX2 one on any CPU that
+ * has it), and y (+)= x @ W^T for a weight packed by linear.py's pack_int8. */
+#define INT8_ENV "PDSERVE_INT8_KERNEL"
 int int8_supported(void);
+const char *int8_build(void);
 int qlinear_int8(const uint8_t *W, int kind, int64_t N, int64_t K, const float *x,
                  int64_t ldx, int64_t M, float *y, int64_t ldy, int accumulate, int threads);
 
 /* Rows of activations rounded to int8 (see _int8.c) and their scales; room for M rows of
- * up to `cap` values: q [M][cap] bytes, d and s [M][cap / 32] floats, h [M][cap / 16]. */
+ * up to `cap` values: q [M][cap] bytes, d and s [M][cap / 32] floats, h [M][cap / 16],
+ * n [M][cap / 16] int32. rows8_init allocates that (0, or -1 with nothing held). */
 typedef struct {
     int8_t *q;
     float *d, *s, *h;
+    int32_t *n;
     int64_t K, B; /* the values per row now held, K / 32 */
 } Rows8;
+int rows8_init(Rows8 *r, int64_t rows, int64_t cap);
+void rows8_free(Rows8 *r);
 /* The pieces of qlinear_int8 a caller that runs its own thread team uses (fused_layers):
  * rows [0, M) of x rounded into r (one thread), and y (+)= those rows times the 16
  * output columns of group g (one thread; N: W's columns). */

@@ -3,7 +3,7 @@
 Two ways to take the activations (`ACTIVATIONS`, `--activations`): "fp32", the default -
 the weights dequantized in registers to their exact fp32 values and multiplied by the
 fp32 activations (`_kernels.c`); "int8" - llama.cpp's method, each row rounded to int8
-per 32 values and multiplied by the weights' integer values with AVX-512 VNNI
+per 32 values and multiplied by the weights' integer values with AVX-512 VNNI or AVX2
 (`_int8.c`, weights repacked at load by `pack_int8`): faster where a step is
 compute-bound, at a stated cost in accuracy (pdserve/quant/README.md). Either way each
 output element is computed the same way whatever the batch.
@@ -26,7 +26,7 @@ from pdserve.quant.memory import HugePageArena
 # What the product reads in place of x (the kernel's prologues, _kernels.c).
 PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
 
-# _int8.c's column group: one zmm lane per output column.
+# _int8.c's column group: one zmm lane per output column (two ymm halves in the AVX2 build).
 _GROUP = 16
 # The offset that makes the values of a layout without minimums unsigned bytes: u = q +
 # offset, w = u*d + m with m = -offset*d (Q4M and U8M are unsigned, with their own m).
@@ -45,7 +45,7 @@ def int8_blocker() -> str:
     if mod is None:
         return f"the compiled kernels are not available ({unavailable_reason()})"
     if not mod.int8_supported():
-        return "this CPU lacks AVX-512 VNNI (with AVX-512 F/BW/VL/DQ), which the int8 kernels need"
+        return "this CPU lacks AVX2 (with FMA and F16C), which the int8 kernels need"
     return ""
 
 
