@@ -55,7 +55,8 @@ def add_quantization_flag(p: argparse.ArgumentParser) -> None:
         default=EngineConfig.activations,
         help="how the quantized kernels take activations: fp32 = exact (the fp32 model's "
         "text); int8 = rounded per 32 values and multiplied as integers (llama.cpp's "
-        "method; 2-4x faster products, needs AVX-512 VNNI; perplexity +0.5%% on SmolLM2, "
+        "method; 2-4x faster products, needs AVX2, fastest with AVX-512 VNNI; perplexity "
+        "+0.5%% on SmolLM2, "
         "greedy text can differ; default: %(default)s)",
     )
 

@@ -26,14 +26,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (a failed build) fail those tests instead: CI must not pass without them.
 
     Likewise the tests of `--activations int8` (marked `int8`) where `int8_blocker` says
-    they cannot run (a CPU without AVX2, or a stubbed answer); the header says so."""
+    they cannot run (a CPU without AVX2, or a stubbed answer), and the comparison of the
+    int8 kernels' two builds (marked `vnni`) on a CPU that has only one of them; the
+    header says so."""
     from pdserve.quant.kernels import DISABLE_ENV, unavailable_reason
-    from pdserve.quant.linear import int8_blocker
+    from pdserve.quant.linear import int8_blocker, int8_build
 
     why = unavailable_reason()
     if why is None:
         if blocker := int8_blocker():
             _deselect(config, items, "int8", f"int8 kernels off ({blocker})")
+        elif (build := int8_build()) != "avx512-vnni":
+            _deselect(config, items, "vnni", f"one int8 build here ({build}; no AVX-512 VNNI)")
         return
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         _deselect(config, items, "kernels", f"kernels off ({why})")

@@ -15,6 +15,11 @@ sums are exact, so two things are checked apart:
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from helpers.tiny_models import quantize_blocks
@@ -25,6 +30,9 @@ from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantLinear, int8_blocker, pack_int8
 
 pytestmark = [pytest.mark.kernels, pytest.mark.int8]
+
+# _int8.c reads this once: "avx2" takes the AVX2 build on a CPU with VNNI too.
+INT8_ENV = "PDSERVE_INT8_KERNEL"
 
 INT8_TYPES = list(QuantType)
 SHAPES = [(1, 576, 576), (3, 130, 96), (7, 5, 64), (70, 33, 160), (1, 17, 32), (131, 64, 1536)]
@@ -229,3 +237,66 @@ def test_a_cpu_without_avx2_is_refused_with_the_reason(monkeypatch: pytest.Monke
     with pytest.raises(ValueError) as refused:
         resolve_quantization("auto", default_model_path(), activations="int8")
     assert str(refused.value) == f"--activations int8: {lacks}"
+
+
+def _products_of_every_case(out: Path) -> None:
+    """Each CASE's int8 product (seeded inputs), and the same with two more rows added
+    into it (accumulate), saved to `out`: what a build computes, for another to match."""
+    got = {}
+    for qtype, (m, n, k) in CASES:
+        gen = torch.Generator().manual_seed(m * 31 + n + k)
+        qw = quantized(torch.randn(n, k, generator=gen), qtype)
+        x = torch.randn(m + 17, k, generator=gen)  # the streamed and the tiled row counts
+        op = QuantLinear(qw, None, "int8")
+        got[f"{qtype.name}-{m}x{n}x{k}"] = op(x[:m])
+        got[f"{qtype.name}-{m + 17}x{n}x{k}"] = op(x)
+    torch.save(got, out)
+
+
+def _products_in_a_process(tmp_path: Path, env: dict[str, str]) -> tuple[str, dict]:
+    """_products_of_every_case run in a fresh interpreter with `env` added (the build is
+    chosen once per process): (the build it ran, its products)."""
+    out = tmp_path / "products.pt"
+    code = (
+        "import sys; sys.path[:0] = sys.argv[2:]\n"
+        "from pathlib import Path\n"
+        "import test_quant_int8 as t\n"
+        "from pdserve.quant import _kernels\n"
+        "t._products_of_every_case(Path(sys.argv[1]))\n"
+        "print(_kernels.int8_build())\n"
+    )
+    here = str(Path(__file__).parent)
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(out), here, str(Path(here) / "helpers")],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return run.stdout.split()[-1], torch.load(out)
+
+
+def test_the_environment_variable_takes_the_avx2_build(tmp_path: Path) -> None:
+    """PDSERVE_INT8_KERNEL=avx2 runs the AVX2 build (on a VNNI CPU too), and its products
+    are those of the build this process runs on this CPU's own choice when that is AVX2."""
+    from pdserve.quant import _kernels  # type: ignore[attr-defined]
+
+    build, products = _products_in_a_process(tmp_path, {INT8_ENV: "avx2"})
+    assert build == "avx2"
+    assert _kernels.int8_build() in ("avx2", "avx512-vnni")
+    assert len(products) == 2 * len(CASES)
+
+
+@pytest.mark.vnni
+def test_the_avx2_build_gives_the_vnni_builds_bits(tmp_path: Path) -> None:
+    """On a CPU with VNNI: the AVX2 build (vpmaddubsw, the byte kinds through |w| and w's
+    sign, their +128 offset as each sum's start) gives this process's VNNI build's
+    products bit for bit, for every format, the partial last group, the streamed and the
+    tiled paths."""
+    build, avx2 = _products_in_a_process(tmp_path, {INT8_ENV: "avx2"})
+    here, vnni = _products_in_a_process(tmp_path, {INT8_ENV: ""})
+    assert (build, here) == ("avx2", "avx512-vnni")
+    assert avx2.keys() == vnni.keys()
+    differ = [key for key in vnni if not torch.equal(avx2[key], vnni[key])]
+    assert differ == []

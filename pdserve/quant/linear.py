@@ -49,6 +49,13 @@ def int8_blocker() -> str:
     return ""
 
 
+def int8_build() -> str:
+    """Which build of the int8 kernels runs here: "avx512-vnni", "avx2" (also where
+    PDSERVE_INT8_KERNEL=avx2 asks for it), or "" where none can (see `int8_blocker`)."""
+    mod = kernels()
+    return "" if mod is None else str(mod.int8_build())
+
+
 def pack_int8(weight: QuantWeight) -> torch.Tensor | None:
     """`weight` as `_int8.c` reads it (see its header): per group of 16 columns and block
     of 32 values a record of unsigned byte values (nibbles two to a byte for the nibble
