@@ -250,6 +250,15 @@ A8 static void rows_groups_vnni(const uint8_t *W, int kind, int64_t B, const Row
     }
 }
 
+/* Rows up to this many are streaming-bound (a decode step's few rows): their columns go
+ * one group (one sequential stream of records) at a time, each thread walking a
+ * contiguous run of groups (`Runs`, _kernels.h). A tile of two groups reads two streams
+ * 16 records apart and defeats the hardware prefetcher, and dynamic chunks make each
+ * thread's stream jump: a decode step's cold GEMVs streamed at 0.45-0.73 of a plain
+ * read so, 0.66-0.96 as runs of single groups (bench_quant_kernels.py --stream); at
+ * M = 4 the same held; from M = 32 the two-group tiles and dynamic chunks are ahead. */
+#define STREAM_ROWS 16
+
 /* ---- the AVX2 build ----------------------------------------------------------------------- *
  * The same records, a 64-byte line as two 32-byte halves (columns 0-7 and 8-15 of the
  * group, one ymm lane each), and the same float operations per output lane - so the same
@@ -264,6 +273,16 @@ A8 static void rows_groups_vnni(const uint8_t *W, int kind, int64_t B, const Row
  *   (u with its top bit flipped) is multiplied as |w| (unsigned, up to 128) by q with w's
  *   sign (`vpsignb`): pairs of at most 32512, exact; and isum = sum w*q + 128 * sum q,
  *   the second term the sum's starting value (Rows8 n: each half block's sum q). */
+
+/* Each block's record asks for the one AHEAD records on (the rest of this group's, then
+ * the next group's: a thread's run of groups is one stream). The hardware prefetcher
+ * alone left the AVX2 build's b=1 step compute and memory taking turns on an AMD EPYC
+ * (Zen 3) here; asked 4 ahead, the layers of a b=1 step ran 1.08-1.13x faster (2 ahead:
+ * 1.09x, 16: 1.08x; bench/bench_kernel_ab.py --step --activations int8, one CCD and
+ * two). The VNNI build does not: it was not measured on a CPU that has VNNI. */
+#ifndef AHEAD
+#define AHEAD 4
+#endif
 
 A2_INLINE __m256i bcast4_avx2(const int8_t *p) {
     int32_t v;
@@ -334,11 +353,12 @@ A2_INLINE void start_sums(__m256i is[2][2], const Rows8 *a, int64_t m0, int64_t 
     }
 }
 
-/* RM (<= 2) rows x one group, records of kind KIND. Two rows, not the VNNI build's four:
- * AVX2 has 16 vector registers, and each row holds 4 (two halves' sums and results). */
+/* RM (<= 2) rows x one group, records of kind KIND; `ahead`: ask for the records AHEAD
+ * on. Two rows, not the VNNI build's four: AVX2 has 16 vector registers, and each row
+ * holds 4 (two halves' sums and results). */
 A2_INLINE void tile_avx2(const uint8_t *W, int64_t B, const Rows8 *a, int64_t m0, int64_t g,
                          float *y, int64_t ldy, int64_t N, int accumulate, const int KIND,
-                         const int RM) {
+                         const int RM, const int ahead) {
     const int64_t vbytes = KIND == NIBBLES ? 256 : 512, rec = vbytes + (KIND == SUB16 ? 128 : 64);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i flip = _mm256_set1_epi8((char)0x80);
@@ -348,6 +368,8 @@ A2_INLINE void tile_avx2(const uint8_t *W, int64_t B, const Rows8 *a, int64_t m0
     for (int64_t b = 0; b < B; b++) {
         const uint8_t *r = W + (g * B + b) * rec;
         const int8_t *xq = a->q + m0 * a->K + b * QK;
+        for (int64_t l = 0; ahead && l < rec; l += 64) /* see AHEAD */
+            _mm_prefetch((const char *)(r + AHEAD * rec + l), _MM_HINT_T0);
         if (KIND == NIBBLES) {
             __m256i p16[2][2];
             for (int i = 0; i < RM; i++) p16[i][0] = p16[i][1] = _mm256_setzero_si256();
@@ -413,17 +435,24 @@ A2_INLINE void tile_avx2(const uint8_t *W, int64_t B, const Rows8 *a, int64_t m0
     }
 }
 
-#define TILE_AVX2(KIND)                                                                        \
-    do {                                                                                       \
-        int64_t m = m0;                                                                        \
-        for (; m + 2 <= m1; m += 2) tile_avx2(W, B, a, m, g, y, ldy, N, accumulate, KIND, 2);  \
-        if (m < m1) tile_avx2(W, B, a, m, g, y, ldy, N, accumulate, KIND, 1);                  \
+#define TILE_AVX2(KIND)                                                                    \
+    do {                                                                                   \
+        int64_t m = m0;                                                                    \
+        if (stream && m1 - m >= 2)                                                         \
+            tile_avx2(W, B, a, m, g, y, ldy, N, accumulate, KIND, 2, 1), m += 2;           \
+        else if (stream)                                                                   \
+            tile_avx2(W, B, a, m, g, y, ldy, N, accumulate, KIND, 1, 1), m += 1;           \
+        for (; m + 2 <= m1; m += 2) tile_avx2(W, B, a, m, g, y, ldy, N, accumulate, KIND, 2, 0); \
+        if (m < m1) tile_avx2(W, B, a, m, g, y, ldy, N, accumulate, KIND, 1, 0);           \
     } while (0)
 
-/* Rows [m0, m1) against groups [g0, g0 + rn), a group at a time. */
+/* Rows [m0, m1) against groups [g0, g0 + rn), a group at a time. A few rows (a decode
+ * step's: STREAM_ROWS) stream the records, and their first tile asks for them ahead;
+ * more rows compute from cache, where the asks only cost (0.94-0.98x at M >= 64). */
 A2 static void rows_groups_avx2(const uint8_t *W, int kind, int64_t B, const Rows8 *a,
                                 int64_t m0, int64_t m1, int64_t g0, int rn, float *y,
                                 int64_t ldy, int64_t N, int accumulate) {
+    const int stream = m1 - m0 <= STREAM_ROWS;
     for (int64_t g = g0; g < g0 + rn; g++) switch (kind) {
             case NIBBLES: TILE_AVX2(NIBBLES); break;
             case SUB16: TILE_AVX2(SUB16); break;
@@ -466,14 +495,6 @@ void int8_group(const uint8_t *W, int kind, const Rows8 *a, int64_t M, int64_t g
     rows_groups(W, kind, a->B, a, 0, M, g, 1, y, ldy, N, accumulate);
 }
 
-/* Rows up to this many are streaming-bound (a decode step's few rows): their columns go
- * one group (one sequential stream of records) at a time, each thread walking a
- * contiguous run of groups (`Runs`, _kernels.h). A tile of two groups reads two streams
- * 16 records apart and defeats the hardware prefetcher, and dynamic chunks make each
- * thread's stream jump: a decode step's cold GEMVs streamed at 0.45-0.73 of a plain
- * read so, 0.66-0.96 as runs of single groups (bench_quant_kernels.py --stream); at
- * M = 4 the same held; from M = 32 the two-group tiles and dynamic chunks are ahead. */
-#define STREAM_ROWS 16
 
 /* Rows [0, M) against every group, a group at a time (see STREAM_ROWS). */
 static void stream_groups(const uint8_t *W, int kind, int64_t B, const Rows8 *a, int64_t M,
