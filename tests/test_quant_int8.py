@@ -278,8 +278,9 @@ def _products_in_a_process(tmp_path: Path, env: dict[str, str]) -> tuple[str, di
 
 
 def test_the_environment_variable_takes_the_avx2_build(tmp_path: Path) -> None:
-    """PDSERVE_INT8_KERNEL=avx2 runs the AVX2 build (on a VNNI CPU too), and its products
-    are those of the build this process runs on this CPU's own choice when that is AVX2."""
+    """PDSERVE_INT8_KERNEL=avx2 runs the AVX2 build, on a VNNI CPU too, over every case.
+    (Its products against the VNNI build's: the next test, where the CPU has VNNI; against
+    the method's bounds: the tests above, on a CPU whose own choice is AVX2.)"""
     from pdserve.quant import _kernels  # type: ignore[attr-defined]
 
     build, products = _products_in_a_process(tmp_path, {INT8_ENV: "avx2"})
