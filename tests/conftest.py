@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,9 +16,19 @@ from pdserve.engine.engine import Engine
 from pdserve.model.base import CausalLM
 from pdserve.model.loader import iter_weights, load_config, resolve_model
 from pdserve.model.registry import build_model
-from pdserve.model.tokenizer import Tokenizer
+from pdserve.model.tokenizer import CACHE_ENV, Tokenizer
 
 torch.set_num_threads(2)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's own tokenizer cache (pdserve/model/tokenizer.py), fresh each run and
+    shared by every process the tests start: no test depends on the user's, or fills it."""
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="pdserve-test-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.pop(CACHE_ENV, ""), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from helpers.tiny_models import make_tiny_gguf, make_tiny_model
 
 from pdserve.errors import InvalidRequestError, ModelLoadError
-from pdserve.model.tokenizer import Tokenizer
+from pdserve.model.loader import resolve_model
+from pdserve.model.tokenizer import CACHE_ENV, Tokenizer, _load_backend, tokenizer_cache_dir
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -141,3 +143,116 @@ def test_direct_rust_path_equals_transformers(shipped: Tokenizer, special: bool)
         assert ids == hf.encode(text, add_special_tokens=special)
         for skip in (True, False):
             assert shipped.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+# The tokenizer cache (pdserve/model/tokenizer.py): a GGUF's converted tokenizer is saved
+# once and every later process loads the saved folder. tests/conftest.py points the whole
+# suite at a fresh cache; these tests each take their own.
+
+
+def _fresh(path: Path) -> Tokenizer:
+    """`path`'s tokenizer as a new process would get it (the in-process memo cleared)."""
+    _load_backend.cache_clear()
+    return Tokenizer.from_model_path(path)
+
+
+def _entries(cache: Path) -> list[Path]:
+    return sorted((cache / "tokenizers").iterdir()) if (cache / "tokenizers").exists() else []
+
+
+def _assert_same(got: Tokenizer, want: Tokenizer) -> None:
+    """Same class, ids, texts, specials and chat prompts: what serving reads of it."""
+    assert type(got.backend) is type(want.backend)
+    assert (got.bos_token_id, got.eos_token_id, got.vocab_size, got.stop_token_ids) == (
+        want.bos_token_id,
+        want.eos_token_id,
+        want.vocab_size,
+        want.stop_token_ids,
+    )
+    assert got.backend.all_special_tokens == want.backend.all_special_tokens
+    assert got.backend.added_tokens_decoder == want.backend.added_tokens_decoder
+    for special in (True, False):
+        for text in TEXTS:
+            ids = want.encode(text, add_special_tokens=special)
+            assert got.encode(text, add_special_tokens=special) == ids, text
+            assert got.backend.encode(text, add_special_tokens=special) == ids, text
+            assert got.decode(ids, skip_special_tokens=special) == want.decode(ids, special)
+            assert got.backend.decode(ids) == want.backend.decode(ids)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    for prompt in (True, False):
+        assert got.apply_chat_template(messages, prompt) == want.apply_chat_template(
+            messages, prompt
+        )
+
+
+@pytest.mark.slow
+def test_the_shipped_tokenizer_from_the_cache_is_the_converted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    converted = _fresh(resolve_model(None))
+    [entry] = _entries(tmp_path)
+    assert (entry / "tokenizer.json").is_file()
+    cached = _fresh(resolve_model(None))
+    assert _entries(tmp_path) == [entry]
+    _assert_same(cached, converted)
+
+
+@pytest.fixture
+def tiny_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Tokenizer]:
+    """A tiny GGUF, its tokenizer as converted, and the cache's folder, which now holds
+    that conversion's one entry."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    path = make_tiny_gguf(tmp_path)
+    converted = _fresh(path)
+    assert len(_entries(cache)) == 1
+    return path, cache, converted
+
+
+def test_a_tiny_gguf_tokenizer_from_the_cache_is_the_converted_one(
+    tiny_cached: tuple[Path, Path, Tokenizer],
+) -> None:
+    path, cache, converted = tiny_cached
+    [entry] = _entries(cache)
+    _assert_same(_fresh(path), converted)
+    # A changed file is another entry; the old one is left (it may serve another copy).
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    _assert_same(_fresh(path), converted)
+    assert len(_entries(cache)) == 2 and entry in _entries(cache)
+
+
+def test_a_damaged_cache_entry_is_converted_again(
+    tiny_cached: tuple[Path, Path, Tokenizer],
+) -> None:
+    path, cache, converted = tiny_cached
+    [entry] = _entries(cache)
+    (entry / "tokenizer.json").write_text("{not json")
+    _assert_same(_fresh(path), converted)
+    assert _entries(cache) == [entry]  # replaced by a whole one, which loads
+    assert json.loads((entry / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    _assert_same(_fresh(path), converted)
+
+
+def test_no_cache_or_an_unwritable_one_costs_only_the_conversion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_tiny_gguf(tmp_path)
+    monkeypatch.setenv(CACHE_ENV, "")
+    assert tokenizer_cache_dir() is None
+    converted = _fresh(path)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(blocked))  # its "tokenizers" folder cannot be made
+    _assert_same(_fresh(path), converted)
+    assert blocked.read_text() == ""
+
+
+def test_the_cache_folder_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/x/cache")
+    assert tokenizer_cache_dir() == Path("/x/cache/pdserve/tokenizers")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert tokenizer_cache_dir() == Path.home() / ".cache/pdserve/tokenizers"
+    monkeypatch.setenv(CACHE_ENV, "/y")
+    assert tokenizer_cache_dir() == Path("/y/tokenizers")

@@ -1,17 +1,28 @@
 """Text <-> token ids and chat templates, by the model's own transformers fast tokenizer.
 
-A GGUF carries its tokenizer in metadata; transformers converts it (about 4 s for the
-shipped model), so loaded tokenizers are cached per file for the life of the process.
+A GGUF carries its tokenizer in metadata; transformers converts it (4-10 s for the shipped
+model: it parses the whole GGUF header in Python). Every process that serves a model
+needs its tokenizer (the API server, each engine instance), so the conversion is saved
+once, as a HF tokenizer folder, in the tokenizer cache (`tokenizer_cache_dir`), and
+loaded from there (~0.4 s) by every later process; loaded tokenizers are also kept for
+the life of the process.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import tokenizers
+import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pdserve.errors import InvalidRequestError, ModelLoadError
@@ -130,8 +141,70 @@ def _load_backend(path: Path, fmt: str, mtime_ns: int) -> PreTrainedTokenizerBas
     """Load once per (file, modification time)."""
     try:
         if fmt == "gguf":
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            return _gguf_backend(path)
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, KeyError, TypeError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({first_line})") from e
+
+
+# The tokenizer cache's folder; empty: no cache (every process converts the GGUF's).
+CACHE_ENV = "PDSERVE_CACHE_DIR"
+log = logging.getLogger(__name__)
+
+
+def tokenizer_cache_dir() -> Path | None:
+    """Where converted GGUF tokenizers are kept: `$PDSERVE_CACHE_DIR/tokenizers`, else
+    `$XDG_CACHE_HOME/pdserve/tokenizers` (`~/.cache/pdserve/tokenizers`); None when
+    `PDSERVE_CACHE_DIR` is set empty."""
+    root = os.environ.get(CACHE_ENV)
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "pdserve")
+    return Path(root) / "tokenizers" if root else None
+
+
+def _cache_key(path: Path) -> str:
+    """One entry per GGUF file as it is now and per converter: its resolved path, size and
+    modification time, and the transformers and tokenizers versions that converted it."""
+    st = path.stat()
+    file = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    parts = (*file, transformers.__version__, tokenizers.__version__)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def _gguf_backend(path: Path) -> PreTrainedTokenizerBase:
+    """The GGUF's tokenizer: from the cache, else converted by transformers (and saved).
+
+    A cache entry is a complete `save_pretrained` folder or absent: it is written under a
+    temporary name and renamed into place (an entry another process renamed first wins).
+    An entry that does not load, or a cache that cannot be written, costs only the
+    conversion; the served tokenizer is the same either way (tests/test_tokenizer.py)."""
+    root = tokenizer_cache_dir()
+    entry = None if root is None else root / _cache_key(path)
+    if entry is not None and entry.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(entry))
+        except Exception as e:  # a damaged entry: convert again and replace it
+            log.warning("tokenizer cache entry %s does not load (%s); converting again", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
+    backend = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if entry is not None:
+        _save_entry(backend, entry)
+    return backend
+
+
+def _save_entry(backend: PreTrainedTokenizerBase, entry: Path) -> None:
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+    except OSError as e:
+        log.warning("tokenizer cache %s is not writable (%s)", entry.parent, e)
+        return
+    try:
+        backend.save_pretrained(str(tmp))
+        tmp.rename(entry)
+    except OSError:  # another process saved the same entry first, or the disk is full
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed
