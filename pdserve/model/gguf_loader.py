@@ -71,7 +71,7 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
-    """Parse the GGUF header (about 0.5 s for the shipped model: every token string is a field).
+    """Parse the GGUF header (0.1-0.4 s for the shipped model: `_PlainReader`).
 
     Cached per (path, size, mtime) so that load_config + iter_weights parse it once.
     """
@@ -93,6 +93,44 @@ class _PlainReader(gguf.GGUFReader):
     def data(self, value: npt.NDArray[np.uint8]) -> None:
         self._file_map = value  # keeps the mapping alive
         self._plain = value.view(np.ndarray)
+
+    def _get_field_parts(
+        self, orig_offs: int, raw_type: int
+    ) -> tuple[int, list[npt.NDArray[Any]], list[int], list[gguf.GGUFValueType]]:
+        """gguf's parse of one field, with its arrays of scalars and of strings taken in
+        one pass (the shipped model's 49,152 tokens, scores and types and 48,900 merges:
+        2 s -> 0.3 s here). The parts are the same views of the same bytes, in the same
+        order, as gguf's own (tests/test_gguf_reader.py holds every field to it); any
+        other field, and any file not in this host's byte order, is gguf's to parse."""
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype = gguf.GGUFValueType(raw_itype[0])
+        offs, n = orig_offs + 12, int(alen[0])
+        parts: list[npt.NDArray[Any]] = [raw_itype, alen]
+        if itype == gguf.GGUFValueType.STRING:
+            lens = np.dtype(np.uint64)
+            for _ in range(n):
+                length = self.data[offs : offs + 8].view(lens)
+                end = offs + 8 + int(length[0])
+                parts += (length, self.data[offs + 8 : end])
+                offs = end
+            return (
+                offs - orig_offs,
+                parts,
+                list(range(3, 2 * n + 2, 2)),
+                [gguf.GGUFValueType.ARRAY, itype],
+            )
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is None:  # arrays of arrays
+            return super()._get_field_parts(orig_offs, raw_type)
+        values = self._get(offs, nptype, n)
+        if len(values) != n:
+            raise ValueError(f"array of {n} values runs past the end of the file")
+        parts += (values[i : i + 1] for i in range(n))
+        size = 12 + int(values.nbytes)
+        return size, parts, list(range(2, n + 2)), [gguf.GGUFValueType.ARRAY, itype]
 
 
 @functools.lru_cache(maxsize=1)
