@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.tiny_models import make_tiny_gguf, make_tiny_model
+from transformers import AutoTokenizer
 
+import pdserve.model.tokenizer as tokenizer_module
 from pdserve.errors import InvalidRequestError, ModelLoadError
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import CACHE_ENV, Tokenizer, _load_backend, tokenizer_cache_dir
@@ -156,6 +159,24 @@ def _fresh(path: Path) -> Tokenizer:
     return Tokenizer.from_model_path(path)
 
 
+class _Loads:
+    """Every `AutoTokenizer.from_pretrained` the tokenizer module makes, as (folder,
+    converted from a GGUF?), passed on to transformers: what shows a load came from the
+    cache and not from a conversion."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, bool]] = []
+        monkeypatch.setattr(tokenizer_module, "AutoTokenizer", self)
+
+    def from_pretrained(self, folder: str, **kwargs: Any) -> Any:
+        self.calls.append((folder, "gguf_file" in kwargs))
+        return AutoTokenizer.from_pretrained(folder, **kwargs)
+
+    def take(self) -> list[tuple[str, bool]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
 def _entries(cache: Path) -> list[Path]:
     return sorted((cache / "tokenizers").iterdir()) if (cache / "tokenizers").exists() else []
 
@@ -190,10 +211,14 @@ def test_the_shipped_tokenizer_from_the_cache_is_the_converted_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
-    converted = _fresh(resolve_model(None))
+    loads = _Loads(monkeypatch)
+    path = resolve_model(None)
+    converted = _fresh(path)
+    assert loads.take() == [(str(path.parent), True)]
     [entry] = _entries(tmp_path)
     assert (entry / "tokenizer.json").is_file()
-    cached = _fresh(resolve_model(None))
+    cached = _fresh(path)
+    assert loads.take() == [(str(entry), False)]  # no conversion
     assert _entries(tmp_path) == [entry]
     _assert_same(cached, converted)
 
@@ -211,27 +236,33 @@ def tiny_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, 
 
 
 def test_a_tiny_gguf_tokenizer_from_the_cache_is_the_converted_one(
-    tiny_cached: tuple[Path, Path, Tokenizer],
+    tiny_cached: tuple[Path, Path, Tokenizer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, cache, converted = tiny_cached
     [entry] = _entries(cache)
+    loads = _Loads(monkeypatch)
     _assert_same(_fresh(path), converted)
+    assert loads.take() == [(str(entry), False)]
     # A changed file is another entry; the old one is left (it may serve another copy).
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     _assert_same(_fresh(path), converted)
+    assert loads.take() == [(str(path.parent), True)]
     assert len(_entries(cache)) == 2 and entry in _entries(cache)
 
 
 def test_a_damaged_cache_entry_is_converted_again(
-    tiny_cached: tuple[Path, Path, Tokenizer],
+    tiny_cached: tuple[Path, Path, Tokenizer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, cache, converted = tiny_cached
     [entry] = _entries(cache)
     (entry / "tokenizer.json").write_text("{not json")
+    loads = _Loads(monkeypatch)
     _assert_same(_fresh(path), converted)
+    assert loads.take() == [(str(entry), False), (str(path.parent), True)]
     assert _entries(cache) == [entry]  # replaced by a whole one, which loads
     assert json.loads((entry / "tokenizer.json").read_text())["model"]["type"] == "BPE"
     _assert_same(_fresh(path), converted)
+    assert loads.take() == [(str(entry), False)]
 
 
 def test_no_cache_or_an_unwritable_one_costs_only_the_conversion(
