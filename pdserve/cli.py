@@ -122,11 +122,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pdserve.config import EngineConfig, SchedulerConfig
-    from pdserve.engine.engine import Engine
+    from pdserve.config import EngineConfig, SchedulerConfig, check_device
     from pdserve.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(  # validated before the (slow) model load
+    params = SamplingParams(  # validated before the (slow) engine import and model load
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -142,6 +141,9 @@ def _generate(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         scheduler=SchedulerConfig(decode_burst=args.decode_burst),
     )
+    check_device(config.device)
+    from pdserve.engine.engine import Engine
+
     engine = Engine.from_config(config)
     tok = engine.tokenizer
     if args.raw or not tok.has_chat_template:
@@ -454,9 +456,12 @@ def _add_ray(g: argparse._ArgumentGroup) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pdserve.server.flags import check_serve_flags
+
+    flags, cluster = check_serve_flags(args)  # usage errors before the server's ~5 s import
     from pdserve.server.launch import serve
 
-    return asyncio.run(serve(args))
+    return asyncio.run(serve(args, flags, cluster))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,34 @@ def test_a_device_torch_cannot_use_is_a_usage_error() -> None:
         )
 
 
+def test_serve_reports_a_wrong_flag_before_importing_the_server() -> None:
+    """Flags wrong by themselves are checked before `pdserve.server.launch` (the front
+    end, FastAPI, the loader and torch: ~5 s) is imported (server/flags.py)."""
+    code = (
+        "import sys\n"
+        "from pdserve.cli import main\n"
+        "code = main(sys.argv[1:])\n"
+        "print(code, 'pdserve.server.launch' in sys.modules, 'torch' in sys.modules)\n"
+    )
+    cases = {
+        ("--device", "tpu"): "device must be cpu, cuda or cuda:N, got 'tpu'",
+        ("--decode-burst", "0"): "decode_burst must be an integer >= 1, got 0",
+        ("--shutdown-timeout", "-1"): "--shutdown-timeout must be at least 0, got -1.0",
+        ("--ray-address", "auto"): "--ray-address needs --ray",
+        ("--kv-lease", "1"): "lease_s (1.0) must exceed timeout_s (30.0): a fetch must "
+        "never outlive the lease of the KV it reads",
+    }
+    for flags, message in cases.items():
+        proc = subprocess.run(
+            [sys.executable, "-c", code, "serve", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.stdout == "2 False False\n", proc.stderr
+        assert proc.stderr == f"pdserve: error: {message}\n"
+
+
 def test_dtype_serves_fp_weights_and_refuses_quantized_ones() -> None:
     """--dtype bfloat16: `auto` serves the GGUF dequantized to bf16, and the command's
     text is that engine's greedy text, token for token; `gguf` (blocks, computed in fp32)

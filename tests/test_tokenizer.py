@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.tiny_models import make_tiny_gguf, make_tiny_model
-from transformers import AutoTokenizer
 
 import pdserve.model.tokenizer as tokenizer_module
 from pdserve.errors import InvalidRequestError, ModelLoadError
@@ -160,17 +161,24 @@ def _fresh(path: Path) -> Tokenizer:
 
 
 class _Loads:
-    """Every `AutoTokenizer.from_pretrained` the tokenizer module makes, as (folder,
-    converted from a GGUF?), passed on to transformers: what shows a load came from the
-    cache and not from a conversion."""
+    """Every load the tokenizer module makes, as (folder, converted from a GGUF?): its
+    conversions (`_convert`) and its loads of cache entries (`_load_entry`), passed on:
+    what shows a load came from the cache and not from a conversion."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, bool]] = []
-        monkeypatch.setattr(tokenizer_module, "AutoTokenizer", self)
+        convert, load_entry = tokenizer_module._convert, tokenizer_module._load_entry
 
-    def from_pretrained(self, folder: str, **kwargs: Any) -> Any:
-        self.calls.append((folder, "gguf_file" in kwargs))
-        return AutoTokenizer.from_pretrained(folder, **kwargs)
+        def converting(path: Path) -> Any:
+            self.calls.append((str(path.parent), True))
+            return convert(path)
+
+        def loading(entry: Path) -> Any:
+            self.calls.append((str(entry), False))
+            return load_entry(entry)
+
+        monkeypatch.setattr(tokenizer_module, "_convert", converting)
+        monkeypatch.setattr(tokenizer_module, "_load_entry", loading)
 
     def take(self) -> list[tuple[str, bool]]:
         calls, self.calls = self.calls, []
@@ -287,3 +295,31 @@ def test_the_cache_folder_follows_the_environment(monkeypatch: pytest.MonkeyPatc
     assert tokenizer_cache_dir() == Path.home() / ".cache/pdserve/tokenizers"
     monkeypatch.setenv(CACHE_ENV, "/y")
     assert tokenizer_cache_dir() == Path("/y/tokenizers")
+
+
+def test_a_cached_load_does_not_import_auto_tokenizer(
+    tiny_cached: tuple[Path, Path, Tokenizer],
+) -> None:
+    """A process whose tokenizer is in the cache loads it by the class the entry names:
+    transformers' AutoTokenizer module (~0.7 s of import on top of torch, ~3 s without
+    it) stays unloaded. (A conversion, on a cache miss, imports it.)"""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.__module__
+    assert auto == "transformers.models.auto.tokenization_auto"
+    path, cache, _ = tiny_cached
+    code = (
+        "import sys\n"
+        "from pdserve.model.tokenizer import Tokenizer\n"
+        f"tok = Tokenizer.from_model_path({str(path)!r})\n"
+        f"print(type(tok.backend).__name__, {auto!r} in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, CACHE_ENV: str(cache)},
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "TokenizersBackend False\n"

@@ -6,24 +6,28 @@ needs its tokenizer (the API server, each engine instance), so the conversion is
 once, as a HF tokenizer folder, in the tokenizer cache (`tokenizer_cache_dir`), and
 loaded from there (~0.4 s) by every later process; loaded tokenizers are also kept for
 the life of the process.
+
+`AutoTokenizer` is imported only by a conversion or a HF folder's load: it costs ~3 s a
+process, as it imports torch. A cache entry is loaded by the class its save recorded, so
+the API server, which needs no torch, imports none (tests/test_tokenizer.py).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import tokenizers
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pdserve.errors import InvalidRequestError, ModelLoadError
 from pdserve.model.loader import (
@@ -32,6 +36,9 @@ from pdserve.model.loader import (
     load_config,
     load_generation_defaults,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Tokenizer:
@@ -142,6 +149,8 @@ def _load_backend(path: Path, fmt: str, mtime_ns: int) -> PreTrainedTokenizerBas
     try:
         if fmt == "gguf":
             return _gguf_backend(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, KeyError, TypeError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -184,14 +193,31 @@ def _gguf_backend(path: Path) -> PreTrainedTokenizerBase:
     entry = None if root is None else root / _cache_key(path)
     if entry is not None and entry.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(entry))
+            return _load_entry(entry)
         except Exception as e:  # a damaged entry: convert again and replace it
             log.warning("tokenizer cache entry %s does not load (%s); converting again", entry, e)
             shutil.rmtree(entry, ignore_errors=True)
-    backend = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    backend = _convert(path)
     if entry is not None:
         _save_entry(backend, entry)
     return backend
+
+
+def _convert(path: Path) -> PreTrainedTokenizerBase:
+    """transformers' conversion of a GGUF's tokenizer (seconds: it parses the header)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _load_entry(entry: Path) -> PreTrainedTokenizerBase:
+    """A cache entry, by the class `save_pretrained` recorded in it (the class that was
+    converted): transformers then imports that class's module alone, where AutoTokenizer
+    would import torch too. A name transformers does not export raises, and the caller
+    converts again."""
+    config = json.loads((entry / "tokenizer_config.json").read_text())
+    backend_class = getattr(transformers, config["tokenizer_class"])
+    return backend_class.from_pretrained(str(entry))
 
 
 def _save_entry(backend: PreTrainedTokenizerBase, entry: Path) -> None:

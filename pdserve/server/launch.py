@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import logging
 import socket
@@ -20,21 +21,10 @@ from types import FrameType
 
 import uvicorn
 
-from pdserve.cluster.config import ClusterConfig, DecodePolicy, Routing
+from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.controller import Cluster, instance_configs
 from pdserve.cluster.instance import Launcher
-from pdserve.cluster.placement import counts, in_launch_order, read_placement
-from pdserve.config import (
-    CacheConfig,
-    DecodeAdmission,
-    EngineConfig,
-    PrefillPolicy,
-    Role,
-    SchedulerConfig,
-    TransferConfig,
-    TransferMode,
-    check_device,
-)
+from pdserve.config import EngineConfig
 from pdserve.errors import RequestCancelledError
 from pdserve.model.loader import resolve_model, resolve_quantization
 from pdserve.predictor.head import resolve_predictor
@@ -54,86 +44,18 @@ def served_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else Path(path).name
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The instances' config; a --quantization that does not fit the model, a KV cache
-    dtype its attention cannot read, or a device torch cannot use, is a usage error here,
-    before any instance starts."""
-    check_device(args.device)
+def engine_config(args: argparse.Namespace, flags: EngineConfig) -> EngineConfig:
+    """The instances' config: `flags` (server/flags.py) checked against the model file. A
+    --quantization that does not fit the model, or a KV cache dtype its attention cannot
+    read, is a usage error here, before any instance starts."""
     quant = resolve_quantization(
-        args.quantization, args.model, args.device, args.activations, args.dtype
+        flags.quantization, flags.model, flags.device, flags.activations, flags.dtype
     )
-    config = EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        activations=args.activations,
-        kv_cache_dtype=args.kv_cache_dtype,
-        length_predictor=resolve_predictor(args.predictor, args.model),
-        max_model_len=args.max_model_len,
-        num_threads=args.num_threads,
-        cpus=args.engine_cpus,
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
-            max_num_seqs=args.max_num_seqs,
-            max_waiting_requests=args.max_queued_requests,
-            prefill_policy=PrefillPolicy(args.prefill_policy),
-            prefill_sched_batch=args.prefill_sched_batch,
-            decode_admission=DecodeAdmission(args.decode_admission),
-            decode_burst=args.decode_burst,
-        ),
-        cache=CacheConfig(
-            kv_cache_memory_gib=args.kv_cache_memory_gib,
-            enable_prefix_cache=not args.no_prefix_cache,
-        ),
-        transfer=TransferConfig(
-            mode=TransferMode(args.transfer_mode),
-            transport=args.kv_transport or ("auto" if args.ray else "shm"),
-            timeout_s=args.kv_transfer_timeout,
-            lease_s=args.kv_lease,
-            verify_checksum=args.kv_verify_checksum,
-            fault_failure_rate=args.kv_fault_rate,
-            fault_delay_s=args.kv_fault_delay,
-            fault_bandwidth=args.kv_fault_bandwidth,
-            fault_seed=args.kv_fault_seed,
-        ),
+    config = dataclasses.replace(
+        flags, length_predictor=resolve_predictor(args.predictor, args.model)
     )
     config.kv_dtype(quant.quantized)  # bfloat16 under quantized weights: the usage error
     return config
-
-
-def cluster_config(args: argparse.Namespace) -> ClusterConfig:
-    """The instances to run: by default one engine (no --prefill/--decode/--colocated);
-    with --placement, the instances it names (flags given too must agree with it)."""
-    placement = read_placement(args.placement) if args.placement else []
-    flags = bool(args.prefill or args.decode or args.colocated is not None)
-    if placement and not flags:
-        n = counts(placement)
-        prefill, decode, colocated = n[Role.PREFILL], n[Role.DECODE], n[Role.COLOCATED]
-    else:
-        disaggregated = bool(args.prefill or args.decode)
-        prefill, decode = args.prefill, args.decode
-        colocated = args.colocated if args.colocated is not None else (0 if disaggregated else 1)
-    return ClusterConfig(
-        num_prefill=prefill,
-        num_decode=decode,
-        num_colocated=colocated,
-        placement=tuple(in_launch_order(placement)),
-        restart_dead=args.ray_restart,
-        decode_policy=DecodePolicy(args.decode_policy),
-        instance_timeout_s=args.instance_timeout,
-        max_migrations=args.max_migrations,
-        replicate=args.kv_replication,
-        prefill_chunk_size=args.chunk_size,
-        routing=Routing(args.routing),
-        pd_caching=args.pd_caching,
-        prefix_ttl_s=args.prefix_ttl,
-        prefix_tree_max_entries=args.prefix_tree_max_entries,
-        decode_balance=args.decode_balance,
-        prefix_fetch=not args.no_prefix_fetch,
-        heavy_decode_tokens=args.heavy_decode_tokens,
-    )
 
 
 def predictor_line(config: EngineConfig, cluster: ClusterConfig) -> str:
@@ -147,8 +69,9 @@ def predictor_line(config: EngineConfig, cluster: ClusterConfig) -> str:
     )
 
 
-async def start_backend(args: argparse.Namespace, config: EngineConfig) -> ServingBackend:
-    cluster = cluster_config(args)
+async def start_backend(
+    args: argparse.Namespace, config: EngineConfig, cluster: ClusterConfig
+) -> ServingBackend:
     print(predictor_line(config, cluster), file=sys.stderr)
     if cluster.num_instances > 1:
         for cfg in instance_configs(cluster, config):
@@ -202,25 +125,13 @@ def _log_to_stderr() -> None:
         logger.propagate = False
 
 
-async def serve(args: argparse.Namespace) -> int:
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
-    if args.max_body_bytes < 1:
-        raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
-    for flag in ("header_timeout", "body_timeout"):
-        if getattr(args, flag) <= 0:
-            name = "--" + flag.replace("_", "-")
-            raise ValueError(f"{name} must be greater than 0, got {getattr(args, flag)}")
-    if not args.ray:
-        for flag in ("ray_address", "placement", "ray_restart"):
-            if getattr(args, flag) not in (None, False):
-                raise ValueError(f"--{flag.replace('_', '-')} needs --ray")
-    elif args.engine_cpus is not None:
-        raise ValueError("--engine-cpus cannot be combined with --ray (Ray places the instances)")
-    config = engine_config(args)
+async def serve(args: argparse.Namespace, flags: EngineConfig, cluster: ClusterConfig) -> int:
+    """Serve until a signal (0) or an engine's death (1). `flags` and `cluster` are
+    `check_serve_flags(args)`'s: the flags were checked before this module was imported."""
+    config = engine_config(args, flags)
     name = args.served_model_name or served_name(args.model)
     _log_to_stderr()
-    client = await start_backend(args, config)
+    client = await start_backend(args, config, cluster)
     watch: asyncio.Task[None] | None = None
     try:
         admission = Admission(args.max_body_bytes, args.api_key, args.body_timeout)

@@ -1,0 +1,125 @@
+"""`pdserve serve`'s flags -> the configs they name, checked before the server is imported.
+
+Importing the server (`launch`: the front end, FastAPI, the model loader and torch) takes
+~5 s. A flag that is wrong by itself (a device torch cannot use, a timeout of 0, a Ray
+flag without --ray, a decode burst of 0) is a usage error that need not wait for that:
+`check_serve_flags` raises it first. What needs the model file (does --quantization fit
+it, the predictor head) is checked after, by `launch.engine_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.cluster.config import ClusterConfig, DecodePolicy, Routing
+from pdserve.cluster.placement import counts, in_launch_order, read_placement
+from pdserve.config import (
+    CacheConfig,
+    DecodeAdmission,
+    EngineConfig,
+    PrefillPolicy,
+    Role,
+    SchedulerConfig,
+    TransferConfig,
+    TransferMode,
+    check_device,
+)
+
+
+def check_serve_flags(args: argparse.Namespace) -> tuple[EngineConfig, ClusterConfig]:
+    """The instances' config from the flags alone (no predictor head yet) and the
+    cluster's; ValueError (a usage error) naming the first flag that is wrong."""
+    _check_server_flags(args)
+    check_device(args.device)
+    return engine_flags(args), cluster_config(args)
+
+
+def _check_server_flags(args: argparse.Namespace) -> None:
+    """The HTTP server's own flags, and the Ray flags that mean nothing without --ray."""
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
+    for flag in ("header_timeout", "body_timeout"):
+        if getattr(args, flag) <= 0:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"{name} must be greater than 0, got {getattr(args, flag)}")
+    if not args.ray:
+        for flag in ("ray_address", "placement", "ray_restart"):
+            if getattr(args, flag) not in (None, False):
+                raise ValueError(f"--{flag.replace('_', '-')} needs --ray")
+    elif args.engine_cpus is not None:
+        raise ValueError("--engine-cpus cannot be combined with --ray (Ray places the instances)")
+
+
+def engine_flags(args: argparse.Namespace) -> EngineConfig:
+    """`EngineConfig` as the flags give it, each value checked by its dataclass."""
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        activations=args.activations,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
+        cpus=args.engine_cpus,
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+            max_num_seqs=args.max_num_seqs,
+            max_waiting_requests=args.max_queued_requests,
+            prefill_policy=PrefillPolicy(args.prefill_policy),
+            prefill_sched_batch=args.prefill_sched_batch,
+            decode_admission=DecodeAdmission(args.decode_admission),
+            decode_burst=args.decode_burst,
+        ),
+        cache=CacheConfig(
+            kv_cache_memory_gib=args.kv_cache_memory_gib,
+            enable_prefix_cache=not args.no_prefix_cache,
+        ),
+        transfer=TransferConfig(
+            mode=TransferMode(args.transfer_mode),
+            transport=args.kv_transport or ("auto" if args.ray else "shm"),
+            timeout_s=args.kv_transfer_timeout,
+            lease_s=args.kv_lease,
+            verify_checksum=args.kv_verify_checksum,
+            fault_failure_rate=args.kv_fault_rate,
+            fault_delay_s=args.kv_fault_delay,
+            fault_bandwidth=args.kv_fault_bandwidth,
+            fault_seed=args.kv_fault_seed,
+        ),
+    )
+
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The instances to run: by default one engine (no --prefill/--decode/--colocated);
+    with --placement, the instances it names (flags given too must agree with it)."""
+    placement = read_placement(args.placement) if args.placement else []
+    flags = bool(args.prefill or args.decode or args.colocated is not None)
+    if placement and not flags:
+        n = counts(placement)
+        prefill, decode, colocated = n[Role.PREFILL], n[Role.DECODE], n[Role.COLOCATED]
+    else:
+        disaggregated = bool(args.prefill or args.decode)
+        prefill, decode = args.prefill, args.decode
+        colocated = args.colocated if args.colocated is not None else (0 if disaggregated else 1)
+    return ClusterConfig(
+        num_prefill=prefill,
+        num_decode=decode,
+        num_colocated=colocated,
+        placement=tuple(in_launch_order(placement)),
+        restart_dead=args.ray_restart,
+        decode_policy=DecodePolicy(args.decode_policy),
+        instance_timeout_s=args.instance_timeout,
+        max_migrations=args.max_migrations,
+        replicate=args.kv_replication,
+        prefill_chunk_size=args.chunk_size,
+        routing=Routing(args.routing),
+        pd_caching=args.pd_caching,
+        prefix_ttl_s=args.prefix_ttl,
+        prefix_tree_max_entries=args.prefix_tree_max_entries,
+        decode_balance=args.decode_balance,
+        prefix_fetch=not args.no_prefix_fetch,
+        heavy_decode_tokens=args.heavy_decode_tokens,
+    )
