@@ -7,9 +7,10 @@ once, as a HF tokenizer folder, in the tokenizer cache (`tokenizer_cache_dir`), 
 loaded from there (~0.4 s) by every later process; loaded tokenizers are also kept for
 the life of the process.
 
-`AutoTokenizer` is imported only by a conversion or a HF folder's load: it costs ~3 s a
-process, as it imports torch. A cache entry is loaded by the class its save recorded, so
-the API server, which needs no torch, imports none (tests/test_tokenizer.py).
+`AutoTokenizer` is imported only by a conversion or a HF folder's load: its module costs
+~0.7 s a process on top of torch (~3 s with torch, which it imports). A cache entry is
+loaded by the class its save recorded, so a process whose tokenizer is cached does not
+import it (tests/test_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -212,9 +213,9 @@ def _convert(path: Path) -> PreTrainedTokenizerBase:
 
 def _load_entry(entry: Path) -> PreTrainedTokenizerBase:
     """A cache entry, by the class `save_pretrained` recorded in it (the class that was
-    converted): transformers then imports that class's module alone, where AutoTokenizer
-    would import torch too. A name transformers does not export raises, and the caller
-    converts again."""
+    converted): transformers then imports that class's module alone, not AutoTokenizer's
+    (which imports every auto mapping, and torch). A name transformers does not export
+    raises, and the caller converts again."""
     config = json.loads((entry / "tokenizer_config.json").read_text())
     backend_class = getattr(transformers, config["tokenizer_class"])
     return backend_class.from_pretrained(str(entry))
