@@ -15,8 +15,8 @@ from pdserve.quant.linear import QuantLinear
 from pdserve.quant.memory import HUGE_PAGE, HugePageArena, huge_page_zeros
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds `address`."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """A field of /proc/self/smaps (its words) for the mapping that holds `address`."""
     inside = False
     with open("/proc/self/smaps") as f:
         lines = f.readlines()
@@ -25,9 +25,17 @@ def _vm_flags(address: int) -> list[str]:
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= address < hi
-        elif inside and head == "VmFlags:":
+        elif inside and head == f"{field}:":
             return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _vm_flags(address: int) -> list[str]:
+    return _smaps_field(address, "VmFlags")
+
+
+def _resident_kib(address: int) -> int:
+    return int(_smaps_field(address, "Rss")[0])
 
 
 def test_pieces_keep_their_bits_aligned_in_advised_chunks() -> None:
@@ -74,13 +82,11 @@ def test_the_cpu_kv_pool_is_zeroed_on_advised_huge_pages() -> None:
     assert tuple(pool.shape) == layout.shape and pool.dtype == torch.float32
     assert pool.is_contiguous() and pool.data_ptr() % HUGE_PAGE == 0
     assert "hg" in _vm_flags(pool.data_ptr()) and not pool.any()
-    # The host tier is torch's own memory (pinned under CUDA), apart from the pool. Its
-    # VmFlags are not asserted: numpy advises MADV_HUGEPAGE on large heap arrays, and malloc
-    # hands that heap out again, so an earlier test in the process decides them.
+    # The host tier (pinned under CUDA) is such memory too, apart from the pool.
     host = cache.host_tensor
     assert host is not None and cache.host_layout is not None
     assert tuple(host.shape) == cache.host_layout.shape and host.dtype == torch.float32
-    assert not host.any()
+    assert "hg" in _vm_flags(host.data_ptr()) and not host.any()
     pool_end = pool.data_ptr() + pool.nbytes
     host_end = host.data_ptr() + host.nbytes
     assert host_end <= pool.data_ptr() or host.data_ptr() >= pool_end
@@ -88,3 +94,21 @@ def test_the_cpu_kv_pool_is_zeroed_on_advised_huge_pages() -> None:
     assert half.shape == (5, 7) and half.dtype == torch.float16 and not half.any()
     region = torch.zeros(layout.shape)
     assert KVCache(layout, 0, device_tensor=region).device_tensor is region
+
+
+def test_the_kv_pool_is_not_written_until_used() -> None:
+    """A fresh pool's pages stay unmapped (no cost at start): both tiers of a 96 MiB
+    cache are resident only where a block was written, and read as zeros elsewhere."""
+    layout = KVLayout(
+        num_layers=4, num_blocks=256, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32"
+    )
+    cache = KVCache(layout, num_host_blocks=256)
+    pool, host = cache.device_tensor, cache.host_tensor
+    assert host is not None
+    assert _resident_kib(pool.data_ptr()) == 0 and _resident_kib(host.data_ptr()) == 0
+    pool[0, 0, 5] = 1.0  # one block of one layer's K: one page
+    assert 0 < _resident_kib(pool.data_ptr()) <= HUGE_PAGE // 1024
+    cache.swap_out([(5, 7)])
+    assert torch.equal(host[:, :, 7], pool[:, :, 5]) and not host[:, :, :7].any()
+    with pytest.raises(MemoryError, match="cannot map"):
+        huge_page_zeros((1 << 50,), torch.uint8)  # past any machine's memory

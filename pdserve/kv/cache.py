@@ -6,7 +6,10 @@ holds memory and executes the copy plans the manager returns.
 Layout: `KVLayout.shape` (`kv/layout.py`), `[num_layers, 2 (K, V), num_blocks, block_size,
 num_kv_heads, head_dim]`.
 Layer-major, so one layer's K and V for all blocks are one contiguous slice: the
-unit of layer-by-layer streaming. Zero-initialised (see `model/attention.py`).
+unit of layer-by-layer streaming. Zero-initialised (see `model/attention.py`). On the
+CPU both tiers are fresh anonymous mappings (`huge_page_zeros`): zeros that no one wrote,
+whose pages the kernel faults in where blocks are first written, so a pool costs nothing
+at start.
 """
 
 from __future__ import annotations
@@ -41,23 +44,13 @@ class KVCache:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.layout = layout
         self.block_size = layout.block_size
-        dtype = torch_dtype(layout)
-        if device_tensor is None and torch.device(device).type == "cpu":
-            device_tensor = huge_page_zeros(layout.shape, dtype)  # see quant/memory.py
-        elif device_tensor is None:
-            device_tensor = torch.zeros(layout.shape, dtype=dtype, device=device)
-        elif tuple(device_tensor.shape) != layout.shape or device_tensor.dtype != dtype:
-            raise ValueError(
-                f"KV tensor has shape {tuple(device_tensor.shape)} {device_tensor.dtype}, "
-                f"expected {layout.shape} {dtype}"
-            )
-        self.device_tensor = device_tensor
         self.host_layout: KVLayout | None = None
-        self.host_tensor: torch.Tensor | None = None
         if num_host_blocks > 0:
             self.host_layout = msgspec.structs.replace(layout, num_blocks=num_host_blocks)
-            pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
-            self.host_tensor = torch.zeros(self.host_layout.shape, dtype=dtype, pin_memory=pin)
+        self.device_tensor = _device_tier(layout, device, device_tensor)
+        self.host_tensor: torch.Tensor | None = None
+        if self.host_layout is not None:
+            self.host_tensor = _host_tier(self.host_layout, device)
 
     def swap_out(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy (device_block, host_block) pairs device -> host."""
@@ -91,6 +84,31 @@ class KVCache:
         _copy_blocks(src, s, src_packed, here)
         dst_packed.copy_(src_packed)
         _copy_blocks(dst_packed, here, dst, d)
+
+
+def _device_tier(
+    layout: KVLayout, device: torch.device | str, given: torch.Tensor | None
+) -> torch.Tensor:
+    dtype = torch_dtype(layout)
+    if given is None and torch.device(device).type == "cpu":
+        return huge_page_zeros(layout.shape, dtype)  # see quant/memory.py
+    if given is None:
+        return torch.zeros(layout.shape, dtype=dtype, device=device)
+    if tuple(given.shape) != layout.shape or given.dtype != dtype:
+        raise ValueError(
+            f"KV tensor has shape {tuple(given.shape)} {given.dtype}, "
+            f"expected {layout.shape} {dtype}"
+        )
+    return given
+
+
+def _host_tier(layout: KVLayout, device: torch.device | str) -> torch.Tensor:
+    """Pinned beside CUDA (swaps cross the bus by DMA); on the CPU, untouched zeros."""
+    dtype = torch_dtype(layout)
+    if torch.device(device).type == "cpu":
+        return huge_page_zeros(layout.shape, dtype)
+    pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
+    return torch.zeros(layout.shape, dtype=dtype, pin_memory=pin)
 
 
 def _packed(pool: torch.Tensor, n: int) -> torch.Tensor:

@@ -62,12 +62,20 @@ class HugePageArena:
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous zeroed CPU tensor on memory advised MADV_HUGEPAGE, every page faulted in
-    now (as torch.zeros does: a pool too large for the machine fails here, not mid-serve).
-    Its memory is unmapped when the last tensor over it is dropped."""
+    """A contiguous zeroed CPU tensor on memory advised MADV_HUGEPAGE. Nothing is written
+    here: a fresh anonymous mapping reads as zeros, and the kernel faults each page in,
+    zeroed, where it is first written. So a KV pool costs nothing at start and only the
+    pages in use are resident; writing 1 GiB up front (as torch.zeros does) took 1-5 s on
+    this project's VM, most of it the host backing memory the guest touched for the first
+    time. A tensor larger than the machine's memory is refused here (MemoryError: the
+    kernel's overcommit check); one that fits the machine but not what is free now is
+    faulted in as it is used. Its memory is unmapped when the last tensor over it is
+    dropped."""
     nbytes = math.prod(shape) * dtype.itemsize
-    chunk = _huge_chunk(max(nbytes, 1))
-    chunk.zero_()  # commit the pages: the mapping's zeros are only promised until touched
+    try:
+        chunk = _huge_chunk(max(nbytes, 1))
+    except OSError as e:
+        raise MemoryError(f"cannot map {nbytes / 2**30:.2f} GiB: {e.strerror}") from None
     return chunk[:nbytes].view(dtype).view(shape)
 
 
