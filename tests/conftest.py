@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.server import KEY, Server, stop
 
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from pdserve.engine.engine import Engine
@@ -31,8 +32,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(os.environ.pop(CACHE_ENV, ""), ignore_errors=True)
 
 
+# A test that uses one of these loads or serves the shipped model: what it asserts depends
+# on how the model computes, the compiled kernels or the fp32 fallback (marked `fallback`).
+FALLBACK_FIXTURES = frozenset({"smollm2", "served_engine", "keyed_server"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With the kernels turned off on purpose (PDSERVE_NO_KERNELS=1) the tests of the
+    """Tests that use the shipped model through a fixture (FALLBACK_FIXTURES) are marked
+    `fallback`: scripts/test.sh runs them again with the kernels off.
+
+    With the kernels turned off on purpose (PDSERVE_NO_KERNELS=1) the tests of the
     compiled path itself (marked `kernels`) are deselected, and the header says so: the
     rest of the suite then runs the fallback path. Kernels missing for any other reason
     (a failed build) fail those tests instead: CI must not pass without them.
@@ -44,6 +53,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from pdserve.quant.kernels import DISABLE_ENV, unavailable_reason
     from pdserve.quant.linear import int8_blocker, int8_build
 
+    for item in items:
+        if FALLBACK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.fallback)
     why = unavailable_reason()
     if why is None:
         if blocker := int8_blocker():
@@ -74,6 +86,26 @@ def smollm2(smollm2_path: Path) -> tuple[CausalLM, Tokenizer]:
     model.load_weights(iter_weights(smollm2_path))
     model.finalize()
     return model, Tokenizer.from_model_path(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def keyed_server() -> Iterator[Server]:
+    """One colocated `pdserve serve` of the shipped model with its defaults, an API key
+    (`helpers.server.KEY`) and the debug endpoints, shared by every test that only sends
+    it requests and leaves it as it found it (nothing running, queued or held): the
+    OpenAI surface (test_server), the hardening tests, the benchmark tool's runs. A test
+    that stops, kills or reconfigures a server starts its own."""
+    server = Server("--api-key", KEY, "--enable-debug-endpoints")
+    yield server
+    stop(server)
+
+
+@pytest.fixture(scope="session")
+def served_engine() -> Engine:
+    """An in-process engine with `pdserve serve`'s defaults over the shipped model: the
+    independent reference the server tests compare texts with (helpers/reference.py).
+    Each use must leave it idle (every request it added run to its end)."""
+    return Engine.from_config(EngineConfig(num_threads=2))
 
 
 EngineFactory = Callable[..., Engine]

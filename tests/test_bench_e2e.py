@@ -5,54 +5,21 @@ phase timings; the JSON and the PNG plots are written."""
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.server import KEY, Server
 
 from pdserve.bench.cli import main
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def server_url() -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        err = proc.stderr.read() if proc.stderr else ""
-        raise RuntimeError(f"server did not start (exit {proc.returncode}): {err[-2000:]}")
-    yield url
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+@pytest.fixture
+def server_url(keyed_server: Server) -> str:
+    """The session's shared keyed server (tests/conftest.py); `bench` sends its key."""
+    return keyed_server.url
 
 
 def bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
@@ -69,6 +36,8 @@ def bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
             "tpot:900000",
             "--request-timeout",
             "300",
+            "--api-key",
+            KEY,
         ]
     )
     assert code == 0

@@ -2,10 +2,11 @@
 (shared memory and TCP), the API unchanged; injected transfer faults and killed
 instances under load, in every transfer mode.
 
-Every completion that succeeds is compared with the greedy output of a plain colocated
-server (`reference`); every failure is checked against what the controller
-(`pdserve/cluster/controller.py`: `_on_dead`, `_move`) must do. Tests wait for
-the states they need (bounded by generous timeouts), never for a fixed time."""
+Every completion that succeeds is compared with the greedy output of an undisturbed
+colocated engine in this process (`reference`, helpers/reference.py); every failure is
+checked against what the controller (`pdserve/cluster/controller.py`: `_on_dead`,
+`_move`) must do. Tests wait for the states they need (bounded by generous timeouts),
+never for a fixed time."""
 
 from __future__ import annotations
 
@@ -17,9 +18,20 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import pytest
-from test_server import Server
+from helpers.reference import greedy
+from helpers.server import (
+    Server,
+    cluster,
+    cluster_rows,
+    pdkv_segments,
+    row_of,
+    stop,
+    wait_clean,
+    wait_dead,
+)
+
+from pdserve.engine.engine import Engine
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 MODES = ["pull", "layer-push", "request-push"]
@@ -92,96 +104,6 @@ def run_concurrently(server: Server, prompts: list[str]) -> list[tuple[int, dict
         return list(pool.map(lambda p: post_one(server, p), prompts))
 
 
-def cluster(server: Server) -> dict:
-    status, reply = server.get("/debug/cluster")
-    assert status == 200, reply
-    return reply
-
-
-def cluster_rows(server: Server) -> list[dict]:
-    return cluster(server)["instances"]
-
-
-def row_of(server: Server, name: str) -> dict:
-    return next(r for r in cluster_rows(server) if r["name"] == name)
-
-
-def assert_pools_clean(server: Server, every_role: bool = True) -> None:
-    """`every_role`: at least one live instance of every role the cluster runs. Every
-    live instance: integrity OK, nothing held, running, queued or in flight (dead ones
-    are skipped)."""
-    rows = cluster_rows(server)
-    for role in {r["role"] for r in rows} if every_role else ():
-        assert any(r["alive"] for r in rows if r["role"] == role), (f"no live {role}", rows)
-    for row in rows:
-        if not row["alive"]:
-            continue
-        assert "stats" in row, ("a live instance sent no stats", row)
-        stats = row["stats"]
-        assert stats["integrity_error"] is None, row
-        for field in (
-            "num_running",
-            "num_waiting",
-            "num_swapped",
-            "num_used_blocks",
-            "num_held",
-            "num_transferring",
-            "num_reserved",
-            "num_offers",
-            "num_prefix_fetches",
-        ):
-            assert stats[field] == 0, (row["name"], field, stats)
-
-
-def wait_dead(server: Server, name: str, timeout: float = 60.0) -> str | None:
-    """The dead reason of instance `name` once the controller marks it dead; None if it
-    is still alive after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        row = row_of(server, name)
-        if not row["alive"]:
-            return str(row["dead_reason"])
-        time.sleep(0.1)
-    return None
-
-
-def wait_clean(server: Server, timeout: float = 20.0, every_role: bool = True) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            assert_pools_clean(server, every_role)
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-def stop(server: Server) -> None:
-    """Stop `server` and wait until every process it started is gone: its instances and
-    the resource tracker, which unlinks the segments of an instance that was killed."""
-    try:
-        children = psutil.Process(server.proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    server.stop()
-    psutil.wait_procs(children, timeout=60)
-
-
-def pdkv_segments() -> set[str]:
-    """KV segments in /dev/shm that this test run answers for: those of its own processes
-    (descendants) and of dead ones (a leak). A live process of another program (a server
-    someone else runs on the machine) owns its segments; they are not counted. Segment
-    names carry the creating process's pid (`pdkv-<pid>-<random>-<name>`, kv/transfer/shm.py)."""
-    mine = {p.pid for p in psutil.Process().children(recursive=True)}
-    return {f for f in os.listdir("/dev/shm") if f.startswith("pdkv-") and _ours(f, mine)}
-
-
-def _ours(segment: str, mine: set[int]) -> bool:
-    pid = segment.split("-")[1]
-    return not pid.isdigit() or int(pid) in mine or not psutil.pid_exists(int(pid))
-
-
 @pytest.fixture(autouse=True)
 def _no_leaked_segments() -> Iterator[None]:
     before = pdkv_segments()
@@ -191,14 +113,10 @@ def _no_leaked_segments() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> Callable[[str], str]:
-    """The greedy completion (MAX_TOKENS) of a prompt of PROMPTS by a plain colocated
-    server: one server per module, one batch."""
-    server = Server("--enable-debug-endpoints")
-    try:
-        texts = dict(zip(PROMPTS, complete(server, PROMPTS), strict=True))
-    finally:
-        stop(server)
+def reference(served_engine: Engine) -> Callable[[str], str]:
+    """The greedy completion (MAX_TOKENS) of a prompt of PROMPTS by an undisturbed
+    colocated engine in this process (helpers/reference.py), one batch."""
+    texts = dict(zip(PROMPTS, greedy(served_engine, PROMPTS, MAX_TOKENS), strict=True))
     return texts.__getitem__
 
 

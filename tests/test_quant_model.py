@@ -29,6 +29,10 @@ from pdserve.model.registry import build_model
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantEmbedding, QuantLinear
 
+# What is served depends on whether the kernels load: every test here runs in the
+# fallback pass too (those of the compiled path itself are `kernels` and left out there).
+pytestmark = pytest.mark.fallback
+
 
 def fp_model(path: Path) -> CausalLM:
     """The unquantized load, ops unpacked (their `.weight` is the fp32 matrix)."""

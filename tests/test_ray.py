@@ -1,15 +1,15 @@
 """Instances placed and supervised by Ray across nodes (`serve --ray`, docs/deploy.md).
 
-A real two-node Ray cluster on this machine (Ray's own `cluster_utils.Cluster`: a head
-node and a worker node, each with its own raylet and 2 logical CPUs: room for two
-servers' instances at once) serves the shipped model
-with the prefill instance on the head and the decode instance on the worker. Its
-greedy outputs must be exactly those of the single-host server (`--prefill 1 --decode 1`
-without Ray) and its KV must have crossed between the nodes over TCP (the auto
-transport's route counters); a placement written by `pdserve plan` from this machine's
-profile starts as written; and killing the worker node's raylet under 16 concurrent
-streams loses none of them. The module's tests share the cluster and run in order (the
-last one kills the worker node).
+A real Ray cluster on this machine (Ray's own `cluster_utils.Cluster`: a head node with 3
+logical CPUs and a worker node with 2, each with its own raylet: room for two servers'
+instances at once and a restarted one) serves the shipped model with the prefill
+instance on the head and the decode instance on the worker. Its greedy outputs must be
+exactly those of an undisturbed colocated engine (helpers/reference.py) and its KV must
+have crossed between the nodes over TCP (the auto transport's route counters); a
+placement written by `pdserve plan` from this machine's profile starts as written; and
+killing a worker node's raylet under 16 concurrent streams loses none of them. The
+tests share the cluster and each leaves it as it found it: the node-kill test adds a
+node of its own and kills that one, so every test runs alone and in any order.
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.streams import Outcome, Streams
+from helpers.reference import Expected, greedy, run
+from helpers.server import Server, row_of, stop, wait_clean, wait_dead
+from helpers.streams import Streams
 from ray.cluster_utils import Cluster
-from test_disagg_server import PROMPTS, complete, mixed_prompts, row_of, stop, wait_clean, wait_dead
-from test_server import Server
+from test_disagg_server import PROMPTS, complete, mixed_prompts
+
+from pdserve.engine.engine import Engine
 
 STREAMS = 16
 STREAM_TOKENS = 64
@@ -54,7 +57,7 @@ def ray_cluster() -> Iterator[tuple[Cluster, str, str]]:
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
-            "num_cpus": 2,
+            "num_cpus": 3,
             "object_store_memory": _OBJECT_STORE,
             "include_dashboard": False,
             "_system_config": {
@@ -89,18 +92,12 @@ def write_placement(path: Path, *instances: tuple[str, int], devices: int = 1) -
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[list[str], list[Outcome]]:
-    """The single-host server's answers (no Ray, same topology): the batch of PROMPTS,
-    and the 16 streams."""
-    server = Server("--prefill", "1", "--decode", "1", "--kv-cache-memory-gib", "0.25")
-    try:
-        texts = complete(server, PROMPTS, 16)
-        streams = Streams(server.url, stream_bodies()).results()
-    finally:
-        stop(server)
-    for out in streams:
-        assert out.status == 200 and out.error is None and out.finish_reason == "length", out
-    return texts, streams
+def reference(served_engine: Engine) -> tuple[list[str], list[Expected]]:
+    """An undisturbed colocated engine's answers: the batch of PROMPTS (16 tokens), and
+    the 16 streams."""
+    streams = run(served_engine, stream_bodies())
+    assert all(out.finish_reason == "length" for out in streams)
+    return greedy(served_engine, PROMPTS, 16), streams
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +133,7 @@ def routes(server: Server) -> dict[str, tuple[int, int]]:
 
 
 def test_prefill_and_decode_on_two_nodes_equal_the_single_host_server(
-    reference: tuple[list[str], list[Outcome]],
+    reference: tuple[list[str], list[Expected]],
     ray_cluster: tuple[Cluster, str, str],
     pd_server: Server,
 ) -> None:
@@ -145,14 +142,17 @@ def test_prefill_and_decode_on_two_nodes_equal_the_single_host_server(
     assert view["launcher"] == "ray"
     placed = {i["name"]: (i["role"], i["node"], i["alive"]) for i in view["instances"]}
     assert placed == {"prefill-0": ("prefill", head, True), "decode-0": ("decode", worker, True)}
-    nodes = {n["node"]: (n["alive"], n["instances"]) for n in view["nodes"]}
-    assert nodes == {head: (True, ["prefill-0"]), worker: (True, ["decode-0"])}
+    # (a node another test added and killed may be listed, dead)
+    nodes = {n["node"]: n["instances"] for n in view["nodes"] if n["alive"]}
+    assert nodes == {head: ["prefill-0"], worker: ["decode-0"]}
 
+    before = routes(pd_server)
     assert complete(pd_server, PROMPTS, 16) == reference[0]
     # Each prompt's KV was pulled by the decode instance from the other node, over TCP;
     # nothing went through shared memory (no two instances share a node).
     moved = routes(pd_server)
-    assert moved["decode-0"] == (0, len(PROMPTS)), moved
+    pulled = tuple(a - b for a, b in zip(moved["decode-0"], before["decode-0"], strict=True))
+    assert pulled == (0, len(PROMPTS)), (before, moved)
     assert moved["prefill-0"][0] == 0, moved
     wait_clean(pd_server)
 
@@ -186,7 +186,7 @@ def test_cluster_status_command_prints_nodes_and_instances(
 
 def test_a_planned_placement_starts_as_written(
     ray_cluster: tuple[Cluster, str, str],
-    reference: tuple[list[str], list[Outcome]],
+    reference: tuple[list[str], list[Expected]],
     tmp_path: Path,
 ) -> None:
     """`pdserve profile` on this machine, `pdserve plan` for 2 nodes x 1 device, and the
@@ -303,7 +303,7 @@ def wait_restarted(server: Server, name: str, old_pid: int, timeout: float = 180
 def test_a_killed_instance_is_restarted_empty_and_serves(
     ray_cluster: tuple[Cluster, str, str],
     pd_server: Server,
-    reference: tuple[list[str], list[Outcome]],
+    reference: tuple[list[str], list[Expected]],
 ) -> None:
     """--ray-restart: decode-0's actor process SIGKILLed while idle; Ray reports the
     actor dead, a new actor takes its place on the same (living) node and rejoins empty;
@@ -322,39 +322,54 @@ def test_a_killed_instance_is_restarted_empty_and_serves(
     wait_clean(pd_server)
 
 
-def test_killing_the_worker_node_loses_no_stream(
+def node_index(node_id: str, head: str, alive: list[str]) -> int:
+    """A node's index in a placement: the head first, then the others by node id
+    (`ray_launch.nodes`)."""
+    return 1 + sorted(n for n in alive if n != head).index(node_id) if node_id != head else 0
+
+
+def test_killing_a_worker_node_loses_no_stream(
     ray_cluster: tuple[Cluster, str, str],
-    pd_server: Server,
-    reference: tuple[list[str], list[Outcome]],
+    reference: tuple[list[str], list[Expected]],
+    tmp_path: Path,
 ) -> None:
-    """The worker node's raylet SIGKILLed once every stream has 8 tokens: the decode
-    instance on it is seen dead (by Ray or by its silence), its requests move to the
-    head node's prefill instance, which runs them whole; every stream ends with the
-    single-host server's text. With --ray-restart, decode-0 then starts again on the
-    head node, the only one left."""
+    """A node added for this test holds the decode instance of a server of its own
+    (prefill on the head); its raylet SIGKILLed once every stream has 8 tokens: the decode
+    instance on it is seen dead (by Ray or by its silence), its requests move to the head
+    node's prefill instance, which runs them whole; every stream ends with the reference
+    text. With --ray-restart, decode-0 then starts again on the head node (its third
+    CPU), the only one left to it."""
     cluster, head, worker = ray_cluster
-    _, reply = pd_server.get("/debug/cluster")
-    failures = reply["controller"]["instance_failures"].get("decode", 0)
-    streams = Streams(pd_server.url, stream_bodies())
-    streams.wait_tokens(8)
-    node = next(n for n in cluster.list_all_nodes() if n.node_id == worker)
-    assert row_of(pd_server, "decode-0")["assigned_requests"] > 0
-    node.kill_raylet()
-    reason = wait_dead(pd_server, "decode-0")
-    assert reason is not None, "the decode instance on the killed node was never marked dead"
-    results = streams.results()
-    for i, (got, want) in enumerate(zip(results, reference[1], strict=True)):
-        assert (got.status, got.error, got.finish_reason) == (200, None, "length"), (i, got)
-        assert got.text == want.text, (i, got.text, want.text)
-    wait_clean(pd_server, every_role=False)
-    deadline = time.monotonic() + 30
-    while next(n for n in status(pd_server)["nodes"] if n["node"] == worker)["alive"]:
-        assert time.monotonic() < deadline, "Ray never reported the worker node dead"
-        time.sleep(0.5)
-    _, reply = pd_server.get("/debug/cluster")
-    assert reply["controller"]["instance_failures"] == {"decode": failures + 1}
-    assert reply["controller"]["failed"] == 0
-    row = wait_restarted(pd_server, "decode-0", -1)
-    assert row["node"] == head, row
-    assert complete(pd_server, PROMPTS[:8], 16) == reference[0][:8]
-    cluster.remove_node(node, allow_graceful=False)
+    node = cluster.add_node(num_cpus=2, object_store_memory=_OBJECT_STORE)
+    cluster.wait_for_nodes()
+    index = node_index(node.node_id, head, [head, worker, node.node_id])
+    path = write_placement(tmp_path / "p.json", ("prefill", 0), ("decode", index))
+    server = ray_server(
+        cluster, "--placement", str(path), "--instance-timeout", "5", "--ray-restart"
+    )
+    try:
+        assert row_of(server, "decode-0")["node"] == node.node_id
+        streams = Streams(server.url, stream_bodies())
+        streams.wait_tokens(8)
+        assert row_of(server, "decode-0")["assigned_requests"] > 0
+        node.kill_raylet()
+        reason = wait_dead(server, "decode-0")
+        assert reason is not None and reason.startswith(("Ray: ", "sent nothing for ")), reason
+        results = streams.results()
+        for i, (got, want) in enumerate(zip(results, reference[1], strict=True)):
+            assert (got.status, got.error, got.finish_reason) == (200, None, "length"), (i, got)
+            assert got.text == want.text, (i, got.text, want.text)
+        wait_clean(server, every_role=False)
+        deadline = time.monotonic() + 30
+        while next(n for n in status(server)["nodes"] if n["node"] == node.node_id)["alive"]:
+            assert time.monotonic() < deadline, "Ray never reported the killed node dead"
+            time.sleep(0.5)
+        _, reply = server.get("/debug/cluster")
+        assert reply["controller"]["instance_failures"] == {"decode": 1}
+        assert reply["controller"]["failed"] == 0
+        row = wait_restarted(server, "decode-0", -1)
+        assert row["node"] == head, row
+        assert complete(server, PROMPTS[:8], 16) == reference[0][:8]
+    finally:
+        stop(server)
+        cluster.remove_node(node, allow_graceful=False)

@@ -6,107 +6,32 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+from helpers.server import KEY, MODEL, Server, auth, wait_for
 from openai import BadRequestError, NotFoundError, OpenAI
 
-KEY = "sk-pdserve-test"
-MODEL = "SmolLM2-135M-Instruct.Q4_1"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+_auth = auth
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@pytest.fixture
+def server(keyed_server: Server) -> Server:
+    """The session's shared keyed server (tests/conftest.py)."""
+    return keyed_server
 
 
-class Server:
-    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *extra]
-        self.proc = subprocess.Popen(
-            cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
-        )
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        err = self.proc.stderr.read() if self.proc.stderr else ""
-        raise RuntimeError(f"server did not start (exit {self.proc.returncode}): {err[-2000:]}")
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> tuple[int, dict]:
-        req = urllib.request.Request(
-            self.url + path, data=body, method=method, headers=headers or {}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def get(self, path: str, key: str | None = None) -> tuple[int, dict]:
-        return self.request("GET", path, headers=_auth(key))
-
-    def post(
-        self, path: str, raw: bytes, key: str | None = KEY, content_type: str = "application/json"
-    ) -> tuple[int, dict]:
-        return self.request("POST", path, raw, {"Content-Type": content_type, **_auth(key)})
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
-    """Poll until `condition()` holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the server's state"
-        time.sleep(0.05)
-
-
-def _auth(key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    s = Server("--api-key", KEY)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+@pytest.fixture
+def client(keyed_server: Server) -> OpenAI:
+    return OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def test_chat_with_the_openai_client(client: OpenAI) -> None:
@@ -412,7 +337,7 @@ def test_server_exits_nonzero_when_the_engine_dies() -> None:
         )
         engine_process(s).kill()
         assert s.proc.wait(10) == 1
-        err = s.proc.stderr.read() if s.proc.stderr else ""
+        err = s.stderr()
         assert "the engine process died" in err
         assert (
             "pdserve: weights: float32 (--quantization auto: PDSERVE_NO_KERNELS is set); "
@@ -776,7 +701,7 @@ def test_a_second_signal_cancels_what_is_in_flight_and_exits_without_a_traceback
     assert cut[-1] == "[DONE]" and cut[-2]["error"]["code"] == 503
     assert cut[-2]["error"]["message"] == "the server is shutting down: stopped by a second signal"
     assert s.proc.wait(30) == 0
-    err = s.proc.stderr.read() if s.proc.stderr else ""
+    err = s.stderr()
     assert "Traceback" not in err and "cancelled 1 requests" in err, err[-2000:]
     _, alive = psutil.wait_procs(children, timeout=10)
     assert alive == []

@@ -1,0 +1,222 @@
+"""A real `pdserve serve` process on loopback, and what the server tests ask of it.
+
+`Server(*flags)` starts `python -m pdserve.cli serve --port <free> *flags` and returns once
+`/health` answers 200 (bounded); its stderr is read as it comes by a thread (a server that
+logs more than a pipe holds would otherwise block), `stderr()` returns it. The cluster
+helpers read the front end's `/debug/cluster` (started with `--enable-debug-endpoints`);
+every wait is bounded and polls for a state, never sleeps a fixed time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import httpx
+import psutil
+
+KEY = "sk-pdserve-test"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+class Server:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = extra
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *extra]
+        self.proc = subprocess.Popen(
+            cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        )
+        self._err: list[str] = []
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        err = self.stderr()
+        raise RuntimeError(f"server did not start (exit {self.proc.returncode}): {err[-2000:]}")
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._err.append(line)
+
+    def stderr(self, wait: bool = True) -> str:
+        """What the server wrote to stderr: all of it once the process ended (`wait`:
+        until it has), else what arrived so far."""
+        if wait and self.proc.poll() is not None:
+            self._reader.join(30)
+        return "".join(self._err)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> tuple[int, dict]:
+        req = urllib.request.Request(
+            self.url + path, data=body, method=method, headers=headers or {}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def get(self, path: str, key: str | None = None) -> tuple[int, dict]:
+        return self.request("GET", path, headers=auth(key))
+
+    def post(
+        self, path: str, raw: bytes, key: str | None = KEY, content_type: str = "application/json"
+    ) -> tuple[int, dict]:
+        return self.request("POST", path, raw, {"Content-Type": content_type, **auth(key)})
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll until `condition()` holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the server's state"
+        time.sleep(0.05)
+
+
+def stop(server: Server) -> None:
+    """Stop `server` and wait until every process it started is gone: its instances and
+    the resource tracker, which unlinks the segments of an instance that was killed."""
+    try:
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    server.stop()
+    psutil.wait_procs(children, timeout=60)
+
+
+def pdkv_segments() -> set[str]:
+    """KV segments in /dev/shm that this test process answers for: those of its own
+    processes (descendants) and of dead ones (a leak). A live process of another program
+    (a server someone else runs on the machine, another test worker's) owns its segments;
+    they are not counted. Segment names carry the creating process's pid
+    (`pdkv-<pid>-<random>-<name>`, kv/transfer/shm.py)."""
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    return {f for f in os.listdir("/dev/shm") if f.startswith("pdkv-") and _ours(f, mine)}
+
+
+def _ours(segment: str, mine: set[int]) -> bool:
+    pid = segment.split("-")[1]
+    return not pid.isdigit() or int(pid) in mine or not psutil.pid_exists(int(pid))
+
+
+def cluster(server: Server) -> dict:
+    status, reply = server.get("/debug/cluster", key=KEY)
+    assert status == 200, reply
+    return reply
+
+
+def cluster_rows(server: Server) -> list[dict]:
+    return cluster(server)["instances"]
+
+
+def row_of(server: Server, name: str) -> dict:
+    return next(r for r in cluster_rows(server) if r["name"] == name)
+
+
+CLEAN_FIELDS = (
+    "num_running",
+    "num_waiting",
+    "num_swapped",
+    "num_used_blocks",
+    "num_held",
+    "num_transferring",
+    "num_reserved",
+    "num_offers",
+    "num_prefix_fetches",
+)
+
+
+def assert_pools_clean(server: Server, every_role: bool = True) -> None:
+    """`every_role`: at least one live instance of every role the cluster runs. Every
+    live instance: integrity OK, nothing held, running, queued or in flight (dead ones
+    are skipped)."""
+    rows = cluster_rows(server)
+    for role in {r["role"] for r in rows} if every_role else ():
+        assert any(r["alive"] for r in rows if r["role"] == role), (f"no live {role}", rows)
+    for row in rows:
+        if not row["alive"]:
+            continue
+        assert "stats" in row, ("a live instance sent no stats", row)
+        stats = row["stats"]
+        assert stats["integrity_error"] is None, row
+        for field in CLEAN_FIELDS:
+            assert stats[field] == 0, (row["name"], field, stats)
+
+
+def wait_dead(server: Server, name: str, timeout: float = 60.0) -> str | None:
+    """The dead reason of instance `name` once the controller marks it dead; None if it
+    is still alive after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = row_of(server, name)
+        if not row["alive"]:
+            return str(row["dead_reason"])
+        time.sleep(0.1)
+    return None
+
+
+def wait_clean(server: Server, timeout: float = 20.0, every_role: bool = True) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            assert_pools_clean(server, every_role)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def prometheus(server: Server) -> dict[str, float]:
+    """The samples of GET /metrics by name (with labels)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
