@@ -424,6 +424,12 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         "--kv-fault-bandwidth", type=float, default=None, help="cap transfers at BYTES per second"
     )
     g.add_argument("--kv-fault-seed", type=int, default=None)
+    g.add_argument(
+        "--kv-fault-scope",
+        choices=["all", "cache"],
+        default="all",
+        help="the transfers the faults hit: all, or only cache copies (returns, prefix fetches)",
+    )
 
 
 def _add_ray(g: argparse._ArgumentGroup) -> None:

@@ -173,6 +173,9 @@ class TransferConfig:
     fault_delay_s: float = 0.0
     fault_bandwidth: float | None = None
     fault_seed: int | None = None
+    # Which transfers the faults hit: "all", or "cache": only the copies of cluster-wide
+    # caching (returns, prefix fetches: engine/cache_exchange.py), not the hand-offs.
+    fault_scope: str = "all"
 
     def __post_init__(self) -> None:
         if self.transport not in ("shm", "tcp", "auto", "inproc"):
@@ -191,6 +194,8 @@ class TransferConfig:
             raise ValueError(f"fault_delay_s must be >= 0, got {self.fault_delay_s}")
         if self.fault_bandwidth is not None and self.fault_bandwidth <= 0:
             raise ValueError(f"fault_bandwidth must be > 0 bytes/s, got {self.fault_bandwidth}")
+        if self.fault_scope not in ("all", "cache"):
+            raise ValueError(f"fault_scope must be all or cache, got {self.fault_scope!r}")
 
     @property
     def injects_faults(self) -> bool:

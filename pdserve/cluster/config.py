@@ -72,6 +72,10 @@ class ClusterConfig:
     # Prefix routing, disaggregated: copy a longer cached prefix from another instance
     # before a prefill when that is cheaper than computing it (cluster/routing.py).
     prefix_fetch: bool = True
+    # A request whose prefill instance is receiving a copy of more of its prompt (its own
+    # prefix fetch, or a return: the previous turn's answer) waits for that copy at most
+    # this long, then is prefilled anyway (cluster/cache_copies.py).
+    kv_wait_s: float = 2.0
     # Session routing: sessions remembered (least recently used forgotten first).
     max_sessions: int = 100_000
     # Decode dispatch: a request predicted to generate at least this many tokens is a
@@ -117,6 +121,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_balance < 0:
             raise ValueError(f"decode_balance must be >= 0, got {self.decode_balance}")
+        if self.kv_wait_s < 0:
+            raise ValueError(f"kv_wait_s must be >= 0, got {self.kv_wait_s}")
         if self.instance_timeout_s <= 0:
             raise ValueError(f"instance_timeout_s must be > 0, got {self.instance_timeout_s}")
         if self.placement:

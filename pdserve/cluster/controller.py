@@ -52,12 +52,13 @@ from enum import StrEnum
 import msgspec
 import zmq.asyncio
 
+from pdserve.cluster.cache_copies import CacheCopies
 from pdserve.cluster.config import ClusterConfig, DecodePolicy
 from pdserve.cluster.instance import Instance, Launcher, LocalLauncher
 from pdserve.cluster.policies import DecodeChooser
 from pdserve.cluster.recovery import FaultCounters
 from pdserve.cluster.replication import RecoveryCost, ring
-from pdserve.cluster.routing import FETCH_WAIT_S, Donor, RouteKey, Router, session_key
+from pdserve.cluster.routing import Donor, RouteKey, Router, session_key
 from pdserve.config import EngineConfig, Role, TransferMode
 from pdserve.engine.admission import remaining_tokens
 from pdserve.engine.output_processor import LoopBudget, OutputProcessor
@@ -74,7 +75,7 @@ from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.confusion import PredictionCounters
 from pdserve.predictor.head import HeadSpec, read_head
-from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferPrefix, PrefixFetched
+from pdserve.protocol.cache import KVOffered, PrefixFetched
 from pdserve.protocol.core import (
     AbortRequests,
     AddRequest,
@@ -119,7 +120,9 @@ Item = RequestOutput | BaseException
 
 class Phase(StrEnum):
     RESERVING = "reserving"  # push: waiting for the decode instance's blocks
-    PREFETCH = "prefetch"  # its prefill instance copies a cached prefix from another one
+    # Not sent yet: its prefill instance is receiving a copy of more of its prompt (its
+    # own prefix fetch, or the return of the previous turn: cluster/cache_copies.py).
+    WAITING_FOR_KV = "waiting-for-kv"
     PREFILL = "prefill"  # at the prefill (or colocated) instance
     HANDOFF = "handoff"  # first token out; KV on its way to the decode instance
     DECODE = "decode"  # KV in place; generating at the decode instance
@@ -142,7 +145,10 @@ class _Record:
     credit_prefill: Instance | None = None
     credit_decode: Instance | None = None
     credit_tokens: int = 0  # the prompt tokens `credit_prefill` has to compute
-    predicted_cached: int = 0  # what the prompt tree said the prefill instance holds
+    # What the prompt trees said the prefill instance (or a prefix fetch's donor) holds.
+    predicted_cached: int = 0
+    # PD-Caching-3: where its decode instance returns its KV when it finishes.
+    return_to: Instance | None = None
     # Prompt tokens the instance that ran the prefill served from its cache (the
     # `cached_tokens` of the API), as its first output said; None before it.
     cached_tokens: int | None = None
@@ -173,23 +179,6 @@ class _Record:
         """The id instances know this attempt by: messages about an earlier attempt
         (stragglers) cannot be mistaken for the current one."""
         return self.request_id if self.attempts == 0 else f"{self.request_id}~move{self.attempts}"
-
-
-_PREFETCH = "@prefetch"  # the suffix of a prefix fetch's offer id
-
-
-@dataclass
-class _Prefetch:
-    """A request waiting while its prefill instance copies a cached prefix from a donor
-    (protocol/cache.py); `request` goes to `dest` when the copy ended or `deadline`
-    passed, whichever is first (`sent`)."""
-
-    key: str  # the record's
-    donor: Instance
-    dest: Instance
-    request: AddRequest
-    deadline: float  # monotonic
-    sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,9 +212,16 @@ class Cluster:
         self._push_stops: dict[str, tuple[Instance, Instance]] = {}
         self.decode_chooser = DecodeChooser(config.decode_policy, config.seed)
         self.router = Router(config, engine.cache.block_size, self.decode_chooser)
-        # PD-Caching-3 returns copying now: offer id -> (decode source, prefill destination).
-        self._returns: dict[str, tuple[Instance, Instance]] = {}
-        self._prefetches: dict[str, _Prefetch] = {}  # by offer id
+        self.recovery = RecoveryCost()
+        # KV copied into prefix caches (returns, prefix fetches), and requests waiting.
+        self.copies = CacheCopies(
+            config,
+            engine.cache.block_size,
+            self.router,
+            self.recovery,
+            self._instance,
+            self._send_waiting,
+        )
         self._ctx = zmq.asyncio.Context()
         self._processor: OutputProcessor | None = None
         self._budget = LoopBudget()
@@ -245,13 +241,12 @@ class Cluster:
                 ReplicaStoreOpened: self._on_store_opened,
                 KVReplicated: self._on_replicated,
                 ReplicasStored: self._on_replicas_stored,
-                KVOffered: self._on_offered,
-                PrefixFetched: self._on_prefix_fetched,
+                KVOffered: self.copies.on_offered,
+                PrefixFetched: self.copies.on_fetched,
             }
         )
         self.faults = FaultCounters()
         self.predictions = PredictionCounters(_head_spec(engine.length_predictor))
-        self.recovery = RecoveryCost()
         self.holders: dict[str, Instance] = {}  # replication: source name -> holder
 
     # ---- life cycle ----------------------------------------------------------------
@@ -403,6 +398,7 @@ class Cluster:
         instance. With every prefill (or every decode) instance dead, a live instance of
         the other role runs it whole: slower for everyone, but no request is refused."""
         rec.phase = Phase.PREFILL
+        rec.return_to = None
         if not self.config.disaggregated:
             self._send_prefill(rec, self.of_role(Role.COLOCATED), None)
         elif not self.live(Role.DECODE):
@@ -420,27 +416,45 @@ class Cluster:
     def _send_prefill(
         self, rec: _Record, candidates: list[Instance], handoff: Handoff | None
     ) -> None:
+        """Route the request to a prefill instance and send it there - or, while a copy
+        of more of its prompt is on its way there (or worth starting: a prefix fetch),
+        park it until that copy ends (cluster/cache_copies.py)."""
         choice = self.router.prefill(candidates, rec.route)
         if choice is None:
             self._fail(rec, InstanceFailedError("no live prefill instance"))
             return
-        inst = choice.instance
-        donor = self._prefix_donor(rec, inst, choice.cached_tokens) if handoff else None
-        cached = choice.cached_tokens if donor is None else donor.cached_tokens
+        inst, cached = choice.instance, choice.cached_tokens
+        request = AddRequest(rec.key, rec.prompt, rec.params, rec.arrival, handoff)
+        inbound = self.copies.inbound(inst, rec.prompt, rec.route.hashes)
+        if inbound is not None and inbound[1] <= cached:
+            inbound = None  # it brings nothing the instance lacks
+        donor = None if inbound or not handoff else self._prefix_donor(rec, inst, cached)
+        rec.predicted_cached = cached  # the tree's belief (a miss: it held less)
+        if inbound is not None:
+            cached = inbound[1]
+        elif donor is not None:
+            cached = rec.predicted_cached = donor.cached_tokens
         rec.prefill = rec.credit_prefill = inst
-        rec.predicted_cached = cached
         rec.credit_tokens = len(rec.prompt) - cached
         inst.assigned_prefill_tokens += rec.credit_tokens
-        request = AddRequest(rec.key, rec.prompt, rec.params, rec.arrival, handoff)
-        if donor is None:
+        rec.phase = Phase.WAITING_FOR_KV
+        if inbound is not None:
+            self.copies.wait(inbound[0], rec.key, request)
+        elif donor is not None:
+            tokens = rec.prompt[: donor.cached_tokens]
+            self.copies.prefetch(rec.key, donor.instance, inst, tokens, request)
+        else:
             rec.phase = Phase.PREFILL
             inst.send(request)
+
+    def _send_waiting(self, key: str, inst: Instance, request: AddRequest) -> None:
+        """A parked request goes to its prefill instance: the copy it waited for ended, or
+        its wait did. Not when it was aborted or moved meanwhile."""
+        rec = self.records.get(key)
+        if rec is None or rec.phase is not Phase.WAITING_FOR_KV or rec.prefill is not inst:
             return
-        rec.phase = Phase.PREFETCH
-        offer_id = rec.key + _PREFETCH
-        deadline = time.monotonic() + FETCH_WAIT_S
-        self._prefetches[offer_id] = _Prefetch(rec.key, donor.instance, inst, request, deadline)
-        donor.instance.send(OfferPrefix(offer_id, rec.prompt[: donor.cached_tokens], inst.name))
+        rec.phase = Phase.PREFILL
+        inst.send(request)
 
     def _prefix_donor(self, rec: _Record, inst: Instance, cached: int) -> Donor | None:
         """Another instance to copy a longer cached prefix from, when copying pays."""
@@ -453,7 +467,8 @@ class Cluster:
             return None
         layout = inst.kv_layout
         token_bytes = 2 * layout.num_layers * layout.token_bytes
-        pays = self.router.fetch_pays(donor.cached_tokens - cached, token_bytes, self.recovery)
+        tokens, overhead = donor.cached_tokens - cached, self.router.fetch_overhead.value
+        pays = self.router.fetch_pays(tokens, token_bytes, self.recovery, overhead)
         return donor if pays else None
 
     def _run_whole_on_decode(self, rec: _Record) -> None:
@@ -551,6 +566,8 @@ class Cluster:
             if self.config.disaggregated:
                 pulled = self.mode is TransferMode.PULL
                 result = dataclasses.replace(result, metrics=rec.times.handoff_metrics(pulled))
+            if stop_string is None:
+                self._expect_return(rec, inst)
             self._release(rec, abort=stop_string is not None)
         rec.queue.put_nowait(result)
 
@@ -586,6 +603,7 @@ class Cluster:
                 prediction=rec.prediction,
             )
         )
+        rec.return_to = inst if self.returns_kv else None
 
     def _on_reserved(self, inst: Instance, msg: KVReserved) -> None:
         rec = self.records.get(msg.request_id)
@@ -639,7 +657,7 @@ class Cluster:
             await asyncio.sleep(_WATCH_S)
             now = time.monotonic()
             self.router.expire(now)
-            self._overdue_prefetches(now)
+            self.copies.tick(now)
             for inst in self.instances:
                 reason = inst.check(now)
                 if reason is not None:
@@ -654,8 +672,7 @@ class Cluster:
             return
         self.faults.instance_failed(inst.role.value)
         self.router.forget(inst)
-        self._drop_returns(inst)
-        self._drop_prefetches(inst)
+        self.copies.instance_dead(inst)
         for key, (prefill, decode) in list(self._push_stops.items()):
             if inst is prefill:  # a dead process writes nothing more
                 del self._push_stops[key]
@@ -813,7 +830,7 @@ class Cluster:
         """Make `inst` the instance `rec` decodes on (its load credited) and return the
         request that continues it there after its streamed tokens."""
         self._credit_decode(rec, inst, self._is_heavy(rec))
-        rec.prefill, rec.phase = None, Phase.DECODE
+        rec.prefill, rec.phase, rec.return_to = None, Phase.DECODE, None
         return AddRequest(
             rec.key,
             rec.prompt,
@@ -989,99 +1006,13 @@ class Cluster:
     def _on_report(self, inst: Instance, report: LoadReport) -> None:
         self.router.on_report(inst, report)
 
-    def _on_offered(self, inst: Instance, msg: KVOffered) -> None:
-        """A decode instance pinned a finished request's KV for `msg.to`: relay it, or
-        drop it when the destination is gone or already copying its share. (A prefix
-        fetch's offer: relay it to the waiting request's prefill instance.)"""
-        if msg.offer_id.endswith(_PREFETCH):
-            self._on_prefetch_offered(inst, msg)
+    def _expect_return(self, rec: _Record, inst: Instance) -> None:
+        """`rec` finished on `inst`, its decode instance: with a return, `inst` offers the
+        full blocks whose KV it computed (all tokens but the last) right after this output."""
+        if rec.return_to is None or inst is not rec.decode:
             return
-        dest = self._instance(msg.to)
-        copying = sum(1 for _, d in self._returns.values() if d is dest)
-        if dest is None or not dest.alive or copying >= self.config.max_returns_in_flight:
-            self.router.counters.returns_dropped += 1
-            inst.send(ReleaseKV([msg.offer_id]))
-            return
-        self._returns[msg.offer_id] = (inst, dest)
-        dest.send(FetchPrefix(msg.offer_id, inst.name, msg.token_ids, msg.source))
-
-    def _on_prefix_fetched(self, inst: Instance, msg: PrefixFetched) -> None:
-        """The destination is done with the offer (copied, held it, or failed): unpin."""
-        prefetch = self._prefetches.pop(msg.offer_id, None)
-        if prefetch is not None:
-            self._end_prefetch(msg.offer_id, prefetch, msg.num_fetched, msg.error)
-            return
-        pair = self._returns.pop(msg.offer_id, None)
-        if pair is None:
-            return
-        self.router.counters.returned(msg.num_fetched, msg.error)
-        if msg.error is not None:
-            log.info("KV return %s to %s dropped: %s", msg.offer_id, inst.name, msg.error)
-        source = pair[0]
-        if source.alive:
-            source.send(ReleaseKV([msg.offer_id]))
-
-    def _on_prefetch_offered(self, inst: Instance, msg: KVOffered) -> None:
-        prefetch = self._prefetches.get(msg.offer_id)
-        if prefetch is None or prefetch.donor is not inst or not prefetch.dest.alive:
-            inst.send(ReleaseKV([msg.offer_id]))
-            return
-        prefetch.dest.send(FetchPrefix(msg.offer_id, inst.name, msg.token_ids, msg.source))
-
-    def _end_prefetch(
-        self, offer_id: str, prefetch: _Prefetch, fetched: int, error: str | None
-    ) -> None:
-        """The copy ended (or never started: `error`): unpin, and let the request go."""
-        counters = self.router.counters
-        if error is None:
-            counters.prefetches += 1
-            counters.prefetched_tokens += fetched
-        else:
-            counters.prefetches_failed += 1
-            log.info("prefix fetch %s dropped: %s", offer_id, error)
-        if prefetch.donor.alive:
-            prefetch.donor.send(ReleaseKV([offer_id]))
-        self._send_prefetched(prefetch)
-
-    def _send_prefetched(self, prefetch: _Prefetch) -> None:
-        """The waiting request goes to its prefill instance (once)."""
-        if prefetch.sent:
-            return
-        prefetch.sent = True
-        rec = self.records.get(prefetch.key)
-        if rec is None or rec.phase is not Phase.PREFETCH or rec.prefill is not prefetch.dest:
-            return  # aborted, or moved off a dead instance meanwhile
-        rec.phase = Phase.PREFILL
-        prefetch.dest.send(prefetch.request)
-
-    def _overdue_prefetches(self, now: float) -> None:
-        """A copy past its wait: the request goes ahead (the copy may still land)."""
-        for prefetch in self._prefetches.values():
-            if not prefetch.sent and now >= prefetch.deadline:
-                self._send_prefetched(prefetch)
-
-    def _drop_prefetches(self, dead: Instance) -> None:
-        """Into a dead instance: unpin the donor (the request moves with the others of
-        the dead instance). From a dead donor: the request goes ahead without it."""
-        for offer_id, prefetch in list(self._prefetches.items()):
-            if prefetch.dest is dead:
-                del self._prefetches[offer_id]
-                if prefetch.donor.alive:
-                    prefetch.donor.send(ReleaseKV([offer_id]))
-            elif prefetch.donor is dead:
-                del self._prefetches[offer_id]
-                self.router.counters.prefetches_failed += 1
-                self._send_prefetched(prefetch)
-
-    def _drop_returns(self, dead: Instance) -> None:
-        """Returns into a dead instance end here (the source unpins); returns out of one
-        end when the destination answers (it may still be reading: never unpinned early)."""
-        for offer_id, (source, dest) in list(self._returns.items()):
-            if dest is dead:
-                del self._returns[offer_id]
-                self.router.counters.returns_failed += 1
-                if source.alive:
-                    source.send(ReleaseKV([offer_id]))
+        tokens = (rec.prompt + rec.streamed)[:-1]
+        self.copies.expect_return(f"{rec.key}@return", inst, rec.return_to, tokens)
 
     # ---- reporting -----------------------------------------------------------------------
 

@@ -21,9 +21,12 @@ the tree knows, per instance, how many leading blocks of a prompt it holds. The 
 Prefix fetch (`prefix` routing, disaggregated): when another prefill or decode instance
 holds a longer prefix than the chosen one, the chosen instance copies the difference
 before its prefill if that is cheaper than computing it: copy time (bytes over the
-measured KV copy bandwidth, plus `FETCH_OVERHEAD_S` for the round trips and the holder's
-wait for its step to end) below prefill time (tokens over the measured prefill rate) -
-the rates the recovery rule measures (cluster/replication.py).
+measured KV copy bandwidth, plus the measured overhead of a copy: the round trips and
+each instance's wait for its step to end, `fetch_overhead`, a running median of the
+copies that committed, `FETCH_OVERHEAD_S` until the first) below prefill time (tokens
+over the measured prefill rate) - the rates the recovery rule measures
+(cluster/replication.py). The copies themselves, and the requests waiting for them:
+cluster/cache_copies.py.
 
 A tree's belief can be stale (an eviction reported after the choice): the instance then
 computes what it lacks and the controller counts a miss. Nothing here is needed for
@@ -33,8 +36,9 @@ correctness, only for speed.
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,11 +51,9 @@ from pdserve.config import Role
 from pdserve.kv.block_hash import block_hashes
 from pdserve.protocol.core import LoadReport
 
-# Two hops through the front end and the holder's wait for its current step to end (about
-# one decode step on the CPUs measured).
+# The overhead of a copy until one is measured: two hops through the front end and the
+# holder's wait for its current step to end (about one decode step on the CPUs measured).
 FETCH_OVERHEAD_S = 0.1
-# A request waits at most this long for its prefix fetch, then is prefilled anyway.
-FETCH_WAIT_S = 2.0
 
 
 def session_key(raw: str) -> str:
@@ -101,6 +103,11 @@ class CacheCounters:
     prefetches: int = 0
     prefetches_failed: int = 0  # nothing was cached any more, no room, transfer failure
     prefetched_tokens: int = 0
+    # Requests that waited for a copy already on its way into their prefill instance (a
+    # return, another request's prefetch: cluster/cache_copies.py), and waits of any kind
+    # (their own prefetch too) that ended by the bound, not by the copy.
+    kv_waits: int = 0
+    kv_wait_timeouts: int = 0
 
     def returned(self, fetched: int, error: str | None) -> None:
         if error is not None:
@@ -115,6 +122,25 @@ class CacheCounters:
         return dict(vars(self))
 
 
+class RunningMedian:
+    """The median of the last `window` samples; `seed` until the first."""
+
+    def __init__(self, seed: float, window: int = 32) -> None:
+        self.seed = seed
+        self._samples: deque[float] = deque(maxlen=window)
+
+    def observe(self, sample: float) -> None:
+        self._samples.append(sample)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self._samples) if self._samples else self.seed
+
+
 class Router:
     def __init__(self, config: ClusterConfig, block_size: int, decode: DecodeChooser) -> None:
         self.config = config
@@ -126,6 +152,8 @@ class Router:
         }
         self._sessions: OrderedDict[tuple[Role, str], str] = OrderedDict()
         self.counters = CacheCounters()
+        # Seconds a copy takes beyond its bytes (module docstring), fed by cache_copies.py.
+        self.fetch_overhead = RunningMedian(FETCH_OVERHEAD_S)
 
     @property
     def policy(self) -> Routing:
@@ -199,9 +227,12 @@ class Router:
         return Donor(inst, tokens) if tokens >= cached + self.block_size else None
 
     @staticmethod
-    def fetch_pays(tokens: int, token_bytes: int, rates: RecoveryCost) -> bool:
-        """Copying `tokens` tokens' KV beats computing them (module docstring)."""
-        copy_s = FETCH_OVERHEAD_S + tokens * token_bytes / rates.copy.value
+    def fetch_pays(
+        tokens: int, token_bytes: int, rates: RecoveryCost, overhead_s: float = FETCH_OVERHEAD_S
+    ) -> bool:
+        """Copying `tokens` tokens' KV, `overhead_s` beyond its bytes (`fetch_overhead`'s
+        value), beats computing them (module docstring)."""
+        copy_s = overhead_s + tokens * token_bytes / rates.copy.value
         return copy_s < tokens / rates.prefill.value
 
     # ---- decode instances ----------------------------------------------------------------
@@ -260,6 +291,13 @@ class Router:
             tree = self.trees[inst.role]
             tree.apply(inst.name, report.cache_stored, report.cache_removed, time.monotonic())
 
+    def stored(self, inst: Instance, hashes: Sequence[int], now: float) -> None:
+        """A copy committed the blocks `hashes` (a root path) into `inst`'s cache: its tree
+        knows it at once (the instance's own events say it again in a later report, and an
+        eviction after it follows it there)."""
+        if hashes:
+            self.trees[inst.role].apply(inst.name, hashes, [], now)
+
     def forget(self, inst: Instance) -> None:
         """A dead instance's entries leave its tree at once."""
         self.trees[inst.role].drop_instance(inst.name)
@@ -283,6 +321,8 @@ class Router:
         return {
             "routing": self.policy.value,
             **self.counters.as_dict(),
+            "fetch_overhead_s": self.fetch_overhead.value,
+            "fetch_overhead_samples": self.fetch_overhead.num_samples,
             "sessions": self.num_sessions,
             "trees": trees,
         }

@@ -13,9 +13,12 @@ Two jobs, both MemServe MemPool calls between instances (§4.3):
   of `transfer_with_insert`) and free them: they stay in the prefix cache.
 
 Everything here runs on the step loop's thread between steps, except the copy itself
-(the link's transfer thread). It never blocks the loop, never makes a request wait, and a
-failure only loses the cache entry (`PrefixFetched.error`): the blocks are freed on both
-sides (the destination at once, the source on ReleaseKV or at the end of its lease).
+(the link's transfer thread). It never blocks the loop. A request that waits for a copy
+waits at the front end, bounded (cluster/cache_copies.py); a failure only loses the cache
+entry (`PrefixFetched.error`): the blocks are freed on both sides (the destination at
+once, the source on ReleaseKV or at the end of its lease). Faults injected with the
+"cache" scope (`TransferConfig.fault_scope`) hit these copies only, through a fault
+wrapper around the link's transport.
 """
 
 from __future__ import annotations
@@ -25,9 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.config import TransferConfig
-from pdserve.engine.roles.transfer import TransferLink
+from pdserve.engine.roles.transfer import TransferLink, fault_config
 from pdserve.kv.manager import KVManager
-from pdserve.kv.transfer import LayoutMismatchError, TransferState, TransferTask, stream_in
+from pdserve.kv.transfer import (
+    FaultyTransport,
+    LayoutMismatchError,
+    TransferState,
+    TransferTask,
+    Transport,
+    stream_in,
+)
 from pdserve.protocol.cache import FetchPrefix, KVOffered, PrefixFetched
 from pdserve.protocol.handoff import KVSource
 from pdserve.protocol.wire import EngineMessage
@@ -58,6 +68,7 @@ class CacheExchange:
         self.config = config
         self.offers: dict[str, float] = {}  # offer id -> lease deadline (monotonic)
         self.fetches: dict[str, _Fetch] = {}  # by offer id
+        self._faulty: FaultyTransport | None = None  # faults scoped to these copies
 
     @property
     def num_offers(self) -> int:
@@ -150,13 +161,22 @@ class CacheExchange:
             start,
             end,
         )
-        region, local, transport = msg.source.region, link.region.tensor, link.transport
+        region, local, transport = msg.source.region, link.region.tensor, self._transport(link)
         task = link.worker.submit(
             lambda: transport.fetch(region, plan, local),
             nbytes=plan.nbytes,
             deadline_s=self.config.timeout_s,
         )
         return task, plan.nbytes
+
+    def _transport(self, link: TransferLink) -> Transport:
+        """The link's transport, behind the faults injected into cache copies only."""
+        faults = fault_config(self.config, "cache")
+        if faults is None:
+            return link.transport
+        if self._faulty is None:  # one wrapper: its seeded draws run in one sequence
+            self._faulty = FaultyTransport(link.transport, faults)
+        return self._faulty
 
     def _free_tokens(self) -> int:
         return self.kv.num_obtainable_blocks * self.kv.cfg.block_size

@@ -88,6 +88,7 @@ def engine_flags(args: argparse.Namespace) -> EngineConfig:
             fault_delay_s=args.kv_fault_delay,
             fault_bandwidth=args.kv_fault_bandwidth,
             fault_seed=args.kv_fault_seed,
+            fault_scope=args.kv_fault_scope,
         ),
     )
 

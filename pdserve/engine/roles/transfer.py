@@ -36,7 +36,7 @@ def open_link(config: EngineConfig, layout: KVLayout) -> TransferLink:
         host=t.host,
         timeout_s=t.timeout_s,
         verify_checksum=t.verify_checksum,
-        faults=fault_config(t),
+        faults=fault_config(t, "all"),
         node=t.node,
     )
     worker = TransferWorker(num_threads=1, name=f"{config.instance_name}-kv")
@@ -44,8 +44,10 @@ def open_link(config: EngineConfig, layout: KVLayout) -> TransferLink:
     return TransferLink(region, transport, worker)
 
 
-def fault_config(t: TransferConfig) -> FaultConfig | None:
-    if not t.injects_faults:
+def fault_config(t: TransferConfig, scope: str) -> FaultConfig | None:
+    """The faults `t` injects into the transfers of `scope` (`TransferConfig.fault_scope`:
+    "all", the link's transport; "cache", only the cache exchange's copies)."""
+    if not t.injects_faults or t.fault_scope != scope:
         return None
     return FaultConfig(
         failure_rate=t.fault_failure_rate,
