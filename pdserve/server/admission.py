@@ -9,6 +9,10 @@ Contract
   else 401. `/health`, `/version`, `/metrics` are open.
 * A body over `max_body_bytes` is refused with 413: at once when `Content-Length`
   says so, else the moment the streamed bytes pass the limit.
+* A `/v1/*` body sent with `Content-Encoding: gzip` or `deflate` is decoded as it
+  arrives and the limit holds for the decoded bytes too (`server/coding.py`: a gzip
+  bomb is 413 without being inflated whole; a body that is not valid data of its
+  coding is 400); the route sees the plain body. Any other coding is 415.
 * A `/v1/*` request's body is read whole before the route runs; if it has not
   arrived within `body_timeout_s` the client gets 408 and the connection is closed.
   (Headers have their own deadline in `server/http.py`.)
@@ -27,6 +31,7 @@ import hmac
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.server.coding import BodyDecoder, CodingError, decoder_for
 from pdserve.server.errors import reply
 
 _GATED_PREFIX = "/v1/"
@@ -88,9 +93,12 @@ class Admission:
         if self.inflight == 0:
             self._idle.set()
 
-    async def read_body(self, receive: Receive) -> bytes | tuple[int, str] | None:
-        """The whole body; or (status, message) to refuse it with; or None if the
-        client went away. Gives up at the body deadline and when a drain starts."""
+    async def read_body(
+        self, receive: Receive, decoder: BodyDecoder | None = None
+    ) -> bytes | tuple[int, str] | None:
+        """The whole body (decoded by `decoder` if given); or (status, message) to refuse
+        it with; or None if the client went away. Gives up at the body deadline and when
+        a drain starts. A refused body's rest is read and dropped."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_timeout_s
         chunks: list[bytes] = []
@@ -104,13 +112,30 @@ class Admission:
             chunk = message.get("body", b"")
             seen += len(chunk)
             more = message.get("more_body", False)
-            if seen > self.max_body_bytes:
+            taken = self._take(chunk, seen, more, decoder)
+            if isinstance(taken, tuple):
                 if more:
                     await _discard_body(receive, seen)
-                return 413, BodyTooLargeError(self.max_body_bytes).detail
-            chunks.append(chunk)
+                return taken
+            chunks.append(taken)
             if not more:
                 return b"".join(chunks)
+
+    def _take(
+        self, chunk: bytes, seen: int, more: bool, decoder: BodyDecoder | None
+    ) -> bytes | tuple[int, str]:
+        """One chunk as the route will see it, or why the body is refused."""
+        if seen > self.max_body_bytes:
+            return 413, BodyTooLargeError(self.max_body_bytes).detail
+        if decoder is None:
+            return chunk
+        try:
+            chunk = decoder.feed(chunk)
+            if not more:
+                decoder.end()
+        except CodingError as e:
+            return e.status, e.message
+        return chunk
 
     async def _next_message(self, receive: Receive, timeout: float) -> Message | tuple[int, str]:
         if self.draining:
@@ -166,21 +191,37 @@ class AdmissionGate:
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A `/v1/*` request: its body first, then (unless draining) the route."""
         adm = self.admission
-        body = await adm.read_body(receive)
+        try:
+            decoder = decoder_for(_header(scope, b"content-encoding"), adm.max_body_bytes)
+        except CodingError as e:
+            await _discard_body(receive, 0)
+            await reply(send, e.status, e.message)
+            return
+        body = await adm.read_body(receive, decoder)
         if body is None:
             return  # the client went away
         if isinstance(body, tuple):
             status, message = body
-            await reply(send, status, message, close=status != 413)
+            # 408 and 503 leave the body unread: the connection cannot be reused.
+            await reply(send, status, message, close=status in (408, 503))
             return
         if adm.draining:  # it began while the body arrived
             await reply(send, 503, _DRAINING)
             return
+        if decoder is not None:
+            scope = _decoded(scope, len(body))
         adm.enter()
         try:
             await self.app(scope, _replay(body, receive), send)
         finally:
             adm.leave()
+
+
+def _decoded(scope: Scope, length: int) -> Scope:
+    """The request as the route sees it after decoding: a plain body of `length` bytes."""
+    dropped = (b"content-encoding", b"content-length")
+    headers = [(k, v) for k, v in scope["headers"] if k not in dropped]
+    return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

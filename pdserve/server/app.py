@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI) over a `ServingBackend`: one engine or a cluster.
 
-The HTTP process owns text: it applies chat templates and tokenizes, streams the
-client's detokenized deltas as Server-Sent Events, and turns every failure into the
-one error body of `server/errors.py`. The engine core runs in its own process.
+The HTTP process owns text: it applies chat templates and tokenizes (a large input off
+the event loop, `server/prompts.py`: it delays only itself), streams the client's
+detokenized deltas as Server-Sent Events, and turns every failure into the one error
+body of `server/errors.py`. The engine core runs in its own process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -27,12 +28,14 @@ from starlette.exceptions import HTTPException
 from pdserve import __version__
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.validation import check_prompt_length
 from pdserve.errors import EngineDeadError, InvalidRequestError, PdserveError
 from pdserve.server import errors
 from pdserve.server.admission import Admission, AdmissionGate
 from pdserve.server.backend import ServingBackend
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.prompts import Encoded, PromptConfig, PromptEncoder
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.render import Renderer
 
@@ -47,6 +50,8 @@ class ServerConfig:
     debug_endpoints: bool = False
     # Request bodies above this are refused with 413.
     max_body_bytes: int = 4 * 1024 * 1024
+    # Tokenization: the thread pool for large prompts, what is small enough to stay inline.
+    prompts: PromptConfig = field(default_factory=PromptConfig)
 
 
 def build_app(
@@ -54,21 +59,23 @@ def build_app(
 ) -> FastAPI:
     """The routes over `client`; `admission` (body limit, drain) is shared with the
     shutdown sequence of `launch.py`."""
-    app = FastAPI(title="pdserve", version=__version__)
+    admission = admission or Admission(config.max_body_bytes, config.api_key)
+    api = _Api(client, config, admission)
+    app = FastAPI(title="pdserve", version=__version__, lifespan=api.lifespan)
     app.add_exception_handler(APIError, errors.on_api_error)
     app.add_exception_handler(InvalidRequestError, errors.on_invalid_request)
     app.add_exception_handler(PdserveError, errors.on_engine_error)
     app.add_exception_handler(RequestValidationError, errors.on_validation_error)
     app.add_exception_handler(HTTPException, errors.on_http_error)
-    admission = admission or Admission(config.max_body_bytes, config.api_key)
     app.add_middleware(AdmissionGate, admission=admission)
     # Outermost of ours: an unexpected exception becomes the 500 error body and the
     # connection stays usable (Starlette's own handler re-raises, and uvicorn then
     # drops the keep-alive connection under the client's next request).
     app.add_middleware(errors.UnexpectedErrorGuard)
-    api = _Api(client, config, admission)
 
-    app.api_route("/health", methods=["GET", "HEAD"])(api.health)
+    app.get("/health")(api.health)
+    # HEAD answers as GET; one route for both gave two OpenAPI operations of one id.
+    app.head("/health", include_in_schema=False)(api.health)
     app.get("/version")(api.version)
     app.get("/metrics")(api.prometheus)
     app.get("/v1/models")(api.models)
@@ -88,11 +95,19 @@ class _Api:
         self.admission = admission
         assert client.tokenizer is not None
         self.render = Renderer(client.tokenizer)
+        self.encoder = PromptEncoder(client.tokenizer, config.prompts)
         self.metrics = ServerMetrics()
         self.metrics.watch_faults(client.faults)
         self.metrics.watch_cache(client.router)
         self.metrics.watch_predictions(client.predictions)
         self.metrics.describe_weights(client.weights)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            self.encoder.close()
 
     async def health(self) -> JSONResponse:
         if not self.client.is_alive:
@@ -153,7 +168,8 @@ class _Api:
         params = body.sampling_params(16)
         if body.echo and params.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
-        ids = [self._encode(p) for p in prompts]
+        encoded = await self.encoder.prompts(prompts)
+        ids = [self._within_context(e, params) for e in encoded]
         return await self._respond(
             request,
             body,
@@ -167,13 +183,12 @@ class _Api:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         body.check()
         self._check_model(body.model)
-        tok = self.client.tokenizer
-        assert tok is not None
         messages = [m.model_dump() for m in body.messages]
-        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
-        default_max = max(1, self.client.max_model_len - len(ids))
+        encoded = await self.encoder.chat(messages)
+        default_max = max(1, self.client.max_model_len - len(encoded))
         with _field_named("max_tokens", body.max_tokens_field):
             params = body.sampling_params(default_max)
+            ids = self._within_context(encoded, params)
             return await self._respond(
                 request, body, [ids], params, "chat.completion", self.render.chat_choice
             )
@@ -182,12 +197,11 @@ class _Api:
         if name is not None and name != self.config.served_model_name:
             raise APIError(404, f"the model {name!r} does not exist", "model")
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        tok = self.client.tokenizer
-        assert tok is not None
-        return tok.encode(prompt)
+    def _within_context(self, encoded: Encoded, params: SamplingParams) -> list[int]:
+        """The prompt's ids, unless it fills the context by itself: then the engine's own
+        refusal, from the length alone (its ids are never built)."""
+        check_prompt_length(len(encoded), params, self.client.max_model_len)
+        return encoded.ids()
 
     async def _respond(
         self,

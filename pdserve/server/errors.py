@@ -166,6 +166,7 @@ async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
         return error_response(400, "request body must be a JSON object")
     param = ".".join(loc)
     tried_union = any(_is_type_tag(str(p)) for p in first.get("loc", ()))
+    tried_union |= first.get("type") == "union_tag_not_found"  # the value fits no member
     if tried_union and loc[0] in _UNIONS:  # pydantic names only the member it tried first
         return error_response(400, f"{loc[0]} must be {_UNIONS[loc[0]]}", loc[0])
     if first.get("type") == "extra_forbidden":
