@@ -465,6 +465,10 @@ def _serve(args: argparse.Namespace) -> int:
     from pdserve.server.flags import check_serve_flags
 
     flags, cluster = check_serve_flags(args)  # usage errors before the server's ~5 s import
+    if not args.ray:
+        from pdserve.cluster import forkserver
+
+        forkserver.start()  # the instances' imports, beside the server's (cluster/forkserver.py)
     from pdserve.server.launch import serve
 
     return asyncio.run(serve(args, flags, cluster))

@@ -281,3 +281,17 @@ def _python(code: str) -> str:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout
+
+
+def test_the_fork_server_starts_before_the_server_and_torch_load() -> None:
+    """`pdserve serve` starts its instances' fork server once its flags are checked
+    (cluster/forkserver.py), so the instances' imports run beside the server's: what the
+    command has imported by then loads no torch, no engine, no model and no server."""
+    code = (
+        "import sys, pdserve.cli, pdserve.server.flags, pdserve.cluster.forkserver\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers',"
+        " 'fastapi') or m.startswith(('pdserve.engine.core', 'pdserve.engine.engine',"
+        " 'pdserve.model.', 'pdserve.server.launch'))))\n"
+    )
+    out = _python(code)
+    assert out.splitlines() == ["[]"]

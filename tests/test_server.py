@@ -318,9 +318,11 @@ def test_the_model_card_and_metrics_say_how_the_weights_are_held(server: Server)
 
 
 def engine_process(s: Server) -> psutil.Process:
+    # The engine core, forked from the server's fork server (cluster/forkserver.py): a
+    # child of the server beside multiprocessing's resource tracker.
     children = psutil.Process(s.proc.pid).children()
-    # The spawned engine core (multiprocessing's resource tracker is a child too).
-    (engine,) = [p for p in children if "resource_tracker" not in " ".join(p.cmdline())]
+    (fork_server,) = [p for p in children if "forkserver" in " ".join(p.cmdline())]
+    (engine,) = fork_server.children()
     return engine
 
 

@@ -9,10 +9,11 @@ heartbeats a thread of the instance sends every `report_interval_s` whatever its
 loop does - for that long. A dead instance is never used again; the front end
 moves or fails its requests.
 
-Where the process runs is the `Launcher`'s business: a child of this process with IPC
-sockets (`LocalLauncher`, the default), or a Ray actor on any node of a Ray cluster with
-TCP sockets (cluster/ray_launch.py). Everything above - handshake, liveness, fencing,
-messages - is the same for both.
+Where the process runs is the `Launcher`'s business: a process on this machine with IPC
+sockets (`LocalLauncher`, the default: forked from the fork server that has the engine
+imported, cluster/forkserver.py, else spawned), or a Ray actor on any node of a Ray
+cluster with TCP sockets (cluster/ray_launch.py). Everything above - handshake,
+liveness, fencing, messages - is the same for both.
 
 Fencing: a dead instance that is still running (silent, e.g. SIGSTOPped) is killed when it
 is marked dead, `fence` waits until its process is gone, and nothing it sent after its
@@ -30,13 +31,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from multiprocessing.context import SpawnProcess
+from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from pdserve.cluster import forkserver
 from pdserve.config import EngineConfig, Role, TransferConfig
 from pdserve.errors import EngineDeadError
 from pdserve.kv.layout import KVLayout
@@ -102,12 +104,36 @@ class Launcher(Protocol):
         ...
 
 
-class LocalProcess(SpawnProcess):
-    """A spawned child of this process (the embedded launch)."""
+class LocalProcess:
+    """A process on this machine (the embedded launch): a multiprocessing child, forked
+    from the fork server or spawned."""
+
+    def __init__(self, process: BaseProcess) -> None:
+        self._process = process
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._process.exitcode
 
     @property
     def node(self) -> str:
         return LOCAL_NODE
+
+    def start(self) -> None:
+        self._process.start()
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._process.join(timeout)
 
     def exit_reason(self) -> str:
         return f"process exited (exit code {self.exitcode})"
@@ -122,12 +148,14 @@ class LocalLauncher:
     def process(
         self, config: EngineConfig, input_addr: str, output_addr: str, report: bool
     ) -> EngineProcess:
-        return LocalProcess(
+        ctx = forkserver.context()
+        process = ctx.Process(
             target=_run_engine,
-            args=(config, input_addr, output_addr, report),
+            args=(config, input_addr, output_addr, report, dict(os.environ)),
             name=f"pdserve-{config.instance_name}",
             daemon=True,
         )
+        return LocalProcess(process)
 
     def nodes(self) -> list[dict[str, object]]:
         cpus = len(os.sched_getaffinity(0))
@@ -334,9 +362,18 @@ def _bind_tcp(sock: zmq.asyncio.Socket, host: str) -> str:
     return endpoint.decode()
 
 
-def _run_engine(config: EngineConfig, input_addr: str, output_addr: str, report: bool) -> None:
-    """The spawned process's entry point. The engine (and torch) is imported there, not
-    in the front end's process, which only decodes plain messages."""
+def _run_engine(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    report: bool,
+    environ: dict[str, str],
+) -> None:
+    """The instance process's entry point. The engine (and torch) is imported there (or
+    was, by the fork server it was forked from), not in the front end's process, which
+    only decodes plain messages. `environ`: the front end's, when it asked for the
+    process (a forked one has the fork server's until then)."""
+    forkserver.adopt_environment(environ)
     from pdserve.engine.engine_process import run_engine_process
 
     run_engine_process(config, input_addr, output_addr, report)
