@@ -131,6 +131,14 @@ def return_on_its_way(rig: Rig) -> None:
     rig.copies.expect_return("r1@return", rig.d, rig.p0, HISTORY)  # type: ignore[arg-type]
 
 
+def next_turn_waiting_on_the_copy(rig: Rig) -> None:
+    """The return offered and relayed (FetchPrefix taken), the next turn (r2) parked."""
+    return_on_its_way(rig)
+    rig.copies.on_offered(rig.d, offered("r1@return", "prefill-0", HISTORY))  # type: ignore[arg-type]
+    assert [type(m) for m in rig.p0.take()] == [FetchPrefix]
+    rig.park("r2", NEXT, rig.p0)
+
+
 def test_the_next_turn_waits_for_the_return_and_goes_when_it_commits() -> None:
     rig = Rig()
     return_on_its_way(rig)
@@ -157,9 +165,7 @@ def test_the_next_turn_waits_for_the_return_and_goes_when_it_commits() -> None:
 
 def test_a_wait_ends_at_the_bound_and_the_copy_still_lands() -> None:
     rig = Rig()
-    return_on_its_way(rig)
-    rig.copies.on_offered(rig.d, offered("r1@return", "prefill-0", HISTORY))  # type: ignore[arg-type]
-    rig.park("r2", NEXT, rig.p0)
+    next_turn_waiting_on_the_copy(rig)
     rig.clock.now += WAIT_S - 0.01
     rig.copies.tick(rig.clock.now)
     assert rig.sent == []
@@ -174,9 +180,7 @@ def test_a_wait_ends_at_the_bound_and_the_copy_still_lands() -> None:
 
 def test_a_failed_copy_sends_the_waiting_at_once_and_measures_nothing() -> None:
     rig = Rig()
-    return_on_its_way(rig)
-    rig.copies.on_offered(rig.d, offered("r1@return", "prefill-0", HISTORY))  # type: ignore[arg-type]
-    rig.park("r2", NEXT, rig.p0)
+    next_turn_waiting_on_the_copy(rig)
     rig.copies.on_fetched(rig.p0, fetched("r1@return", 0, 0, 0, "injected transfer failure"))  # type: ignore[arg-type]
     assert rig.sent == [("r2", "prefill-0")]
     assert rig.d.take() == [ReleaseKV(["r1@return"])]
@@ -205,9 +209,7 @@ def test_a_return_past_the_bound_of_copies_in_flight_is_dropped_and_unpinned() -
 
 def test_a_dead_destination_unpins_its_copies_and_its_waiting_requests_move_with_it() -> None:
     rig = Rig()
-    return_on_its_way(rig)
-    rig.copies.on_offered(rig.d, offered("r1@return", "prefill-0", HISTORY))  # type: ignore[arg-type]
-    rig.park("r2", NEXT, rig.p0)
+    next_turn_waiting_on_the_copy(rig)
     rig.p0.alive = False
     rig.copies.instance_dead(rig.p0)  # type: ignore[arg-type]
     assert rig.d.take() == [ReleaseKV(["r1@return"])]
@@ -296,3 +298,13 @@ def test_a_measured_overhead_changes_whether_a_fetch_pays() -> None:
     assert not Router.fetch_pays(48, token_bytes, rates)  # the seed, 100 ms
     assert Router.fetch_pays(48, token_bytes, rates, overhead_s=0.02)
     assert not Router.fetch_pays(48, token_bytes, rates, overhead_s=0.05)
+
+
+def test_the_wait_bound_and_the_fault_scope_are_checked() -> None:
+    from pdserve.config import TransferConfig
+
+    assert ClusterConfig(num_colocated=1).kv_wait_s == 2.0
+    with pytest.raises(ValueError, match="kv_wait_s must be > 0, got 0"):
+        ClusterConfig(num_colocated=1, kv_wait_s=0)
+    with pytest.raises(ValueError, match="fault_scope must be all or cache, got 'copies'"):
+        TransferConfig(fault_scope="copies")

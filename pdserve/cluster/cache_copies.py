@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import takewhile
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.instance import Instance
@@ -316,9 +317,4 @@ class CacheCopies:
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
     """Leading blocks two chained-hash lists share (equal hashes: equal prefixes)."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return sum(1 for _ in takewhile(lambda pair: pair[0] == pair[1], zip(a, b, strict=False)))

@@ -121,8 +121,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_balance < 0:
             raise ValueError(f"decode_balance must be >= 0, got {self.decode_balance}")
-        if self.kv_wait_s < 0:
-            raise ValueError(f"kv_wait_s must be >= 0, got {self.kv_wait_s}")
+        if self.kv_wait_s <= 0:
+            raise ValueError(f"kv_wait_s must be > 0, got {self.kv_wait_s}")
         if self.instance_timeout_s <= 0:
             raise ValueError(f"instance_timeout_s must be > 0, got {self.instance_timeout_s}")
         if self.placement:
