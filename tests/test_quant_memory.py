@@ -4,15 +4,18 @@ pool (`huge_page_zeros`) is on such pages too."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import pytest
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import load_model
-from pdserve.kv.cache import KVCache
+from pdserve.kv.cache import KVCache, _block_rows
 from pdserve.kv.layout import KVLayout
 from pdserve.quant.linear import QuantLinear
-from pdserve.quant.memory import HUGE_PAGE, HugePageArena, huge_page_zeros
+from pdserve.quant.memory import HUGE_PAGE, HugePageArena, fault_in, huge_page_zeros
 
 
 def _smaps_field(address: int, field: str) -> list[str]:
@@ -34,8 +37,17 @@ def _vm_flags(address: int) -> list[str]:
     return _smaps_field(address, "VmFlags")
 
 
-def _resident_kib(address: int) -> int:
-    return int(_smaps_field(address, "Rss")[0])
+def _resident(t: torch.Tensor) -> int:
+    """Bytes of `t`'s pages in memory (mincore over exactly its range: the kernel may
+    merge two adjacent mappings, so a mapping's Rss can include a neighbour's)."""
+    page = mmap.PAGESIZE
+    lo = t.data_ptr() // page * page
+    pages = -(-(t.data_ptr() + t.nbytes - lo) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(lo, pages * page, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * page
 
 
 def test_pieces_keep_their_bits_aligned_in_advised_chunks() -> None:
@@ -96,19 +108,42 @@ def test_the_cpu_kv_pool_is_zeroed_on_advised_huge_pages() -> None:
     assert KVCache(layout, 0, device_tensor=region).device_tensor is region
 
 
-def test_the_kv_pool_is_not_written_until_used() -> None:
-    """A fresh pool's pages stay unmapped (no cost at start): both tiers of a 96 MiB
-    cache are resident only where a block was written, and read as zeros elsewhere."""
+def test_the_kv_pool_is_faulted_in_behind_its_creation() -> None:
+    """Nothing is written at creation (`huge_page_zeros` leaves the pages unmapped, and
+    `fault_in` maps them without writing); a thread then faults the device tier in (all
+    of it, still zeros), while the host tier stays unmapped until a swap writes it."""
+    raw = huge_page_zeros((8 << 20,), torch.uint8)
+    assert _resident(raw) == 0
+    assert fault_in(raw, [(HUGE_PAGE, HUGE_PAGE + 4096)])
+    assert 4096 <= _resident(raw) <= HUGE_PAGE and _resident(raw[:HUGE_PAGE]) == 0
     layout = KVLayout(
         num_layers=4, num_blocks=256, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32"
     )
     cache = KVCache(layout, num_host_blocks=256)
     pool, host = cache.device_tensor, cache.host_tensor
-    assert host is not None
-    assert _resident_kib(pool.data_ptr()) == 0 and _resident_kib(host.data_ptr()) == 0
-    pool[0, 0, 5] = 1.0  # one block of one layer's K: one page
-    assert 0 < _resident_kib(pool.data_ptr()) <= HUGE_PAGE // 1024
+    assert host is not None and cache.faulting_in is not None
+    cache.faulting_in.join(60)
+    assert _resident(pool) == pool.nbytes and _resident(host) == 0 and not pool.any()
+    pool[:, :, 5] = 1.0
     cache.swap_out([(5, 7)])
     assert torch.equal(host[:, :, 7], pool[:, :, 5]) and not host[:, :, :7].any()
     with pytest.raises(MemoryError, match="cannot map"):
         huge_page_zeros((1 << 50,), torch.uint8)  # past any machine's memory
+
+
+def test_block_rows_follow_the_order_blocks_are_handed_out() -> None:
+    """The fault-in order: ~2 MB of blocks in every (layer, K/V) slice, then the next."""
+    layout = KVLayout(
+        num_layers=1, num_blocks=700, block_size=16, num_kv_heads=2, head_dim=64, dtype="float32"
+    )
+    block = 16 * 2 * 64 * 4  # 8 KiB: 256 blocks a 2 MB row
+    per_slice = 700 * block
+    rows = _block_rows(layout, 2 * per_slice)
+    assert rows == [
+        (0, 256 * block),
+        (per_slice, per_slice + 256 * block),
+        (256 * block, 512 * block),
+        (per_slice + 256 * block, per_slice + 512 * block),
+        (512 * block, per_slice),
+        (per_slice + 512 * block, 2 * per_slice),
+    ]

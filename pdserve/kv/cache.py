@@ -6,14 +6,20 @@ holds memory and executes the copy plans the manager returns.
 Layout: `KVLayout.shape` (`kv/layout.py`), `[num_layers, 2 (K, V), num_blocks, block_size,
 num_kv_heads, head_dim]`.
 Layer-major, so one layer's K and V for all blocks are one contiguous slice: the
-unit of layer-by-layer streaming. Zero-initialised (see `model/attention.py`). On the
-CPU both tiers are fresh anonymous mappings (`huge_page_zeros`): zeros that no one wrote,
-whose pages the kernel faults in where blocks are first written, so a pool costs nothing
-at start.
+unit of layer-by-layer streaming. Zero-initialised (see `model/attention.py`).
+
+On the CPU nothing is written at start: both tiers are fresh mappings (`huge_page_zeros`,
+or a transfer region's /dev/shm segment), zeros whose pages the kernel faults in where
+first written. The device tier's pages are faulted in behind the start instead, by a
+thread at the lowest priority (`quant/memory.py` `fault_in_behind`) in the order blocks
+are handed out: the first requests' blocks first (a 2 MB page's first touch cost 4-50 ms
+on this project's VM, and the first request writes one in each layer's K and V), and no
+step later meets a burst of faults. The host tier, written only by swaps, stays lazy.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import msgspec
@@ -25,7 +31,7 @@ from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer.aggregate import copy_runs
 from pdserve.kv.transfer.layout import token_view, torch_dtype
 from pdserve.kv.transfer.plan import runs_between
-from pdserve.quant.memory import huge_page_zeros
+from pdserve.quant.memory import HUGE_PAGE, fault_in_behind, huge_page_zeros
 
 
 class KVCache:
@@ -48,6 +54,10 @@ class KVCache:
         if num_host_blocks > 0:
             self.host_layout = msgspec.structs.replace(layout, num_blocks=num_host_blocks)
         self.device_tensor = _device_tier(layout, device, device_tensor)
+        self.faulting_in: threading.Thread | None = None  # faults the device tier in
+        if self.device_tensor.device.type == "cpu":
+            rows = _block_rows(layout, self.device_tensor.nbytes)
+            self.faulting_in = fault_in_behind(self.device_tensor, rows)
         self.host_tensor: torch.Tensor | None = None
         if self.host_layout is not None:
             self.host_tensor = _host_tier(self.host_layout, device)
@@ -84,6 +94,21 @@ class KVCache:
         _copy_blocks(src, s, src_packed, here)
         dst_packed.copy_(src_packed)
         _copy_blocks(dst_packed, here, dst, d)
+
+
+def _block_rows(layout: KVLayout, nbytes: int) -> list[tuple[int, int]]:
+    """The pool's byte ranges in the order blocks are handed out (ids ascending,
+    kv/block_pool.py): the blocks of ~one 2 MB page in each (layer, K/V) slice, slice
+    after slice, then the next blocks."""
+    slices = layout.num_layers * 2
+    per_slice = nbytes // slices
+    block = per_slice // layout.num_blocks
+    row = max(1, HUGE_PAGE // block) * block
+    return [
+        (s * per_slice + first, s * per_slice + min(first + row, per_slice))
+        for first in range(0, per_slice, row)
+        for s in range(slices)
+    ]
 
 
 def _device_tier(
