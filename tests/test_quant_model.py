@@ -9,8 +9,10 @@ kernels read is the file's weights; the kernels themselves are tests/test_quant_
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -19,7 +21,7 @@ import pytest
 import torch
 from helpers.tiny_models import make_tiny_gguf, make_tiny_model
 
-from pdserve.config import EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine, load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import ModelLoadError
@@ -413,3 +415,100 @@ def test_a_kv_cache_dtype_the_attention_cannot_read_is_a_usage_error() -> None:
         "argument --kv-cache-dtype: invalid choice: 'fp8' (choose from 'auto', 'float32', "
         "'float16', 'bfloat16')" in proc.stderr
     )
+
+
+# ---- what the README promises of the quantized paths' outputs ---------------------------
+
+
+def greedy_tokens(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens (EOS ignored), all prompts in one batch."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.token_ids)
+    return [done[i] for i in ids]
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and say why they are prime.",
+    "Translate 'good morning' into Spanish and German.",
+]
+
+
+@pytest.mark.kernels
+def test_the_shipped_models_blocks_give_fp32s_greedy_tokens(
+    make_engine: Callable[..., Engine], served_engine: Engine
+) -> None:
+    """README "Quantized weights": the shipped GGUF's blocks are read as their exact fp32
+    values and the activations stay fp32, "so the results are fp32's up to the order of
+    the sums". On these chats that order changes no greedy token: the compiled kernels
+    (KV cache in float32, to compare the weights alone) give every token of
+    `--quantization none` (the fp32 weights, tests/conftest.py's `smollm2`). And the
+    README's own question gets the README's answer from both, and from what `pdserve serve`
+    runs by default (`served_engine`: the blocks over an fp16 KV cache)."""
+    fp = make_engine()
+    blocks = Engine.from_config(
+        EngineConfig(kv_cache_dtype="float32", num_threads=2, cache=CacheConfig(num_blocks=256))
+    )
+    assert blocks.core.model.weight_formats == ["Q4_1", "Q8_0"]
+    assert (fp.core.kv_layout.dtype, blocks.core.kv_layout.dtype) == ("float32", "float32")
+    tok = fp.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = [tok.encode(c, add_special_tokens=False) for c in chats]
+    assert greedy_tokens(blocks, prompts, 24) == greedy_tokens(fp, prompts, 24)
+
+    readme = SamplingParams(max_tokens=32, temperature=0)  # the README's example
+    for engine in (fp, blocks, served_engine):
+        engine.add_request(prompts[0], readme)
+        texts = []
+        while engine.has_unfinished():
+            texts += [out.text for out in engine.step() if out.finished]
+        assert texts == ["The capital of France is Paris."]
+
+
+def dequantized_folder(folder: Path, qtype: QuantType, out: Path) -> Path:
+    """A copy of the HF folder whose weights are what `--quantization <qtype>` quantizes them
+    to, dequantized back to fp32 by gguf-py's own reference (not pdserve's code): the
+    projections in `qtype`, the embeddings and LM head in Q8_0, the rest as they are."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    weights = load_file(str(folder / "model.safetensors"))
+    for name, w in weights.items():
+        if name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight"):
+            target = qtype if name.endswith("_proj.weight") else QuantType.Q8_0
+            raw = gguf.quants.quantize(w.numpy(), target.ggml)
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(raw, target.ggml).copy())
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("qtype", [QuantType.Q8_0, QuantType.Q4_0], ids=["q8_0", "q4_0"])
+def test_hf_weights_quantized_at_load_give_the_greedy_tokens_of_their_blocks_in_fp32(
+    tmp_path: Path, qtype: QuantType, tied: bool
+) -> None:
+    """README: `--quantization q8_0|q4_0` quantizes a Hugging Face model at load. What it
+    must then generate: the tokens of the same quantized weights computed in fp32 - the
+    folder's weights quantized and dequantized by gguf-py, served `--quantization none`
+    (up to the order of the sums, which changes no token of this tiny model). Four
+    prompts batched, 24 tokens each."""
+    folder = make_tiny_model(tmp_path, "LlamaForCausalLM", tie_word_embeddings=tied)
+    reference = dequantized_folder(folder, qtype, tmp_path / "dequantized")
+    quantized = Engine.from_config(
+        EngineConfig(model=str(folder), quantization=qtype.name.lower(), num_threads=1)
+    )
+    fp = Engine.from_config(EngineConfig(model=str(reference), quantization="none", num_threads=1))
+    assert quantized.core.model.weight_formats == sorted({qtype.name, "Q8_0"})
+    prompts = [[5, 9, 2, 77, 31], [8, 15, 40], [41, 3, 3, 7, 19, 23, 2], [100, 200, 300]]
+    tokens = greedy_tokens(quantized, prompts, 24)
+    assert tokens == greedy_tokens(fp, prompts, 24)
+    # Not the fp weights' tokens: the quantization is there to be seen.
+    unquantized = Engine.from_config(EngineConfig(model=str(folder), quantization="none"))
+    assert tokens != greedy_tokens(unquantized, prompts, 24)

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import torch
 
+from pdserve.cluster.replication import CostChoice, RecoveryCost
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core
@@ -494,3 +495,34 @@ def test_engine_process_handles_the_replication_messages(make_core: MakeCore) ->
     assert not source.replicator.active
     src_loop.apply(ReplicateTo("holder", first.region))
     assert source.replicator.active and src_loop.stats(4, check=True).num_replicating == 0
+
+
+# ---- the front end's cost rule (cluster/replication.py) ------------------------------
+
+
+def test_the_cost_rule_resumes_only_where_copying_beats_recomputing() -> None:
+    """README: "the front end picks replica or recompute per request by their cost".
+    Resuming copies `through` tokens and recomputes the rest; recomputing computes all:
+    so the replica wins exactly when one token's copy (token_bytes / copy rate) is
+    shorter than its prefill (1 / prefill rate) - here 2^20 B/s against 1,024 tokens/s,
+    a boundary at 1,024 bytes a token. A tie recomputes, and so does an empty replica
+    even when copying is free. Powers of two: every time below is exact in floats."""
+    rule = RecoveryCost(prefill_tokens_per_s=1024.0, copy_bytes_per_s=float(2**20))
+    assert rule.choose(96, 160, 1023) == CostChoice(True, 96, 160, 0.156158447265625, 0.15625)
+    assert rule.choose(96, 160, 1024) == CostChoice(False, 96, 160, 0.15625, 0.15625)
+    assert rule.choose(96, 160, 1025) == CostChoice(False, 96, 160, 0.156341552734375, 0.15625)
+    assert rule.choose(160, 160, 1023).resume  # the whole KV replicated: nothing recomputed
+    assert rule.choose(0, 160, 0) == CostChoice(False, 0, 160, 0.15625, 0.15625)
+    assert rule.choose(96, 160, 1023).describe() == (
+        "resume from replica: replica 96/160 tokens -> copy + recompute 156.2 ms vs "
+        "recompute all 156.2 ms"
+    )
+    assert rule.choose(96, 160, 1025).describe().startswith("recompute: replica 96/160 ")
+    # The rates are measured while serving (an exponential mean, weight 0.2): a faster
+    # prefill moves the boundary to 2^20 / 1228.8 = 853.3 bytes a token.
+    rule.prefill.observe(2048, 1.0)
+    assert rule.prefill.value == 1228.8
+    assert (rule.choose(96, 160, 853).resume, rule.choose(96, 160, 854).resume) == (True, False)
+    rule.prefill.observe(0, 1.0)  # nothing measured: the rate stays
+    rule.copy.observe(2**20, 0.0)
+    assert (rule.prefill.value, rule.copy.value) == (1228.8, float(2**20))
