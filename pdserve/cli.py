@@ -462,16 +462,17 @@ def _add_ray(g: argparse._ArgumentGroup) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pdserve.server.flags import check_serve_flags
+    from pdserve.server.flags import check_serve_flags, listen
 
     flags, cluster = check_serve_flags(args)  # usage errors before the server's ~5 s import
+    listener = listen(args.host, args.port)
     if not args.ray:
         from pdserve.cluster import forkserver
 
         forkserver.start()  # the instances' imports, beside the server's (cluster/forkserver.py)
     from pdserve.server.launch import serve
 
-    return asyncio.run(serve(args, flags, cluster))
+    return asyncio.run(serve(args, flags, cluster, listener))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -77,8 +78,9 @@ def test_a_device_torch_cannot_use_is_a_usage_error() -> None:
 
 
 def test_serve_reports_a_wrong_flag_before_importing_the_server() -> None:
-    """Flags wrong by themselves are checked before `pdserve.server.launch` (the front
-    end, FastAPI, the loader and torch: ~5 s) is imported (server/flags.py)."""
+    """Flags wrong by themselves, and a port already in use, are usage errors before
+    `pdserve.server.launch` (the front end, FastAPI, the loader and torch: ~5 s) is
+    imported (server/flags.py)."""
     code = (
         "import sys\n"
         "from pdserve.cli import main\n"
@@ -93,15 +95,18 @@ def test_serve_reports_a_wrong_flag_before_importing_the_server() -> None:
         ("--kv-lease", "1"): "lease_s (1.0) must exceed timeout_s (30.0): a fetch must "
         "never outlive the lease of the KV it reads",
     }
-    for flags, message in cases.items():
-        proc = subprocess.run(
-            [sys.executable, "-c", code, "serve", *flags],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.stdout == "2 False False\n", proc.stderr
-        assert proc.stderr == f"pdserve: error: {message}\n"
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a port someone listens on
+        port = str(taken.getsockname()[1])
+        cases[("--port", port)] = f"cannot listen on 127.0.0.1:{port}: Address already in use"
+        for flags, message in cases.items():
+            proc = subprocess.run(
+                [sys.executable, "-c", code, "serve", *flags],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert proc.stdout == "2 False False\n", proc.stderr
+            assert proc.stderr == f"pdserve: error: {message}\n"
 
 
 def test_dtype_serves_fp_weights_and_refuses_quantized_ones() -> None:

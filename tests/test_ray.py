@@ -337,8 +337,7 @@ def test_killing_a_worker_node_loses_no_stream(
     (prefill on the head); its raylet SIGKILLed once every stream has 8 tokens: the decode
     instance on it is seen dead (by Ray or by its silence), its requests move to the head
     node's prefill instance, which runs them whole; every stream ends with the reference
-    text. With --ray-restart, decode-0 then starts again on the head node (its third
-    CPU), the only one left to it."""
+    text. With --ray-restart, decode-0 then starts again on a node still alive."""
     cluster, head, worker = ray_cluster
     node = cluster.add_node(num_cpus=2, object_store_memory=_OBJECT_STORE)
     cluster.wait_for_nodes()
@@ -368,7 +367,9 @@ def test_killing_a_worker_node_loses_no_stream(
         assert reply["controller"]["instance_failures"] == {"decode": 1}
         assert reply["controller"]["failed"] == 0
         row = wait_restarted(server, "decode-0", -1)
-        assert row["node"] == head, row
+        # On a node still alive: the head's third CPU, or the shared worker's when the
+        # module's other server is not holding it (the tests run in any order).
+        assert row["node"] in (head, worker), row
         assert complete(server, PROMPTS[:8], 16) == reference[0][:8]
     finally:
         stop(server)

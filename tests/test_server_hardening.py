@@ -30,7 +30,7 @@ from helpers.server import KEY, MODEL, Server, stop
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.policies import DecodeChooser
 from pdserve.cluster.recovery import FaultCounters
-from pdserve.cluster.routing import CacheCounters, Router
+from pdserve.cluster.routing import FETCH_OVERHEAD_S, CacheCounters, Router
 from pdserve.model.default import default_model_path
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.confusion import PredictionCounters
@@ -619,7 +619,9 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     # A lone engine sends no load reports, so its prompt trees stay empty.
     empty = {"entries": 0, "by_instance": {}, "approx_bytes": 0, "expired": 0, "evicted": 0}
     trees = {role: empty for role in ("prefill", "decode", "colocated")}
-    routing = {"routing": "prefix", **CacheCounters().as_dict(), "sessions": 0}
+    # No copy measured: the fetch rule's overhead is still its starting guess.
+    overhead = {"fetch_overhead_s": FETCH_OVERHEAD_S, "fetch_overhead_samples": 0}
+    routing = {"routing": "prefix", **CacheCounters().as_dict(), **overhead, "sessions": 0}
     assert caching == {**routing, "trees": trees}
     (row,) = reply["instances"]
     stats = row.pop("stats")

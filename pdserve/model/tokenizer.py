@@ -106,6 +106,19 @@ class Tokenizer:
             return list(self._rust_encode.encode(text, add_special_tokens=add_special_tokens).ids)
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_many(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[tokenizers.Encoding] | list[list[int]]:
+        """Each text's encoding, as `encode` gives its ids. A fast tokenizer encodes them by
+        the Rust `encode_batch_fast`, which releases the GIL while it works (and skips the
+        offsets: 2x faster); call it off the event loop for a large text. A slow tokenizer
+        gives id lists (Python, which yields the GIL anyway)."""
+        if self._rust_encode is not None:
+            batch = getattr(self._rust_encode, "encode_batch_fast", None)
+            encode = batch or self._rust_encode.encode_batch
+            return list(encode(texts, add_special_tokens=add_special_tokens))
+        return [self.encode(t, add_special_tokens) for t in texts]
+
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """A prompt as the engine takes it: text is encoded, token ids are copied.
         Empty text raises InvalidRequestError (empty id lists are the core's to refuse)."""

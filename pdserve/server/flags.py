@@ -10,6 +10,8 @@ it, the predictor head) is checked after, by `launch.engine_config`.
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 
 from pdserve.cluster.config import ClusterConfig, DecodePolicy, Routing
 from pdserve.cluster.placement import counts, in_launch_order, read_placement
@@ -32,6 +34,18 @@ def check_serve_flags(args: argparse.Namespace) -> tuple[EngineConfig, ClusterCo
     _check_server_flags(args)
     check_device(args.device)
     return engine_flags(args), cluster_config(args)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads: a port in use is a
+    usage error at once, not after the instances started (and the port cannot be taken
+    meanwhile). `--port 0` takes a free port; the "serving ... at" line names it."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        return socket.create_server((host, port), family=family[0][0], backlog=2048)
+    except OSError as e:  # gaierror too: a host that does not resolve
+        why = os.strerror(e.errno) if e.errno and e.errno > 0 else str(e.strerror or e)
+        raise ValueError(f"cannot listen on {host}:{port}: {why}") from None
 
 
 def _check_server_flags(args: argparse.Namespace) -> None:

@@ -125,9 +125,12 @@ def _log_to_stderr() -> None:
         logger.propagate = False
 
 
-async def serve(args: argparse.Namespace, flags: EngineConfig, cluster: ClusterConfig) -> int:
-    """Serve until a signal (0) or an engine's death (1). `flags` and `cluster` are
-    `check_serve_flags(args)`'s: the flags were checked before this module was imported."""
+async def serve(
+    args: argparse.Namespace, flags: EngineConfig, cluster: ClusterConfig, listener: socket.socket
+) -> int:
+    """Serve on `listener` (`flags.listen`: bound already) until a signal (0) or an engine's
+    death (1). `flags` and `cluster` are `check_serve_flags(args)`'s: the flags were
+    checked before this module was imported."""
     config = engine_config(args, flags)
     name = args.served_model_name or served_name(args.model)
     _log_to_stderr()
@@ -152,8 +155,9 @@ async def serve(args: argparse.Namespace, flags: EngineConfig, cluster: ClusterC
         # (~0.2 s): load it now, not inside the first streamed request's TTFT.
         importlib.import_module("anyio._backends._asyncio")
         freeze_startup_heap()
-        print(f"pdserve: serving {name} at http://{args.host}:{args.port}/v1", file=sys.stderr)
-        await server.serve()
+        port = listener.getsockname()[1]
+        print(f"pdserve: serving {name} at http://{args.host}:{port}/v1", file=sys.stderr)
+        await server.serve(sockets=[listener])
         engine_died = watch is not None and watch.done()
     finally:
         if watch is not None:

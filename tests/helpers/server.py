@@ -41,9 +41,28 @@ def auth(key: str | None) -> dict[str, str]:
 
 class Server:
     def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.args = extra
+        # A port free when picked may be taken before the server binds it (by another
+        # process's ephemeral port): the server then exits at once saying so (it binds
+        # before it loads the model), and is started again on another.
+        for _ in range(3):
+            self._launch(extra, env)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if self.get("/health")[0] == 200:
+                        return
+                except OSError:
+                    time.sleep(0.1)
+            self.stop()
+            err = self.stderr()
+            if "Address already in use" not in err:
+                break
+        raise RuntimeError(f"server did not start (exit {self.proc.returncode}): {err[-2000:]}")
+
+    def _launch(self, extra: tuple[str, ...], env: dict[str, str] | None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = extra
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *extra]
         self.proc = subprocess.Popen(
             cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
@@ -51,16 +70,6 @@ class Server:
         self._err: list[str] = []
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        err = self.stderr()
-        raise RuntimeError(f"server did not start (exit {self.proc.returncode}): {err[-2000:]}")
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
