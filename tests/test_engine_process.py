@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import re
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncGenerator
 
 import pytest
@@ -130,6 +133,37 @@ def test_engine_runs_on_the_cpus_it_is_given(tmp_path) -> None:
             await client.shutdown()
 
     asyncio.run(scenario())
+
+
+# The spawned engine process's first imports, as `cluster/instance.py` `_run_engine` makes
+# them; torch (and libgomp) loads with the second.
+_ENGINE_IMPORTS = (
+    "import pdserve.cluster.instance; from pdserve.engine.engine_process import run_engine_process"
+)
+
+
+def openmp_env_seen(**env: str) -> dict[str, str]:
+    """The wait settings libgomp itself reports (OMP_DISPLAY_ENV) in a process that
+    imports the engine as a spawned engine does, with only `env` of the two set."""
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    run = subprocess.run(
+        [sys.executable, "-c", _ENGINE_IMPORTS],
+        env={**base, **env, "OMP_DISPLAY_ENV": "VERBOSE"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = re.findall(r"^\s*(OMP_WAIT_POLICY|GOMP_SPINCOUNT) = '(\w+)'", run.stderr, re.M)
+    return dict(found)
+
+
+def test_engine_openmp_threads_sleep_when_they_wait() -> None:
+    """A thread that spins at a barrier holds its core while the thread it waits for
+    shares another with a busy process (pdserve/runtime.py quiet_openmp_waits): the
+    engine process's libgomp must not spin; what the user set is kept."""
+    assert openmp_env_seen() == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
+    assert openmp_env_seen(OMP_WAIT_POLICY="active")["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert openmp_env_seen(GOMP_SPINCOUNT="300000")["GOMP_SPINCOUNT"] == "300000"
 
 
 def test_engine_on_a_cpu_the_machine_lacks_fails_start_clearly(tmp_path) -> None:

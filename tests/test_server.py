@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -347,6 +348,17 @@ def test_server_exits_nonzero_when_the_engine_dies() -> None:
         )
     finally:
         s.stop()
+
+
+def test_the_servers_openmp_threads_sleep_when_they_wait(server: Server) -> None:
+    """libgomp's own report (OMP_DISPLAY_ENV) from every process of the server that loads
+    it: the front end and the fork server the instances are forked from (their libgomp
+    is its). A thread spinning at a barrier holds a core another process needs, so none
+    may spin (runtime.quiet_openmp_waits, docs/engine.md)."""
+    found = re.findall(
+        r"^\s*(OMP_WAIT_POLICY|GOMP_SPINCOUNT) = '(\w+)'", server.stderr(False), re.M
+    )
+    assert sorted(found) == [("GOMP_SPINCOUNT", "0")] * 2 + [("OMP_WAIT_POLICY", "PASSIVE")] * 2
 
 
 def sse(url: str, body: dict, key: str | None = None) -> Iterator[dict | str]:
@@ -710,7 +722,7 @@ def test_a_second_signal_cancels_what_is_in_flight_and_exits_without_a_traceback
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_with_no_child_left() -> None:
-    s = Server("--shutdown-timeout", "4", "--enable-debug-endpoints")
+    s = Server("--shutdown-timeout", "10", "--enable-debug-endpoints")
     url = s.url + "/v1/completions"
     long = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     short = {**long, "max_tokens": 24, "stream_options": {"include_usage": True}}
@@ -723,6 +735,10 @@ def test_sigterm_drains_in_flight_requests_then_exits_with_no_child_left() -> No
             s.post, "/v1/completions", json.dumps(long | {"stream": False}).encode(), None
         )
         wait_for(lambda: s.get("/debug/engine")[1]["num_running"] == 3)  # all three inside
+        # The short one 8 tokens from its end when the drain starts (it then has 10 s for
+        # them on however busy a machine; the long ones cannot make 4,000 in that time).
+        head = [next(finishing) for _ in range(15)]
+        assert all(e["choices"][0]["finish_reason"] is None for e in head)
         s.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: s.get("/health")[0] == 503)
         status, body = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
@@ -739,7 +755,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_with_no_child_left() -> No
         assert cut[-2]["error"]["code"] == 503
         assert cut[-2]["error"]["message"] == (
             "the server is shutting down and the request did not finish within the "
-            "shutdown timeout of 4 s"
+            "shutdown timeout of 10 s"
         )
         status, body = plain.result(60)
         assert status == 503 and body["error"]["message"] == cut[-2]["error"]["message"]

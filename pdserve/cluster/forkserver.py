@@ -17,6 +17,9 @@ Contract:
   variables in the front end meanwhile (torch's TORCHINDUCTOR_CACHE_DIR); what the
   preloaded modules read from the environment at import, they read in the server,
   from the front end's environment at `start`, right after the flags were checked.
+- The server's OpenMP threads sleep when they wait (`runtime.quiet_openmp_waits`, set in
+  the environment it starts with): libgomp reads it once, when torch loads, in the
+  server; an instance's libgomp is the server's, forked.
 - Instances are children of the server, not of the front end (`pstree`: front end ->
   fork server -> instances); multiprocessing's process handle (pid, exit code, kill,
   join) works as for a spawned child. The server exits when the front end does; an
@@ -30,6 +33,8 @@ import os
 import sys
 from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext, SpawnContext
+
+from pdserve.runtime import quiet_openmp_waits
 
 # What an instance imports: its entry point's module and the engine.
 PRELOAD = ("pdserve.cluster.instance", "pdserve.engine.engine_process")
@@ -48,6 +53,7 @@ def start() -> bool:
         return True
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
+    quiet_openmp_waits()
     forkserver.set_forkserver_preload([*PRELOAD, *_main_imports(), FREEZE])
     try:
         forkserver.ensure_running()
