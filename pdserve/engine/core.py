@@ -132,6 +132,11 @@ class EngineCore:
         # (the predictor's data tool) sees each fresh prompt's final hidden state.
         self.length_head = length_head
         self.num_admission_waits = 0  # times a request was held back by the admission rule
+        self.num_admission_held = 0  # requests it held back (each once, however long)
+        # Decode role: prefilled requests taken with a predicted length, and the low ends
+        # of their predicted buckets summed (the decode work length-aware dispatch spreads).
+        self.num_predicted_decodes = 0
+        self.predicted_decode_tokens = 0
         self.prompt_state_sink: Callable[[str, torch.Tensor], None] | None = None
         # DéjàVu replication: the holder side (other instances' replicas kept here) and
         # the source side (this instance's running requests streamed to a holder).
@@ -406,6 +411,9 @@ class EngineCore:
         req.times.arrival = msg.arrival
         req.return_to = msg.return_to
         req.prediction = msg.prediction
+        if req.prediction is not None:
+            self.num_predicted_decodes += 1
+            self.predicted_decode_tokens += req.prediction.low
         return req
 
     def reserve(self, msg: ReserveKV) -> None:
@@ -492,6 +500,8 @@ class EngineCore:
         if admits(policy, jobs, self._kv_job(req), self.kv.num_obtainable_blocks, bs):
             return True
         self.num_admission_waits += 1
+        self.num_admission_held += not req.held_by_admission
+        req.held_by_admission = True
         return False
 
     def _kv_job(self, req: Request) -> KVJob:

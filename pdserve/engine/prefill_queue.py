@@ -14,12 +14,16 @@ batch formed from then on, whatever arrives later. A batch is formed from what i
 then; it never waits to fill (that would add latency at low load, where sorting cannot
 help anyway).
 
+Counters (each instance's stats): `num_batches` formed, and `num_overtakes`, the pairs of
+a batch in which the later arrival was scheduled first.
+
 Requests put back at the front (`appendleft`: a recompute-preempted or migrated request)
 go to the head of the scheduled queue: they already waited their turn once.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -37,7 +41,10 @@ class PrefillQueue:
         self.job_size = job_size
         self.raw: deque[Request] = deque()
         self.scheduled: deque[Request] = deque()
-        self.num_batches = 0  # scheduling batches formed (metrics, tests)
+        self.num_batches = 0  # scheduling batches formed
+        # Pairs of a batch whose later arrival was scheduled first: how much the policy
+        # reorders (0 under fcfs; a batch of n, fully reversed, adds n(n-1)/2).
+        self.num_overtakes = 0
 
     def append(self, req: Request) -> None:
         if self.policy is PrefillPolicy.FCFS:
@@ -82,7 +89,19 @@ class PrefillQueue:
         batch = [self.raw.popleft() for _ in range(n)]
         descending = self.policy is PrefillPolicy.LJF
         # sorted() is stable: equal sizes keep arrival order for sjf and ljf alike.
-        sizes = {id(r): self.job_size(r) for r in batch}
-        batch.sort(key=lambda r: -sizes[id(r)] if descending else sizes[id(r)])
-        self.scheduled.extend(batch)
+        sizes = [self.job_size(r) for r in batch]
+        order = sorted(range(n), key=lambda i: -sizes[i] if descending else sizes[i])
+        self.scheduled.extend(batch[i] for i in order)
         self.num_batches += 1
+        self.num_overtakes += _inversions(order)
+
+
+def _inversions(order: list[int]) -> int:
+    """Pairs (i, j) with i before j in `order` and i > j."""
+    seen: list[int] = []
+    count = 0
+    for i in order:
+        k = bisect.bisect(seen, i)
+        count += len(seen) - k
+        seen.insert(k, i)
+    return count

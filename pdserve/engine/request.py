@@ -53,6 +53,7 @@ class Request:
     # Predicted output length (protocol/prediction.py): this core's length head's, or the
     # one made where the request was prefilled. None: no predictor.
     prediction: LengthPrediction | None = None
+    held_by_admission: bool = False  # the decode admission rule has held it back
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
 
     @property

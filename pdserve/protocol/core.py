@@ -142,6 +142,15 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_prefix_fetches: int = 0  # FetchPrefix copies in flight into this pool
     num_preemptions: int = 0  # since start: running requests swapped out or recomputed
     num_admission_waits: int = 0  # since start: times the decode admission rule said wait
+    num_admission_held: int = 0  # since start: requests it held back (each counted once)
+    # since start: prompt scheduling batches sorted (sjf / ljf), and the pairs of a batch
+    # in which the later arrival was scheduled first (engine/prefill_queue.py)
+    num_prefill_batches: int = 0
+    num_prefill_overtakes: int = 0
+    # since start, decode role: prefilled requests taken with a predicted length, and the
+    # low ends of their predicted buckets summed (what length-aware dispatch spreads)
+    num_predicted_decodes: int = 0
+    predicted_decode_tokens: int = 0
     busy_ms: int = 0  # since start: wall time spent in steps (resource time, TetriInfer §5)
     num_steps: int = 0  # since start: forward steps (a decode burst's one by one)
     num_burst_steps: int = 0  # since start: the steps that ran inside decode bursts
