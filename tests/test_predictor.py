@@ -2,6 +2,10 @@
 engine records, training against the baselines, and `pdserve predictor train` end to end
 on a tiny random model (the same code trains the shipped SmolLM2 head): a head it writes
 loads on that model and only on it, and the same seed gives the same head and report.
+
+The shipped head is measured again: its report's test figures on the held-out rows shipped
+beside it (`heads/*.held-out.npz`, the report's test split made again by `pdserve predictor
+held-out`), and a few of those rows made again here to show they are the model's.
 """
 
 from __future__ import annotations
@@ -19,15 +23,17 @@ from pdserve.cli import main
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine, load_model
 from pdserve.predictor.data import LengthData, collect
-from pdserve.predictor.head import (
-    SHIPPED_DIR,
-    SHIPPED_HEADS,
-    HeadSpec,
-    load_length_head,
-    read_head,
-)
+from pdserve.predictor.head import SHIPPED_DIR, SHIPPED_HEADS, HeadSpec, load_length_head, read_head
 from pdserve.predictor.prompts import KINDS, make_prompts
-from pdserve.predictor.train import bucket_labels, num_buckets, score, split_by_prompt
+from pdserve.predictor.train import (
+    bucket_labels,
+    head_buckets,
+    head_scores,
+    held_out_prompts,
+    num_buckets,
+    score,
+    split_by_prompt,
+)
 
 
 def test_prompts_are_distinct_seeded_and_cover_every_kind() -> None:
@@ -105,12 +111,91 @@ def test_train_writes_a_head_for_its_model_reproducibly(tiny: Path, tmp_path: Pa
     assert (head.spec.granularity, head.spec.num_buckets) == (4, 5)
 
 
-def test_the_shipped_head_is_for_the_shipped_model() -> None:
-    (name,) = SHIPPED_HEADS.values()
-    head = read_head(SHIPPED_DIR / name)
+(HEAD_FILE,) = SHIPPED_HEADS.values()
+HEAD = SHIPPED_DIR / HEAD_FILE
+HELD_OUT = HEAD.with_suffix(".held-out.npz")  # `pdserve predictor held-out` made it
+
+
+@pytest.fixture(scope="module")
+def held_out() -> LengthData:
+    return LengthData.load(HELD_OUT)
+
+
+def report() -> dict:
+    return dict(json.loads(HEAD.with_suffix(".json").read_text()))
+
+
+def test_the_held_out_rows_are_the_reports_test_split(held_out: LengthData) -> None:
+    """The shipped rows are those `split_by_prompt` put on the test side of the report's
+    data set: each test prompt's greedy row, then its sampled one where it had one."""
+    meta = report()["data"]
+    n, seed = meta["num_prompts"], meta["seed"]
+    sampled = round(n * meta["sampled_fraction"])
+    rows = [(p, k) for p in held_out_prompts(n, seed) for k in (False, True)[: 1 + (p < sampled)]]
+    assert len(held_out) == meta["test"] == len(rows)
+    assert list(zip(held_out.prompt_index.tolist(), held_out.sampled.tolist(), strict=True)) == rows
+    prompts = make_prompts(n, seed)
+    assert held_out.kinds == [prompts[p][0] for p, _ in rows]
+    assert (held_out.truncated == (held_out.output_lens == meta["max_tokens"])).all()
+    assert held_out.hidden.shape == (len(rows), 576) and held_out.hidden.dtype == np.float32
+
+
+def test_the_shipped_head_scores_what_its_report_says_on_its_held_out_rows(
+    held_out: LengthData,
+) -> None:
+    """Measured again: the report's test accuracy, accuracy within one bucket and
+    confusion matrix of the shipped head, exactly (the same rows, the same counts; the
+    head's argmax on them is deterministic on the CPU)."""
+    head = read_head(HEAD)
     assert (head.spec.granularity, head.spec.num_buckets) == (32, 9)
     assert (head.spec.hidden_size, head.spec.vocab_size) == (576, 49152)
-    report = json.loads((SHIPPED_DIR / name).with_suffix(".json").read_text())
-    chosen = report["granularities"]["32"]
-    assert chosen["chosen"] in ("linear", "mlp")
-    assert chosen[f"{chosen['chosen']}_head"]["accuracy"] > chosen["majority"]["accuracy"]
+    chosen = report()["granularities"]["32"]
+    assert chosen["chosen"] == "mlp" and head.spec.mlp_hidden > 0
+    s = head_scores(head, held_out, np.arange(len(held_out)))
+    reported = chosen["mlp_head"]
+    assert (s.accuracy, s.within_one) == (reported["accuracy"], reported["within_one"])
+    assert s.confusion == chosen["confusion_chosen"]
+    # The majority baseline (the commonest training bucket: the window's at 16 and 32
+    # tokens, [0, 64) at 64), scored on the same rows' labels.
+    for g, bucket in (("16", 16), ("32", 8), ("64", 0)):
+        spec = HeadSpec(int(g), report()["granularities"][g]["num_buckets"], 576, 49152, "")
+        always = np.full(len(held_out), bucket)
+        s = score(always, bucket_labels(held_out.output_lens, spec), spec.num_buckets)
+        reported = report()["granularities"][g]["majority"]
+        assert (s.accuracy, s.within_one) == (reported["accuracy"], reported["within_one"])
+
+
+REGENERATED = 6  # held-out prompts whose every row ended within 32 tokens, made again
+
+
+def test_the_held_out_rows_are_what_the_shipped_model_generates(held_out: LengthData) -> None:
+    """A few held-out prompts run again through the engine as `held-out` ran them: the
+    same output lengths, the same prompt states (to float tolerance: another CPU's
+    kernels may round differently) and so the same predictions."""
+    meta = report()["data"]
+    short = [
+        p
+        for p in dict.fromkeys(held_out.prompt_index.tolist())
+        if (held_out.output_lens[held_out.prompt_index == p] < 32).all()
+    ][:REGENERATED]
+    kv = str(held_out.meta["kv_cache_dtype"])  # as the report's data set was made
+    engine = Engine.from_config(EngineConfig(num_threads=2, kv_cache_dtype=kv))
+    n, seed = meta["num_prompts"], meta["seed"]
+    again = collect(
+        engine,
+        make_prompts(n, seed),
+        meta["max_tokens"],
+        meta["sampled_fraction"],
+        seed,
+        progress=False,
+        only=set(short),
+    )
+    rows = np.flatnonzero(np.isin(held_out.prompt_index, short))
+    assert again.prompt_index.tolist() == held_out.prompt_index[rows].tolist()
+    assert again.output_lens.tolist() == held_out.output_lens[rows].tolist()
+    # Bit for bit on the machine that made them; the fp16 cache (the engine's default
+    # since) differs by up to 2e-2.
+    assert np.allclose(again.hidden, held_out.hidden[rows], rtol=0, atol=1e-3)
+    head = read_head(HEAD)
+    everything = np.arange(len(again))
+    assert (head_buckets(head, again, everything) == head_buckets(head, held_out, rows)).all()

@@ -2,11 +2,17 @@
 
     pdserve predictor train --out head.safetensors                 # the shipped SmolLM2
     pdserve predictor train --model PATH --out head.safetensors --data data.npz
+    pdserve predictor held-out --report head.json --out held-out.npz
 
 With `--data FILE` the data set is read from FILE when it exists, else made and saved
 there. The report (accuracy of every candidate at every granularity, the confusion matrix
 of the shipped one, the head's cost against a prefill) is printed and written as JSON
 (`--report`, default next to the head).
+
+`held-out` makes the rows of a report's test split again, by themselves (the prompts the
+split put on the test side, with the seeds they had), so the head's figures can be
+measured again without the whole data set: the shipped head's are
+(`heads/*.held-out.npz`, tests/test_predictor.py). It saves as it goes and resumes.
 """
 
 from __future__ import annotations
@@ -18,6 +24,12 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pdserve.config import KV_CACHE_DTYPES
+
+# The data a head was trained on must be made again as it was made: the shipped head's
+# (before --kv-cache-dtype existed) with a float32 cache.
+KV_HELP = "the KV cache while generating (auto: as `serve`'s)"
 
 if TYPE_CHECKING:  # torch and the engine load only when the command runs
     from pdserve.engine.engine import Engine
@@ -40,8 +52,21 @@ def add_predictor_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--num-threads", type=int, default=None)
     t.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="while generating")
+    t.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
     t.add_argument("--max-num-seqs", type=int, default=64, help="while generating")
     t.set_defaults(func=_train)
+    h = sub.add_parser(
+        "held-out", help="make a report's test rows again (the data its figures were measured on)"
+    )
+    h.add_argument("--report", required=True, help="the report JSON `train` wrote")
+    h.add_argument("--out", required=True, help="the data set to write (.npz)")
+    h.add_argument("--model", default=None, help="HF folder or .gguf (default: shipped SmolLM2)")
+    h.add_argument("--num-threads", type=int, default=None)
+    h.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="while generating")
+    h.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
+    h.add_argument("--max-num-seqs", type=int, default=64, help="while generating")
+    h.add_argument("--group", type=int, default=64, help="prompts made between two saves")
+    h.set_defaults(func=_held_out)
 
 
 def _engine(args: argparse.Namespace) -> Engine:
@@ -52,10 +77,15 @@ def _engine(args: argparse.Namespace) -> Engine:
         EngineConfig(
             model=args.model,
             num_threads=args.num_threads,
+            kv_cache_dtype=args.kv_cache_dtype,
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
             cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory_gib),
         )
     )
+
+
+def _kv_dtype(engine: Engine) -> str:
+    return engine.config.kv_dtype(engine.core.model.quantization.quantized)
 
 
 def _data(args: argparse.Namespace, engine: Engine) -> LengthData:
@@ -69,6 +99,7 @@ def _data(args: argparse.Namespace, engine: Engine) -> LengthData:
     t0 = time.monotonic()
     data = collect(engine, prompts, args.window, args.sampled_fraction, args.seed)
     data.meta["model"] = engine.config.model or "shipped SmolLM2-135M-Instruct"
+    data.meta["kv_cache_dtype"] = _kv_dtype(engine)
     data.meta["collect_s"] = time.monotonic() - t0
     if args.data is not None:
         data.save(args.data)
@@ -173,3 +204,42 @@ def _print(report: dict[str, object]) -> None:
         f"head: {cost['head_s'] * 1e6:.0f} us per prediction = {cost['fraction_of_prefill']:.3%} "
         f"of a median prefill ({cost['prefill_s'] * 1e3:.1f} ms)"
     )
+
+
+def _held_out(args: argparse.Namespace) -> int:
+    """The report's test rows, `--group` prompts at a time; OUT is written after each
+    group, and a run finds in it the prompts already made (it goes on where a killed run
+    stopped). Rows do not depend on what they were batched with (the kernels are batch
+    invariant), so the groups give the rows one run would."""
+    from pdserve.predictor.data import LengthData, collect
+    from pdserve.predictor.prompts import make_prompts
+    from pdserve.predictor.train import held_out_prompts
+
+    meta = json.loads(Path(args.report).read_text())["data"]
+    n, seed = int(meta["num_prompts"]), int(meta["seed"])
+    out = Path(args.out)
+    done = LengthData.load(out) if out.is_file() else None
+    have = set() if done is None else set(done.prompt_index.tolist())
+    todo = [p for p in held_out_prompts(n, seed) if p not in have]
+    engine = _engine(args)
+    prompts = make_prompts(n, seed)
+    for start in range(0, len(todo), args.group):
+        t0 = time.monotonic()
+        group = collect(
+            engine,
+            prompts,
+            int(meta["max_tokens"]),
+            float(meta["sampled_fraction"]),
+            seed,
+            only=set(todo[start : start + args.group]),
+        )
+        spent = time.monotonic() - t0
+        if done is None:
+            done = group
+        else:
+            spent += float(str(done.meta["collect_s"]))
+            done = LengthData.join(done, group)
+        done.meta.update(split="test", collect_s=spent, kv_cache_dtype=_kv_dtype(engine))
+        done.save(out)
+        print(f"{len(done)} of the test rows of {args.report} in {out}", file=sys.stderr)
+    return 0

@@ -15,6 +15,7 @@ Generations stop at EOS or at `max_tokens` (the window; `truncated` marks those)
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,20 @@ class LengthData:
         )
 
     @classmethod
+    def join(cls, first: LengthData, second: LengthData) -> LengthData:
+        """`first`'s rows, then `second`'s (with `first`'s meta)."""
+        return cls(
+            hidden=np.concatenate([first.hidden, second.hidden]),
+            prompt_lens=np.concatenate([first.prompt_lens, second.prompt_lens]),
+            output_lens=np.concatenate([first.output_lens, second.output_lens]),
+            truncated=np.concatenate([first.truncated, second.truncated]),
+            sampled=np.concatenate([first.sampled, second.sampled]),
+            prompt_index=np.concatenate([first.prompt_index, second.prompt_index]),
+            kinds=first.kinds + second.kinds,
+            meta=dict(first.meta),
+        )
+
+    @classmethod
     def load(cls, path: str | Path) -> LengthData:
         with np.load(path, allow_pickle=False) as f:
             return cls(
@@ -85,8 +100,11 @@ def collect(
     sampled_fraction: float,
     seed: int,
     progress: bool = True,
+    only: Collection[int] | None = None,
 ) -> LengthData:
-    """Run `prompts` ((kind, text) pairs) through `engine` (module docstring)."""
+    """Run `prompts` ((kind, text) pairs) through `engine` (module docstring). `only`:
+    run just the prompts of these indices, each with the rows (greedy, and sampled with
+    its seed) it has in the whole set: one side of a split, made again by itself."""
     states: dict[str, np.ndarray] = {}
 
     def keep(request_id: str, state: torch.Tensor) -> None:
@@ -96,6 +114,8 @@ def collect(
     jobs: dict[str, _Job] = {}
     n_sampled = round(len(prompts) * sampled_fraction)
     for i, (kind, text) in enumerate(prompts):
+        if only is not None and i not in only:
+            continue
         ids = _chat_ids(engine, text)
         greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         jobs[engine.add_request(ids, greedy)] = _Job(i, kind, False)

@@ -43,17 +43,33 @@ class Split:
     test: np.ndarray
 
 
-def split_by_prompt(data: LengthData, seed: int) -> Split:
-    prompts = np.unique(data.prompt_index)
+TRAIN, VAL, TEST = 0, 1, 2  # the sides of a split
+
+
+def prompt_sides(prompt_index: np.ndarray, seed: int) -> dict[int, int]:
+    """The side (TRAIN, VAL or TEST) of every prompt index present, 70 / 10 / 20."""
+    prompts = np.unique(prompt_index)
     rng = np.random.default_rng(seed)
     rng.shuffle(prompts)
     n = len(prompts)
     cut1, cut2 = int(0.7 * n), int(0.8 * n)
-    side = {int(p): 0 for p in prompts[:cut1]}
-    side.update({int(p): 1 for p in prompts[cut1:cut2]})
-    side.update({int(p): 2 for p in prompts[cut2:]})
+    side = {int(p): TRAIN for p in prompts[:cut1]}
+    side.update({int(p): VAL for p in prompts[cut1:cut2]})
+    side.update({int(p): TEST for p in prompts[cut2:]})
+    return side
+
+
+def split_by_prompt(data: LengthData, seed: int) -> Split:
+    side = prompt_sides(data.prompt_index, seed)
     where = np.array([side[int(p)] for p in data.prompt_index])
-    return Split(*(np.flatnonzero(where == k) for k in range(3)))
+    return Split(*(np.flatnonzero(where == k) for k in (TRAIN, VAL, TEST)))
+
+
+def held_out_prompts(num_prompts: int, seed: int) -> list[int]:
+    """The prompt indices `split_by_prompt` puts on the test side of a data set made from
+    `make_prompts(num_prompts, seed)` (every prompt has a row), ascending."""
+    side = prompt_sides(np.arange(num_prompts), seed)
+    return sorted(p for p, s in side.items() if s == TEST)
 
 
 def bucket_labels(output_lens: np.ndarray, spec: HeadSpec) -> np.ndarray:
@@ -147,6 +163,12 @@ def head_buckets(head: LengthHead, data: LengthData, rows: np.ndarray) -> np.nda
     return head(x).argmax(dim=1).numpy()
 
 
+def head_scores(head: LengthHead, data: LengthData, rows: np.ndarray) -> Scores:
+    """`head`'s scores on `rows` of `data` (the report's figures for the test rows)."""
+    truth = bucket_labels(data.output_lens[rows], head.spec)
+    return score(head_buckets(head, data, rows), truth, head.spec.num_buckets)
+
+
 @dataclass(frozen=True)
 class GranularityResult:
     spec: HeadSpec  # of the chosen head
@@ -178,8 +200,8 @@ def evaluate_granularity(
     }
     linear, linear_val, _ = fit_head(data, split, replace(spec, mlp_hidden=0), seed)
     mlp, mlp_val, _ = fit_head(data, split, replace(spec, mlp_hidden=MLP_HIDDEN), seed)
-    scores["linear_head"] = score(head_buckets(linear, data, split.test), y_test, n)
-    scores["mlp_head"] = score(head_buckets(mlp, data, split.test), y_test, n)
+    scores["linear_head"] = head_scores(linear, data, split.test)
+    scores["mlp_head"] = head_scores(mlp, data, split.test)
     chosen = mlp if mlp_val > linear_val else linear
     scores["chosen"] = scores["mlp_head" if chosen is mlp else "linear_head"]
     return GranularityResult(chosen.spec, chosen, scores)
