@@ -8,9 +8,10 @@ and from the second turn on the prompt's `cached_tokens` must be exactly the ful
 blocks of the previous turn's prompt and answer (from the reference's token ids: the
 answer's KV came back from the decode instance) - whether the client waits for that KV
 to come back or sends the next turn the moment the answer arrives, as agents and tool
-loops do (the request then waits for the copy, cluster/cache_copies.py). With every
-such copy failing (injected transfer faults) the prefill instance computes the answer's
-tokens instead, and the answers do not change. A long shared document goes to the
+loops do (the request then waits for the copy, cluster/cache_copies.py; on a server
+whose copies are all 0.5 s slow, every next turn waits). With every such copy failing
+(injected transfer faults) the prefill instance computes the answer's tokens instead,
+and the answers do not change. A long shared document goes to the
 prefill instance holding it, or is copied to the one that prefills. `--colocated 2
 --routing session` keeps a session on one instance; its short TTL empties the tree.
 
@@ -82,6 +83,7 @@ def tokenizer() -> Tokenizer:
 
 
 def started(*args: str) -> Iterator[Server]:
+    """A server for the tests; stopped, none of its processes leaves a KV segment."""
     before = pdkv_segments()
     server = Server(*args, "--enable-debug-endpoints", "--kv-cache-memory-gib", "0.5")
     yield server

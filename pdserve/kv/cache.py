@@ -31,7 +31,7 @@ from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer.aggregate import copy_runs
 from pdserve.kv.transfer.layout import token_view, torch_dtype
 from pdserve.kv.transfer.plan import runs_between
-from pdserve.quant.memory import HUGE_PAGE, fault_in_behind, huge_page_zeros
+from pdserve.quant.memory import HUGE_PAGE, fault_in, fault_in_behind, huge_page_zeros
 
 
 class KVCache:
@@ -57,7 +57,9 @@ class KVCache:
         self.faulting_in: threading.Thread | None = None  # faults the device tier in
         if self.device_tensor.device.type == "cpu":
             rows = _block_rows(layout, self.device_tensor.nbytes)
-            self.faulting_in = fault_in_behind(self.device_tensor, rows)
+            first = 2 * layout.num_layers  # the first row of blocks in every slice
+            fault_in(self.device_tensor, rows[:first])
+            self.faulting_in = fault_in_behind(self.device_tensor, rows[first:])
         self.host_tensor: torch.Tensor | None = None
         if self.host_layout is not None:
             self.host_tensor = _host_tier(self.host_layout, device)
