@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import select
+from collections.abc import Callable
 
 
 def freeze_startup_heap() -> None:
@@ -62,3 +64,20 @@ def quiet_openmp_waits() -> None:
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
     os.environ.update(OPENMP_WAIT_ENV)
+
+
+def ended(pid: int) -> Callable[[], bool]:
+    """A check, cheap enough for every step, that process `pid` has ended: the one an
+    engine serves (the front end), which need not be its parent (a forked instance's is
+    the fork server, which lives as long as any instance does). A pidfd where the
+    kernel has them (Linux 5.3+: no pid reuse to mistake), else the parent changing,
+    which holds where `pid` is the parent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return lambda: True
+    except (AttributeError, OSError):
+        return lambda: os.getppid() != pid
+    watch = select.poll()
+    watch.register(fd, select.POLLIN)  # readable once the process has exited
+    return lambda: bool(watch.poll(0))

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers.server import KEY, MODEL, Server, auth, wait_for
+from helpers.server import KEY, MODEL, Server, auth, pdkv_segments, wait_for
 from openai import BadRequestError, NotFoundError, OpenAI
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -719,6 +719,23 @@ def test_a_second_signal_cancels_what_is_in_flight_and_exits_without_a_traceback
     assert "Traceback" not in err and "cancelled 1 requests" in err, err[-2000:]
     _, alive = psutil.wait_procs(children, timeout=10)
     assert alive == []
+
+
+def test_a_killed_server_leaves_no_process_and_no_segment_behind() -> None:
+    """SIGKILL of the front end (nothing of its own shutdown runs): its instances, forked
+    from the fork server (their parent, which lives while they do), see the front end
+    gone and exit, freeing their KV segments; then the fork server and the resource
+    tracker end."""
+    before = pdkv_segments()
+    s = Server("--prefill", "1", "--decode", "1")
+    children = psutil.Process(s.proc.pid).children(recursive=True)
+    names = sorted(c.name() for c in children)
+    assert len(children) == 4, names  # the resource tracker, the fork server, 2 instances
+    s.proc.kill()
+    s.proc.wait(10)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert alive == []
+    assert not pdkv_segments() - before
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_with_no_child_left() -> None:

@@ -22,8 +22,10 @@ Contract:
   server; an instance's libgomp is the server's, forked.
 - Instances are children of the server, not of the front end (`pstree`: front end ->
   fork server -> instances); multiprocessing's process handle (pid, exit code, kill,
-  join) works as for a spawned child. The server exits when the front end does; an
-  instance then sees its parent gone and exits too.
+  join) works as for a spawned child. An instance watches the front end's pid, not its
+  parent's (`runtime.ended`), and exits when the front end does, killed or not; the
+  server lives while any instance does (each holds its liveness pipe, multiprocessing's
+  way) and exits after the last.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class LocalLauncher:
         ctx = forkserver.context()
         process = ctx.Process(
             target=_run_engine,
-            args=(config, input_addr, output_addr, report, dict(os.environ)),
+            args=(config, input_addr, output_addr, report, dict(os.environ), os.getpid()),
             name=f"pdserve-{config.instance_name}",
             daemon=True,
         )
@@ -368,12 +368,14 @@ def _run_engine(
     output_addr: str,
     report: bool,
     environ: dict[str, str],
+    client: int,
 ) -> None:
     """The instance process's entry point. The engine (and torch) is imported there (or
     was, by the fork server it was forked from), not in the front end's process, which
     only decodes plain messages. `environ`: the front end's, when it asked for the
-    process (a forked one has the fork server's until then)."""
+    process (a forked one has the fork server's until then); `client`: the front end's
+    pid (a forked one's parent is the fork server): the instance exits when it ends."""
     forkserver.adopt_environment(environ)
     from pdserve.engine.engine_process import run_engine_process
 
-    run_engine_process(config, input_addr, output_addr, report)
+    run_engine_process(config, input_addr, output_addr, report, client)

@@ -4,7 +4,8 @@ Life cycle: the front end (a cluster `Instance`) binds two IPC sockets and spawn
 `run_engine_process`; the process connects, loads the model, sends `EngineReady`
 (or `EngineFailed`), then loops: apply every queued input message, run one step if
 anything is unfinished, push the step's outputs as one `OutputBatch`. While idle it
-blocks on its input socket (100 ms at a time, checking that its parent lives).
+blocks on its input socket (100 ms at a time); it exits when the front end it serves
+has ended (checked every loop).
 
 Contract: inputs are applied between steps, so an abort frees its KV blocks before
 the next step runs. An exception in a step is reported as `EngineFailed` and the
@@ -55,7 +56,7 @@ from pdserve.protocol.replica import (
     StoreReplicas,
 )
 from pdserve.protocol.wire import EngineInput, EngineMessage, Handlers
-from pdserve.runtime import freeze_startup_heap, pin_process
+from pdserve.runtime import ended, freeze_startup_heap, pin_process
 
 _IDLE_POLL_MS = 100
 _TRANSFER_POLL_MS = 1  # while only background KV moves are in flight
@@ -63,14 +64,19 @@ _TRANSFER_POLL_MS = 1  # while only background KV moves are in flight
 
 class _Loop:
     def __init__(
-        self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket, report: bool = False
+        self,
+        core: EngineCore,
+        inp: zmq.Socket,
+        out: zmq.Socket,
+        report: bool = False,
+        client: int | None = None,
     ) -> None:
         self.core = core
         self.inp = inp
         self.out = out
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.encoder = msgspec.msgpack.Encoder()
-        self.parent = os.getppid()
+        self.client_gone = ended(os.getppid() if client is None else client)
         self.report_every = core.config.report_interval_s if report else None
         if report:  # the controller's global prompt tree follows the prefix index
             core.kv.record_cache_events()
@@ -102,8 +108,8 @@ class _Loop:
 
     def run(self) -> None:
         while True:
-            if not self.apply_inputs(self.poll_timeout_ms()):
-                return
+            if not self.apply_inputs(self.poll_timeout_ms()) or self.client_gone():
+                return  # told to stop, or the front end is gone: nobody to serve
             self.core.poll_transfers()
             self.flush_messages()  # hand-off news before the outputs they precede
             if self.core.has_unfinished():
@@ -115,8 +121,6 @@ class _Loop:
                     self.trace.record(t0, dt, self.core.last_steps)
                 if outputs:
                     self.send(OutputBatch(outputs))
-            elif os.getppid() != self.parent:
-                return  # the frontend is gone: nobody to serve
             self.flush_messages()
 
     def poll_timeout_ms(self) -> int:
@@ -305,10 +309,15 @@ def weights_info(model: CausalLM, kv_dtype: str) -> WeightsInfo:
 
 
 def run_engine_process(
-    config: EngineConfig, input_addr: str, output_addr: str, report: bool = False
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    report: bool = False,
+    client: int | None = None,
 ) -> None:
     """Process entry point (spawned by a cluster `Instance`).
-    `report`: send a `LoadReport` every `config.report_interval_s`.
+    `report`: send a `LoadReport` every `config.report_interval_s`. `client`: the pid of
+    the process it serves (default: its parent); the engine exits when that ends.
 
     Ctrl-C in a terminal signals the whole process group: the server drains and then
     shuts its engines down, so an engine ignores SIGINT rather than die mid-drain."""
@@ -337,7 +346,7 @@ def run_engine_process(
         weights_info(model, core.kv_layout.dtype),
     )
     out.send(encoder.encode(ready))
-    loop = _Loop(core, inp, out, report)
+    loop = _Loop(core, inp, out, report, client)
     beat = _start_heartbeat(ctx, output_addr, config.report_interval_s) if report else None
     try:
         loop.run()
