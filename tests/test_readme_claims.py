@@ -603,6 +603,7 @@ def replicated(served_engine: Engine) -> Iterator[Story]:
     with serving(
         "--prefill", "1", "--decode", "2", "--kv-replication", "--kv-fault-rate", "0.5",
         "--kv-fault-seed", "5", "--max-migrations", "1",
+        "--keep-running-on-engine-failure",  # its counters are read after the last death
     ) as server:  # fmt: skip
         os.kill(instance_pid(server, "prefill-0"), signal.SIGKILL)
         assert wait_dead(server, "prefill-0") == KILLED
