@@ -28,6 +28,14 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="pdserve-test-cache-")
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The order's seed, printed under -q too (pytest-randomly's header line is not):
+    `-p randomly --randomly-seed=N` runs the same order again."""
+    seed = getattr(terminalreporter.config.option, "randomly_seed", None)
+    if seed is not None and terminalreporter.config.pluginmanager.hasplugin("randomly"):
+        terminalreporter.write_line(f"test order: -p randomly --randomly-seed={seed}")
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(os.environ.pop(CACHE_ENV, ""), ignore_errors=True)
 
