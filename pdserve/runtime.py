@@ -38,29 +38,33 @@ def pin_process(cpus: tuple[int, ...]) -> None:
 
 
 # How long an OpenMP thread that waits (at a barrier, or for the next parallel region)
-# spins before it sleeps, unless the user chose (see `quiet_openmp_waits`). libgomp's
-# default spins 300,000 PAUSEs: ~3 ms by its own estimate, ~30 ms on an Intel Xeon whose
-# PAUSE takes ~100 ns (family 6 model 207) - far longer than a scheduler time slice.
-OPENMP_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# spins before it sleeps, unless the user chose (see `quiet_openmp_waits`): 10,000
+# PAUSEs, ~1 ms on an Intel Xeon whose PAUSE takes ~100 ns (family 6 model 207). libgomp's
+# default, 300,000 (~30 ms there), is far longer than a scheduler time slice; none at all
+# (OMP_WAIT_POLICY=PASSIVE) wakes sleeping threads for every parallel region, which cost
+# an idle machine's b=1 decode 1.1x (quantized) to 1.4x (fp32) (docs/benchmarks.md).
+OPENMP_WAIT_ENV = {"GOMP_SPINCOUNT": "10000"}
 
 
 def quiet_openmp_waits() -> None:
-    """Make the OpenMP threads of this process (and of the processes it starts) sleep
-    when they wait, rather than spin - unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set
-    already: that is the user's choice (OMP_WAIT_POLICY=ACTIVE spins again).
+    """Make the OpenMP threads of this process (and of the processes it starts) spin ~1
+    ms when they wait, then sleep - unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set
+    already: that is the user's choice (OMP_WAIT_POLICY=PASSIVE sleeps at once,
+    OMP_WAIT_POLICY=ACTIVE spins for good).
 
     Why: torch's intra-op threads and the compiled kernels share one libgomp team, and
     a decode step meets a few hundred of its barriers (~6 per layer). While another
-    process takes a core, the thread that shares it runs only every other time slice;
-    a thread spinning at a barrier holds its own core without doing anything, so each
-    barrier cost a time slice (b=1 decode 25x slower beside one busy process). A thread
-    that sleeps gives its core to the late one, whose work `Runs` lets the others steal
-    (pdserve/quant/_kernels.h): contended ~1.2x, uncontended no slower (docs/engine.md).
+    process takes a core, the thread that shares it runs only part of the time; a thread
+    spinning at a barrier holds its own core without doing anything, where a sleeping
+    one lets the scheduler move the late thread onto it. Spinning ~1 ms keeps the team
+    awake between the regions of a step on an idle machine (as fast as libgomp's
+    default there) and gives the core up within a millisecond when another process
+    needs one (docs/engine.md).
 
     libgomp reads the environment once, when it loads (with torch), so this must run
     before `import torch`: pdserve/engine/__init__.py calls it, which every engine module
-    import runs first. A process that loaded torch already keeps its spinning threads
-    but still passes the setting on to the engine processes it starts."""
+    import runs first, and so does the fork server's start. A process that loaded torch
+    already keeps its waits but still passes the setting on to the processes it starts."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
     os.environ.update(OPENMP_WAIT_ENV)

@@ -157,11 +157,11 @@ def openmp_env_seen(**env: str) -> dict[str, str]:
     return dict(found)
 
 
-def test_engine_openmp_threads_sleep_when_they_wait() -> None:
+def test_engine_openmp_threads_sleep_soon_when_they_wait() -> None:
     """A thread that spins at a barrier holds its core while the thread it waits for
     shares another with a busy process (pdserve/runtime.py quiet_openmp_waits): the
-    engine process's libgomp must not spin; what the user set is kept."""
-    assert openmp_env_seen() == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
+    engine process's libgomp spins ~1 ms, not ~30; what the user set is kept."""
+    assert openmp_env_seen() == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
     assert openmp_env_seen(OMP_WAIT_POLICY="active")["OMP_WAIT_POLICY"] == "ACTIVE"
     assert openmp_env_seen(GOMP_SPINCOUNT="300000")["GOMP_SPINCOUNT"] == "300000"
 
