@@ -139,3 +139,31 @@ def test_dtype_serves_fp_weights_and_refuses_quantized_ones() -> None:
         "pdserve: error: --quantization gguf: the quantized kernels compute in float32 "
         "(dtype bfloat16)\n"
     )
+
+
+def test_serves_listening_socket_gives_connections_without_nagle() -> None:
+    """`serve` binds its socket itself (server/flags.py `listen`); asyncio turns Nagle's
+    algorithm off only on sockets that name TCP as their protocol. With it on, every
+    streamed reply waited ~40 ms for a delayed ACK (bench/bench_server.py's added TTFT
+    went 4 -> 50 ms)."""
+    import asyncio
+
+    from pdserve.server.flags import listen
+
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        sock = listen("127.0.0.1", 0)
+        server = await asyncio.start_server(on_connect, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) == 1

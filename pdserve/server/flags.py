@@ -41,8 +41,21 @@ def listen(host: str, port: int) -> socket.socket:
     usage error at once, not after the instances started (and the port cannot be taken
     meanwhile). `--port 0` takes a free port; the "serving ... at" line names it."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        return socket.create_server((host, port), family=family[0][0], backlog=2048)
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        # The protocol named (IPPROTO_TCP), not 0 as socket.create_server leaves it:
+        # asyncio turns Nagle's algorithm off only on sockets that say they are TCP, and
+        # with it on every streamed response waited ~40 ms for a delayed ACK.
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(2048)
+        except OSError:
+            sock.close()
+            raise
+        return sock
     except OSError as e:  # gaierror too: a host that does not resolve
         why = os.strerror(e.errno) if e.errno and e.errno > 0 else str(e.strerror or e)
         raise ValueError(f"cannot listen on {host}:{port}: {why}") from None
