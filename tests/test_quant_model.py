@@ -381,20 +381,9 @@ def test_under_quantized_weights_the_kv_pool_is_fp16_and_holds_twice_the_blocks(
     assert fp.core.kv_layout.dtype == "float32"
 
     engine = engines["auto"]
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 2, 77, 31], [8, 15, 40], [41, 3, 3, 7, 19, 23, 2]]
-
-    def run(batch: list[list[int]]) -> list[list[int]]:
-        ids = [engine.add_request(p, greedy) for p in batch]
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = list(out.token_ids)
-        return [done[i] for i in ids]
-
-    batched = run(prompts)
-    assert batched == [run([p])[0] for p in prompts]
+    batched = greedy_tokens(engine, prompts, 16)
+    assert batched == [greedy_tokens(engine, [p], 16)[0] for p in prompts]
     assert auto.runner.cache.device_tensor.any()
 
 
