@@ -10,6 +10,10 @@ bash scripts/setup.sh --dev
 .venv/bin/ruff check pdserve tests bench
 .venv/bin/ruff format --check pdserve tests bench
 .venv/bin/mypy
+# The suite is a shared machine (pytest and the servers it starts, on as few as 2 cores):
+# OpenMP threads that wait sleep at once rather than spin ~1 ms (pdserve/runtime.py),
+# ~3% off a server-heavy module. The OpenMP tests set or remove it themselves.
+export OMP_WAIT_POLICY=PASSIVE
 export PYTHONPATH="tests/plugins${PYTHONPATH:+:$PYTHONPATH}"
 # In a random order (pytest-randomly; the seed is in the header: `-p randomly
 # --randomly-seed=N` repeats an order, `-p no:randomly` runs in file order).

@@ -102,11 +102,11 @@ def keyed_server() -> Iterator[Server]:
     (`helpers.server.KEY`) and the debug endpoints, shared by every test that only sends
     it requests and leaves it as it found it (nothing running, queued or held): the
     OpenAI surface (test_server), the hardening tests, the benchmark tool's runs. A test
-    that stops, kills or reconfigures a server starts its own. libgomp prints its settings
-    where it loads (OMP_DISPLAY_ENV), for test_server to read."""
-    server = Server(
-        "--api-key", KEY, "--enable-debug-endpoints", env={"OMP_DISPLAY_ENV": "VERBOSE"}
-    )
+    that stops, kills or reconfigures a server starts its own. It waits for OpenMP as a
+    user's server does (not as scripts/test.sh sets for the rest of the suite), and
+    libgomp prints its settings where it loads (OMP_DISPLAY_ENV), for test_server to read."""
+    env = {"OMP_DISPLAY_ENV": "VERBOSE", "OMP_WAIT_POLICY": None}
+    server = Server("--api-key", KEY, "--enable-debug-endpoints", env=env)
     yield server
     stop(server)
 

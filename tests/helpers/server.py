@@ -40,7 +40,9 @@ def auth(key: str | None) -> dict[str, str]:
 
 
 class Server:
-    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *extra: str, env: dict[str, str | None] | None = None) -> None:
+        """`pdserve serve *extra`, ready (its /health answered 200); `env` is set over
+        this process's environment, a None value removing that variable."""
         self.args = extra
         # A port free when picked may be taken before the server binds it (by another
         # process's ephemeral port): the server then exits at once saying so (it binds
@@ -60,12 +62,16 @@ class Server:
                 break
         raise RuntimeError(f"server did not start (exit {self.proc.returncode}): {err[-2000:]}")
 
-    def _launch(self, extra: tuple[str, ...], env: dict[str, str] | None) -> None:
+    def _launch(self, extra: tuple[str, ...], env: dict[str, str | None] | None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *extra]
+        environ = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
-            cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+            cmd,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={k: v for k, v in environ.items() if v is not None},
         )
         self._err: list[str] = []
         self._reader = threading.Thread(target=self._drain, daemon=True)
