@@ -16,14 +16,21 @@ import pytest
 
 from pdserve.cluster.cache_copies import CacheCopies
 from pdserve.cluster.config import ClusterConfig, Routing
+from pdserve.cluster.costs import RecoveryCost
 from pdserve.cluster.policies import DecodeChooser
-from pdserve.cluster.replication import RecoveryCost
 from pdserve.cluster.routing import FETCH_OVERHEAD_S, Router, RunningMedian
 from pdserve.config import Role
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.block_hash import block_hashes
 from pdserve.kv.layout import KVLayout, RegionHandle
-from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferPrefix, PrefixFetched
+from pdserve.protocol.cache import (
+    FetchPrefix,
+    KVOffered,
+    OfferKind,
+    OfferPrefix,
+    PrefixFetched,
+    offer_id,
+)
 from pdserve.protocol.core import AddRequest
 from pdserve.protocol.handoff import KVSource, ReleaseKV
 from pdserve.protocol.wire import EngineMessage
@@ -104,14 +111,17 @@ def tokens(n: int, seed: int = 1) -> list[int]:
     return [(seed * 7919 + i * 31) % 5000 + 10 for i in range(n)]
 
 
-def offered(offer_id: str, to: str, token_ids: list[int]) -> KVOffered:
+def offered(
+    key: str, to: str, token_ids: list[int], kind: OfferKind = OfferKind.RETURN
+) -> KVOffered:
+    """The `kind` offer made for request `key`."""
     layout = KVLayout(
         num_layers=2, num_blocks=64, block_size=BS, num_kv_heads=1, head_dim=4, dtype="float32"
     )
     full = len(token_ids) // BS * BS
     region = RegionHandle("shm", "seg", "decode-0", layout)
     source = KVSource(region, list(range(full // BS)), full, 1e9)
-    return KVOffered(offer_id, to, token_ids[:full], source)
+    return KVOffered(offer_id(kind, key), kind, to, token_ids[:full], source)
 
 
 def fetched(
@@ -128,13 +138,13 @@ NEXT = PROMPT + ANSWER + tokens(30, seed=3)
 
 
 def return_on_its_way(rig: Rig) -> None:
-    rig.copies.expect_return("r1@return", rig.d, rig.p0, HISTORY)  # type: ignore[arg-type]
+    rig.copies.expect_return("r1", rig.d, rig.p0, HISTORY)  # type: ignore[arg-type]
 
 
 def next_turn_waiting_on_the_copy(rig: Rig) -> None:
     """The return offered and relayed (FetchPrefix taken), the next turn (r2) parked."""
     return_on_its_way(rig)
-    rig.copies.on_offered(rig.d, offered("r1@return", "prefill-0", HISTORY))  # type: ignore[arg-type]
+    rig.copies.on_offered(rig.d, offered("r1", "prefill-0", HISTORY))  # type: ignore[arg-type]
     assert [type(m) for m in rig.p0.take()] == [FetchPrefix]
     rig.park("r2", NEXT, rig.p0)
 
@@ -147,7 +157,7 @@ def test_the_next_turn_waits_for_the_return_and_goes_when_it_commits() -> None:
     assert rig.copies.inbound(rig.p1, NEXT) is None  # nothing on its way to prefill-1
     assert rig.sent == [] and rig.counters["kv_waits"] == 1
     rig.clock.now += 0.01
-    rig.copies.on_offered(rig.d, offered("r1@return", "prefill-0", HISTORY))  # type: ignore[arg-type]
+    rig.copies.on_offered(rig.d, offered("r1", "prefill-0", HISTORY))  # type: ignore[arg-type]
     [fetch] = rig.p0.take()
     assert isinstance(fetch, FetchPrefix) and fetch.offer_id == "r1@return"
     assert fetch.token_ids == HISTORY[: 8 * BS] and rig.sent == []
@@ -193,16 +203,16 @@ def test_a_failed_copy_sends_the_waiting_at_once_and_measures_nothing() -> None:
 def test_a_return_past_the_bound_of_copies_in_flight_is_dropped_and_unpinned() -> None:
     rig = Rig(max_returns_in_flight=1)
     other = tokens(64, seed=9)
-    rig.copies.on_offered(rig.d, offered("r0@return", "prefill-0", other))  # type: ignore[arg-type]
+    rig.copies.on_offered(rig.d, offered("r0", "prefill-0", other))  # type: ignore[arg-type]
     assert len(rig.p0.take()) == 1  # copying: prefill-0's one return in flight
     return_on_its_way(rig)
     rig.park("r2", NEXT, rig.p0)
-    rig.copies.on_offered(rig.d, offered("r1@return", "prefill-0", HISTORY))  # type: ignore[arg-type]
+    rig.copies.on_offered(rig.d, offered("r1", "prefill-0", HISTORY))  # type: ignore[arg-type]
     assert rig.p0.take() == [] and rig.d.take() == [ReleaseKV(["r1@return"])]
     assert rig.sent == [("r2", "prefill-0")]
     assert rig.counters["returns_dropped"] == 1
     # an offer to an instance nobody knows: unpinned at once
-    rig.copies.on_offered(rig.d, offered("r3@return", "prefill-9", HISTORY))  # type: ignore[arg-type]
+    rig.copies.on_offered(rig.d, offered("r3", "prefill-9", HISTORY))  # type: ignore[arg-type]
     assert rig.d.take() == [ReleaseKV(["r3@return"])]
     assert rig.counters["returns_dropped"] == 2
 
@@ -237,7 +247,7 @@ def test_an_offer_that_never_comes_is_forgotten_after_the_bound() -> None:
     rig.copies.tick(rig.clock.now)
     assert rig.copies.num_copies == 0 and rig.counters["returns_failed"] == 0
     # it comes after all: relayed as a return nobody expected
-    rig.copies.on_offered(rig.d, offered("r1@return", "prefill-0", HISTORY))  # type: ignore[arg-type]
+    rig.copies.on_offered(rig.d, offered("r1", "prefill-0", HISTORY))  # type: ignore[arg-type]
     assert [type(m) for m in rig.p0.take()] == [FetchPrefix]
 
 
@@ -262,7 +272,7 @@ def test_a_prefetch_that_commits_counts_its_tokens() -> None:
     doc = tokens(200, seed=5)
     rig.copies.prefetch("a", rig.d, rig.p1, doc[:192], request("a", doc))  # type: ignore[arg-type]
     rig.d.take()
-    rig.copies.on_offered(rig.d, offered("a@prefetch", "prefill-1", doc[:192]))  # type: ignore[arg-type]
+    rig.copies.on_offered(rig.d, offered("a", "prefill-1", doc[:192], OfferKind.PREFETCH))  # type: ignore[arg-type]
     assert [type(m) for m in rig.p1.take()] == [FetchPrefix]
     rig.copies.on_fetched(rig.p1, fetched("a@prefetch", 192, 192, 0))  # type: ignore[arg-type]
     assert rig.sent == [("a", "prefill-1")] and rig.d.take() == [ReleaseKV(["a@prefetch"])]
@@ -272,7 +282,7 @@ def test_a_prefetch_that_commits_counts_its_tokens() -> None:
 def test_inbound_takes_the_copy_giving_most_capped_as_an_instance_caps_its_match() -> None:
     rig = Rig()
     return_on_its_way(rig)  # 8 blocks of NEXT
-    rig.copies.expect_return("r0@return", rig.d, rig.p0, PROMPT)  # type: ignore[arg-type]
+    rig.copies.expect_return("r0", rig.d, rig.p0, PROMPT)  # type: ignore[arg-type]
     found = rig.copies.inbound(rig.p0, NEXT)  # type: ignore[arg-type]
     assert found is not None and (found[0].offer_id, found[1]) == ("r1@return", 8 * BS)
     # a prompt that is the history itself: its last token is computed, 7 full blocks + 15

@@ -36,7 +36,7 @@ from pdserve.engine.roles import ColocatedRole, DecodeRole, PrefillRole
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.transfer import gather
 from pdserve.model.base import CausalLM
-from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferPrefix, PrefixFetched
+from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferKind, OfferPrefix, PrefixFetched
 from pdserve.protocol.handoff import (
     AddPrefilled,
     Handoff,
@@ -418,6 +418,7 @@ def test_finished_kv_returns_to_the_prefill_cache_bit_exact(
             full = (len(prompt) + params.max_tokens - 1) // bs * bs  # the last token has no KV
             tokens = prompt + router.tokens[f"r{i}"]
             assert router.offers[rid].token_ids == tokens[:full]
+            assert router.offers[rid].kind is OfferKind.RETURN
             fetched = router.fetched[rid]
             assert fetched.error is None
             assert (fetched.num_tokens, fetched.num_fetched) == (

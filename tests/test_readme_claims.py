@@ -8,10 +8,7 @@ same state in any order. In-process claims live beside their code's tests:
 `RecoveryCost.choose` in test_replication_engine.py, the quantized paths' outputs in
 test_quant_model.py.
 
-Not here: `--ray --api-key` (tests/test_ray.py owns Ray). Colocated instances with
-`--kv-replication` form the ring but never record a replica (the front end relays only a
-decode-credited request's writes), so their requests cannot resume from one: the
-replication claim is asserted on decode instances, where it holds.
+Not here: `--ray --api-key` (tests/test_ray.py owns Ray).
 """
 
 from __future__ import annotations
@@ -526,7 +523,7 @@ def assert_texts(results: list[Outcome], expected: list[Expected]) -> None:
 
 @dataclass
 class Story:
-    """What happened on the decodes-only replication cluster (`replicated`)."""
+    """What happened on a replication cluster (`replicated`, `colocated_replicated`)."""
 
     rings: list[dict[str, str | None]]  # replicating_to: at start, after decode-0's death
     held: int  # requests on decode-0 when it was killed, every one with a replica on decode-1
@@ -559,32 +556,37 @@ def workload() -> list[dict]:
     return out
 
 
-def stop_holding_replicated(server: Server, timeout: float = 300.0) -> int:
-    """SIGSTOP decode-0 at a moment every request it holds has a replica on decode-1, its
-    holder (one record per request there, and the front end's replicated-through figures
-    acknowledged: they sum to decode-1's own); the number of those requests. Reading the
-    rows waits 5 s on the stopped instance's stats."""
-    pid = instance_pid(server, "decode-0")
+def stop_holding_replicated(
+    server: Server, source: str = "decode-0", holder: str = "decode-1", timeout: float = 300.0
+) -> int:
+    """SIGSTOP `source` at a moment every request it runs has a replica on `holder` (one
+    record per request there, and the front end's replicated-through figures
+    acknowledged: they sum to the holder's own); the number of those requests. Reading
+    the rows waits 5 s on the stopped instance's stats."""
+    pid = instance_pid(server, source)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if replicas_match(server) is None:
+        if replicas_match(server, source, holder) is None:
             time.sleep(0.05)
             continue
         os.kill(pid, signal.SIGSTOP)
         for _ in range(3):  # acknowledgements still on their way arrive
-            held = replicas_match(server, acknowledged=True)
+            held = replicas_match(server, source, holder, acknowledged=True)
             if held is not None:
                 return held
         os.kill(pid, signal.SIGCONT)
-    raise AssertionError("decode-0's requests never all had a replica on decode-1")
+    raise AssertionError(f"{source}'s requests never all had a replica on {holder}")
 
 
-def replicas_match(server: Server, acknowledged: bool = False) -> int | None:
-    """decode-0's request count when decode-1 holds a replica of each (and, with
-    `acknowledged`, the front end knows how far each reaches), else None."""
+def replicas_match(
+    server: Server, source: str, holder_name: str, acknowledged: bool = False
+) -> int | None:
+    """The count of requests `source` runs when `holder_name` holds a replica of each
+    (and, with `acknowledged`, the front end knows how far each reaches), else None."""
     rows = {r["name"]: r for r in cluster(server)["instances"]}
-    held, holder = rows["decode-0"]["assigned_requests"], rows["decode-1"]
-    if not held or holder["stats"]["num_replicas"] != held:
+    ran, holder = rows[source]["stats"], rows[holder_name]
+    held = ran["num_running"]
+    if not held or ran["num_waiting"] or holder["stats"]["num_replicas"] != held:
         return None
     if acknowledged and holder["replicated_tokens"] != holder["stats"]["num_replicated_tokens"]:
         return None
@@ -663,6 +665,51 @@ def test_max_migrations_1_fails_a_request_whose_second_instance_dies(replicated:
     final = replicated.final
     assert (final["migrations"], final["failed"]) == (replicated.moved["migrations"], 1)
     assert final["instance_failures"] == {"prefill": 1, "decode": 2}
+
+
+@pytest.fixture(scope="module")
+def colocated_replicated(served_engine: Engine) -> Iterator[Story]:
+    """`--colocated 2 --kv-replication`: the two instances replicate to each other; the
+    workload runs; once every request on colocated-0 has a replica on colocated-1,
+    colocated-0 is killed."""
+    with serving("--colocated", "2", "--kv-replication") as server:
+        first_ring = rings(server)
+        bodies = [*workload(), LONG]
+        *expected, long_expected = run(served_engine, bodies)
+        streams = Streams(server.url, bodies)
+        streams.wait_tokens(8)
+        held = stop_holding_replicated(server, "colocated-0", "colocated-1")
+        os.kill(instance_pid(server, "colocated-0"), signal.SIGKILL)
+        assert wait_dead(server, "colocated-0") == KILLED
+        moved, second_ring = controller(server), rings(server)
+        results = streams.results()
+        wait_clean(server)
+        replicas_after = [r for r in cluster(server)["instances"] if r["alive"]]
+        yield Story(
+            [first_ring, second_ring], held, moved, results[:-1], expected, replicas_after,
+            results[-1], long_expected, controller(server),
+        )  # fmt: skip
+
+
+def test_colocated_instances_resume_from_each_others_replicas(
+    colocated_replicated: Story,
+) -> None:
+    """README: `--kv-replication` on colocated instances: each replicates its requests'
+    KV to the other; every request colocated-0 ran at its death resumed on colocated-1
+    from its replica, with the reference's texts, and no replica is left afterwards."""
+    story = colocated_replicated
+    assert story.rings == [
+        {"colocated-0": "colocated-1", "colocated-1": "colocated-0"},
+        {"colocated-1": None},
+    ]
+    assert story.held > 0
+    assert (story.moved["migrations"], story.moved["resumed_from_replica"]) == (story.held,) * 2
+    assert story.final["failed"] == 0
+    assert_texts([*story.results, story.long], [*story.expected, story.long_expected])
+    (row,) = story.replicas_after
+    assert row["replicated_tokens"] == 0
+    for field in ("num_replicas", "num_replica_blocks", "num_replicating"):
+        assert row["stats"][field] == 0, (field, row)
 
 
 # ---- 10. the third signal ---------------------------------------------------------------

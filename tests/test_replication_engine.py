@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from pdserve.cluster.replication import CostChoice, RecoveryCost
+from pdserve.cluster.costs import CostChoice, RecoveryCost
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core

@@ -218,7 +218,7 @@ def test_the_donor_is_the_other_instance_holding_the_most_quietest_first() -> No
 
 
 def test_fetching_pays_when_the_copy_and_overhead_beat_the_prefill() -> None:
-    from pdserve.cluster.replication import RecoveryCost
+    from pdserve.cluster.costs import RecoveryCost
     from pdserve.cluster.routing import FETCH_OVERHEAD_S
 
     rates = RecoveryCost(prefill_tokens_per_s=1000.0, copy_bytes_per_s=1e9)

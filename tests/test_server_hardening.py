@@ -28,8 +28,8 @@ import uvicorn
 from helpers.server import KEY, MODEL, Server, stop
 
 from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.faults import FaultCounters
 from pdserve.cluster.policies import DecodeChooser
-from pdserve.cluster.recovery import FaultCounters
 from pdserve.cluster.routing import FETCH_OVERHEAD_S, CacheCounters, Router
 from pdserve.model.default import default_model_path
 from pdserve.model.tokenizer import Tokenizer

@@ -51,20 +51,22 @@ from enum import StrEnum
 from itertools import takewhile
 
 from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.costs import RecoveryCost
 from pdserve.cluster.instance import Instance
-from pdserve.cluster.replication import RecoveryCost
 from pdserve.cluster.routing import Router
 from pdserve.kv.block_hash import block_hashes
-from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferPrefix, PrefixFetched
+from pdserve.protocol.cache import (
+    FetchPrefix,
+    KVOffered,
+    OfferKind,
+    OfferPrefix,
+    PrefixFetched,
+    offer_id,
+)
 from pdserve.protocol.core import AddRequest
 from pdserve.protocol.handoff import ReleaseKV
 
 log = logging.getLogger("pdserve.caching")
-
-
-class CopyKind(StrEnum):
-    RETURN = "return"  # a finished request's prompt + answer, decode -> prefill
-    PREFETCH = "prefetch"  # a cached prefix, donor -> the instance about to prefill it
 
 
 class CopyState(StrEnum):
@@ -77,7 +79,7 @@ class Copy:
     """One copy into `dest`'s prefix cache (the module docstring)."""
 
     offer_id: str
-    kind: CopyKind
+    kind: OfferKind
     source: Instance
     dest: Instance
     hashes: Sequence[int]  # chained block hashes of the tokens it brings
@@ -136,15 +138,14 @@ class CacheCopies:
     # ---- starting copies -------------------------------------------------------------
 
     def expect_return(
-        self, offer_id: str, source: Instance, dest: Instance, token_ids: Sequence[int]
+        self, key: str, source: Instance, dest: Instance, token_ids: Sequence[int]
     ) -> None:
-        """A request finished on `source`, which offers the full blocks of `token_ids` (its
-        prompt and answer, the KV it computed) to `dest` as `offer_id` next."""
+        """Request `key` finished on `source`, which offers the full blocks of `token_ids`
+        (its prompt and answer, the KV it computed) to `dest` next."""
         hashes = block_hashes(token_ids, self.block_size)
         if hashes:
-            self._copies[offer_id] = Copy(
-                offer_id, CopyKind.RETURN, source, dest, hashes, self._clock()
-            )
+            oid = offer_id(OfferKind.RETURN, key)
+            self._copies[oid] = Copy(oid, OfferKind.RETURN, source, dest, hashes, self._clock())
 
     def prefetch(
         self,
@@ -156,11 +157,11 @@ class CacheCopies:
     ) -> None:
         """Ask `donor` to offer the full blocks of `token_ids` to `dest` and park `request`
         (key `key`) until they are in `dest`'s cache."""
-        offer_id = f"{key}@prefetch"
+        oid = offer_id(OfferKind.PREFETCH, key)
         hashes = block_hashes(token_ids, self.block_size)
-        copy = Copy(offer_id, CopyKind.PREFETCH, donor, dest, hashes, self._clock())
-        self._copies[offer_id] = copy
-        donor.send(OfferPrefix(offer_id, token_ids, dest.name))
+        copy = Copy(oid, OfferKind.PREFETCH, donor, dest, hashes, self._clock())
+        self._copies[oid] = copy
+        donor.send(OfferPrefix(oid, token_ids, dest.name))
         self._park(copy, key, request)
 
     # ---- waiting -----------------------------------------------------------------------
@@ -214,11 +215,12 @@ class CacheCopies:
         copy = self._copies.get(msg.offer_id)
         if copy is None:  # a return nobody expected, or forgotten after `kv_wait_s`
             dest = self._instance(msg.to)
-            if dest is None:
-                self.router.counters.returns_dropped += 1
+            if dest is None or msg.kind is not OfferKind.RETURN:
+                if msg.kind is OfferKind.RETURN:
+                    self.router.counters.returns_dropped += 1
                 source.send(ReleaseKV([msg.offer_id]))
                 return
-            copy = Copy(msg.offer_id, CopyKind.RETURN, source, dest, (), self._clock())
+            copy = Copy(msg.offer_id, msg.kind, source, dest, (), self._clock())
             self._copies[msg.offer_id] = copy
         elif copy.source is not source or copy.state is not CopyState.PENDING:
             source.send(ReleaseKV([msg.offer_id]))  # not the offer asked for
@@ -226,7 +228,7 @@ class CacheCopies:
         copy.hashes = block_hashes(msg.token_ids, self.block_size)  # what it really brings
         if not self._may_copy(copy):
             source.send(ReleaseKV([msg.offer_id]))
-            if copy.kind is CopyKind.RETURN:
+            if copy.kind is OfferKind.RETURN:
                 self.router.counters.returns_dropped += 1
                 self._end(copy)
             else:
@@ -238,12 +240,12 @@ class CacheCopies:
     def _may_copy(self, copy: Copy) -> bool:
         if not copy.dest.alive:
             return False
-        if copy.kind is CopyKind.PREFETCH:
+        if copy.kind is OfferKind.PREFETCH:
             return True
         copying = sum(
             1
             for c in self._copies.values()
-            if c.dest is copy.dest and c.kind is CopyKind.RETURN and c.state is CopyState.COPYING
+            if c.dest is copy.dest and c.kind is OfferKind.RETURN and c.state is CopyState.COPYING
         )
         return copying < self.config.max_returns_in_flight
 
@@ -296,7 +298,7 @@ class CacheCopies:
         self._copies.pop(copy.offer_id, None)
         if failed is not None:
             log.info("KV %s %s to %s failed: %s", copy.kind, copy.offer_id, copy.dest.name, failed)
-            if copy.kind is CopyKind.PREFETCH or copy.state is CopyState.COPYING:
+            if copy.kind is OfferKind.PREFETCH or copy.state is CopyState.COPYING:
                 self._count(copy, 0, failed=True)
         for key in copy.waiting:
             waiter = self._waiters.get(key)
@@ -306,7 +308,7 @@ class CacheCopies:
 
     def _count(self, copy: Copy, fetched: int, failed: bool = False) -> None:
         counters = self.router.counters
-        if copy.kind is CopyKind.RETURN:
+        if copy.kind is OfferKind.RETURN:
             counters.returned(fetched, "failed" if failed else None)
         elif failed:
             counters.prefetches_failed += 1

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
 from pdserve.cluster.placement import PlacedInstance, check_roles, counts, in_launch_order
-from pdserve.config import Role
+from pdserve.config import EngineConfig, Role
 
 
 class Routing(StrEnum):
@@ -151,3 +152,38 @@ class ClusterConfig:
     @property
     def num_instances(self) -> int:
         return self.num_prefill + self.num_decode + self.num_colocated
+
+
+def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[EngineConfig]:
+    """One EngineConfig per instance: role, name, and its share of the CPU threads (or, with
+    a placement, the devices it names)."""
+    roles = (
+        [Role.PREFILL] * cluster.num_prefill
+        + [Role.DECODE] * cluster.num_decode
+        + [Role.COLOCATED] * cluster.num_colocated
+    )
+    even = max(1, engine.threads // len(roles))
+    shares = [p.devices for p in cluster.placement] if cluster.placement else [even] * len(roles)
+    counts: dict[Role, int] = {}
+    configs = []
+    for role, threads in zip(roles, shares, strict=True):
+        index = counts[role] = counts.get(role, -1) + 1
+        name = "engine" if len(roles) == 1 else f"{role.value}-{index}"
+        scheduler, cache = engine.scheduler, engine.cache
+        if role is Role.PREFILL and cluster.prefill_chunk_size is not None:
+            scheduler = dataclasses.replace(
+                scheduler, max_num_batched_tokens=cluster.prefill_chunk_size
+            )
+        if role is Role.DECODE and cluster.pd_caching == 1:  # PD-Caching-1: caching at P only
+            cache = dataclasses.replace(cache, enable_prefix_cache=False)
+        configs.append(
+            dataclasses.replace(
+                engine,
+                role=role,
+                instance_name=name,
+                num_threads=threads,
+                scheduler=scheduler,
+                cache=cache,
+            )
+        )
+    return configs

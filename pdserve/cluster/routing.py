@@ -43,10 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.cluster.config import ClusterConfig, Routing
+from pdserve.cluster.costs import RecoveryCost
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.policies import DecodeChooser, choose_prefill, has_room
 from pdserve.cluster.prompt_tree import PromptTree
-from pdserve.cluster.replication import RecoveryCost
 from pdserve.config import Role
 from pdserve.kv.block_hash import block_hashes
 from pdserve.protocol.core import LoadReport

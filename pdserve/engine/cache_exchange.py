@@ -38,7 +38,7 @@ from pdserve.kv.transfer import (
     Transport,
     stream_in,
 )
-from pdserve.protocol.cache import FetchPrefix, KVOffered, PrefixFetched
+from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferKind, PrefixFetched
 from pdserve.protocol.handoff import KVSource
 from pdserve.protocol.wire import EngineMessage
 
@@ -83,9 +83,10 @@ class CacheExchange:
 
     # ---- the source side -------------------------------------------------------------
 
-    def offer(self, offer_id: str, token_ids: list[int], to: str) -> bool:
-        """Pin the indexed full-block prefix of `token_ids` and offer it to instance `to`.
-        False (nothing pinned) when the index holds none of it or the id is in use."""
+    def offer(self, offer_id: str, kind: OfferKind, token_ids: list[int], to: str) -> bool:
+        """Pin the indexed full-block prefix of `token_ids` and offer it to instance `to`
+        (`kind`: why). False (nothing pinned) when the index holds none of it or the id is
+        in use."""
         if offer_id in self.offers or offer_id in self.kv:
             return False
         pinned = self.kv.hold(offer_id, token_ids, 0)
@@ -98,7 +99,7 @@ class CacheExchange:
         blocks = self.kv.block_table(offer_id)[: pinned // bs]
         self.offers[offer_id] = deadline
         source = KVSource(link.region.handle, blocks, pinned, deadline)
-        self._post(KVOffered(offer_id, to, token_ids[:pinned], source))
+        self._post(KVOffered(offer_id, kind, to, token_ids[:pinned], source))
         return True
 
     def release(self, offer_id: str) -> bool:

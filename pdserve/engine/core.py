@@ -57,7 +57,7 @@ from pdserve.kv.manager import KVManager
 from pdserve.kv.transfer import LayoutMismatchError, Region, apply_plan, stream_in
 from pdserve.model.base import CausalLM
 from pdserve.predictor.head import LengthHead
-from pdserve.protocol.cache import FetchPrefix, OfferPrefix, PrefixFetched
+from pdserve.protocol.cache import FetchPrefix, OfferKind, OfferPrefix, PrefixFetched, offer_id
 from pdserve.protocol.core import EngineOutput, NewToken, RequestRejected
 from pdserve.protocol.handoff import AddPrefilled, Handoff, ReserveKV
 from pdserve.protocol.prediction import LengthPrediction
@@ -434,7 +434,7 @@ class EngineCore:
     def offer_prefix(self, msg: OfferPrefix) -> None:
         """Pin what the prefix cache holds of `msg.token_ids` for instance `msg.to`
         (KVOffered); PrefixFetched with the reason when it holds none of it."""
-        if not self.exchange.offer(msg.offer_id, msg.token_ids, msg.to):
+        if not self.exchange.offer(msg.offer_id, OfferKind.PREFETCH, msg.token_ids, msg.to):
             name = self.config.instance_name
             self._post(PrefixFetched(msg.offer_id, name, 0, 0, 0, "not cached here any more"))
 
@@ -692,7 +692,8 @@ class EngineCore:
         index step by step) to instance `to`."""
         bs = self.kv.cfg.block_size
         full = req.num_computed_tokens // bs * bs
-        self.exchange.offer(f"{req.request_id}@return", req.all_token_ids[:full], to)
+        kind, tokens = OfferKind.RETURN, req.all_token_ids[:full]
+        self.exchange.offer(offer_id(kind, req.request_id), kind, tokens, to)
 
     def _leave_batch(self, req: Request) -> None:
         """The role took `req` over: out of the batch, its KV kept (the role frees it)."""

@@ -7,7 +7,7 @@ Decode -> prefill return (after a request finishes on a decode instance):
 
     AddPrefilled(return_to=P) -> decode instance D ... the request finishes there
     D: pins the full blocks of prompt + answer (its prefix index holds them), then
-       KVOffered(offer_id, to=P, token_ids, source) -> front end
+       KVOffered(offer_id, RETURN, to=P, token_ids, source) -> front end
     front end: P alive and not busy (its returns in flight below the bound)?
        yes: FetchPrefix(offer_id, source_instance=D, token_ids, source) -> P
        no:  ReleaseKV([offer_id]) -> D (the return is dropped, never retried)
@@ -22,7 +22,8 @@ holds a longer prefix of its prompt; when copying that part is cheaper than comp
 it (the cost rule in cluster/routing.py), the request waits while
 
     OfferPrefix(offer_id, token_ids, to=P) -> X
-    X: KVOffered (as above), or PrefixFetched(error) when it holds none of it any more
+    X: KVOffered(offer_id, PREFETCH, ...) (as above), or PrefixFetched(error) when it
+       holds none of it any more
     FetchPrefix -> P ... PrefixFetched -> front end: ReleaseKV -> X; AddRequest -> P
 
 and P's prefill then finds those blocks in its prefix cache. Any failure only means P
@@ -37,9 +38,24 @@ nothing a client waits for depends on any of this.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import msgspec
 
 from pdserve.protocol.handoff import KVSource
+
+
+class OfferKind(StrEnum):
+    """Why KV is offered."""
+
+    RETURN = "return"  # a finished request's prompt + answer, decode -> its prefill instance
+    PREFETCH = "prefetch"  # a cached prefix, donor -> the instance about to prefill it
+
+
+def offer_id(kind: OfferKind, request_key: str) -> str:
+    """The id of the `kind` offer made for a request: the key of the pin at the source,
+    which no request id takes (the `@`)."""
+    return f"{request_key}@{kind}"
 
 
 class KVOffered(msgspec.Struct, frozen=True, tag=True):
@@ -48,6 +64,7 @@ class KVOffered(msgspec.Struct, frozen=True, tag=True):
     it unpins. `token_ids` has `source.num_tokens` tokens."""
 
     offer_id: str
+    kind: OfferKind
     to: str  # the instance name the KV is offered to
     token_ids: list[int]
     source: KVSource

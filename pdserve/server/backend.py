@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
-from pdserve.cluster.recovery import FaultCounters
+from pdserve.cluster.faults import FaultCounters
 from pdserve.cluster.routing import Router
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams

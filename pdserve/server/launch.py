@@ -21,8 +21,8 @@ from types import FrameType
 
 import uvicorn
 
-from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.controller import Cluster, instance_configs
+from pdserve.cluster.config import ClusterConfig, instance_configs
+from pdserve.cluster.controller import Cluster
 from pdserve.cluster.instance import Launcher
 from pdserve.config import EngineConfig
 from pdserve.errors import RequestCancelledError

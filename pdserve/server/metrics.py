@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.cluster.recovery import FaultCounters
+from pdserve.cluster.faults import FaultCounters
 from pdserve.cluster.routing import Router
 from pdserve.engine.outputs import RequestOutput
 from pdserve.predictor.confusion import PredictionCounters

@@ -1,0 +1,40 @@
+"""The features the controller runs, in the order it calls them (docs/controller.md).
+
+Adding a family of messages to the front end (say, instance flip) is one new module with a
+`Feature` subclass (cluster/hub.py) and one line here. The order matters where hooks meet:
+dispatch's push stops and caching's copies end before recovery moves a dead instance's
+requests (its `instance_dead`); replication re-arranges its ring after they moved
+(`instances_changed`).
+"""
+
+from __future__ import annotations
+
+from pdserve.cluster.cache_copies import CacheCopies
+from pdserve.cluster.caching import Caching
+from pdserve.cluster.costs import RecoveryCost
+from pdserve.cluster.dispatch import Dispatch
+from pdserve.cluster.hub import Feature, Hub
+from pdserve.cluster.instance import Instance
+from pdserve.cluster.recovery import Recovery
+from pdserve.cluster.replication import Replication
+from pdserve.cluster.routing import Router
+from pdserve.protocol.core import AddRequest
+
+
+def assemble(hub: Hub, router: Router) -> tuple[Dispatch, list[Feature]]:
+    """The hub's dispatch (also the first feature: the hand-off's messages) and every
+    feature, in calling order."""
+    rates = RecoveryCost()  # the measured prefill rate and KV copy bandwidth, shared
+    block_size = hub.engine.cache.block_size
+
+    def send_parked(key: str, inst: Instance, request: AddRequest) -> None:
+        dispatch.send_waiting(key, inst, request)  # the copy a parked request waited for ended
+
+    copies = CacheCopies(hub.config, block_size, router, rates, hub.instance, send_parked)
+    dispatch = Dispatch(hub, router, copies, rates)
+    return dispatch, [
+        dispatch,
+        Caching(router, copies),
+        Replication(hub),
+        Recovery(hub, dispatch, rates),
+    ]

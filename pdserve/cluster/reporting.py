@@ -1,0 +1,97 @@
+"""What the front end reports about its instances: counters summed over them (/metrics),
+per-instance rows (/debug/cluster), and the cluster as it sees it now (`pdserve cluster
+status`). Read-only: nothing here changes an instance or a request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+from pdserve.cluster.hub import Feature
+from pdserve.cluster.instance import Instance, Launcher
+from pdserve.errors import EngineDeadError
+from pdserve.protocol.core import EngineStats
+
+
+async def summed_stats(
+    instances: Sequence[Instance], check_integrity: bool, timeout: float
+) -> EngineStats:
+    """Counters summed over the live instances; integrity errors name the instance."""
+    live = [i for i in instances if i.alive]
+    if not live:
+        raise EngineDeadError("no live instance")
+    replies = await asyncio.gather(
+        *(i.stats(check_integrity, timeout) for i in live), return_exceptions=True
+    )
+    totals: dict[str, int] = {}
+    errors: list[str] = []
+    for inst, reply in zip(live, replies, strict=True):
+        if isinstance(reply, BaseException):
+            errors.append(f"{inst.name}: no stats ({reply})")
+            continue
+        for name in reply.__struct_fields__:
+            value = getattr(reply, name)
+            if name not in ("request_id", "integrity_error") and isinstance(value, int):
+                totals[name] = totals.get(name, 0) + value
+        if reply.integrity_error:
+            errors.append(f"{inst.name}: {reply.integrity_error}")
+    if not totals:
+        raise EngineDeadError("no instance answered: " + "; ".join(errors))
+    return EngineStats(request_id=0, integrity_error="; ".join(errors) or None, **totals)
+
+
+def status(instances: Sequence[Instance], launcher: Launcher) -> dict[str, object]:
+    """The cluster as the controller sees it now, without asking any instance: the nodes
+    and which instances run on each, every instance's role, liveness and load (its last
+    load report and what the front end assigned it)."""
+    nodes = launcher.nodes()
+    for row in nodes:
+        row["instances"] = [i.name for i in instances if i.node == row["node"]]
+    rows = []
+    for inst in instances:
+        report = inst.report
+        rows.append(
+            {
+                **_identity(inst),
+                "running": report.num_running if report else None,
+                "waiting": report.num_waiting if report else None,
+                "free_blocks": report.num_obtainable_blocks if report else None,
+                "blocks": report.num_blocks if report else None,
+            }
+        )
+    return {"launcher": launcher.kind, "nodes": nodes, "instances": rows}
+
+
+async def instance_rows(
+    instances: Sequence[Instance], features: Sequence[Feature], timeout: float
+) -> list[dict[str, object]]:
+    """Per instance: role, liveness, assigned load, what each feature knows of it
+    (`Feature.describe`), its counters."""
+    rows: list[dict[str, object]] = []
+    for inst in instances:
+        row: dict[str, object] = _identity(inst)
+        for feature in features:
+            row.update(feature.describe(inst))
+        if inst.alive:
+            with contextlib.suppress(Exception):
+                stats = await inst.stats(True, timeout)
+                fields = [f for f in stats.__struct_fields__ if f != "request_id"]
+                row["stats"] = {f: getattr(stats, f) for f in fields}
+        rows.append(row)
+    return rows
+
+
+def _identity(inst: Instance) -> dict[str, object]:
+    """What every per-instance row starts with: who and where it is, whether it lives,
+    and the load the front end assigned it."""
+    return {
+        "name": inst.name,
+        "role": inst.role.value,
+        "node": inst.node,
+        "pid": inst.process.pid,
+        "alive": inst.alive,
+        "dead_reason": inst.dead,
+        "assigned_requests": inst.assigned_requests,
+        "assigned_prefill_tokens": inst.assigned_prefill_tokens,
+    }
