@@ -559,38 +559,38 @@ def workload() -> list[dict]:
 def stop_holding_replicated(
     server: Server, source: str = "decode-0", holder: str = "decode-1", timeout: float = 300.0
 ) -> int:
-    """SIGSTOP `source` at a moment every request it runs has a replica on `holder` (one
-    record per request there, and the front end's replicated-through figures
-    acknowledged: they sum to the holder's own); the number of those requests. Reading
-    the rows waits 5 s on the stopped instance's stats."""
+    """SIGSTOP `source` at a moment every request it runs (none waiting) has a replica on
+    `holder` (one record per request there), once the front end's replicated-through
+    figures are acknowledged (they sum to the holder's own); the number of those requests.
+    The workload was sent at once, so the source takes no new request meanwhile. Reading
+    the rows waits 5 s on the stopped instance's stats (absent from its row then)."""
     pid = instance_pid(server, source)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if replicas_match(server, source, holder) is None:
+        rows = instance_rows(server)
+        ran = rows[source]["stats"]
+        held = ran["num_running"]
+        if not held or ran["num_waiting"] or replicas(rows[holder]) != held:
             time.sleep(0.05)
             continue
         os.kill(pid, signal.SIGSTOP)
         for _ in range(3):  # acknowledgements still on their way arrive
-            held = replicas_match(server, source, holder, acknowledged=True)
-            if held is not None:
+            row = instance_rows(server)[holder]
+            if (
+                replicas(row) == held
+                and row["replicated_tokens"] == row["stats"]["num_replicated_tokens"]
+            ):
                 return held
         os.kill(pid, signal.SIGCONT)
     raise AssertionError(f"{source}'s requests never all had a replica on {holder}")
 
 
-def replicas_match(
-    server: Server, source: str, holder_name: str, acknowledged: bool = False
-) -> int | None:
-    """The count of requests `source` runs when `holder_name` holds a replica of each
-    (and, with `acknowledged`, the front end knows how far each reaches), else None."""
-    rows = {r["name"]: r for r in cluster(server)["instances"]}
-    ran, holder = rows[source]["stats"], rows[holder_name]
-    held = ran["num_running"]
-    if not held or ran["num_waiting"] or holder["stats"]["num_replicas"] != held:
-        return None
-    if acknowledged and holder["replicated_tokens"] != holder["stats"]["num_replicated_tokens"]:
-        return None
-    return int(held)
+def instance_rows(server: Server) -> dict[str, dict]:
+    return {r["name"]: r for r in cluster(server)["instances"]}
+
+
+def replicas(row: dict) -> int:
+    return int(row["stats"]["num_replicas"])
 
 
 @pytest.fixture(scope="module")
