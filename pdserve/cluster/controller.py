@@ -61,9 +61,9 @@ from pdserve.cluster.replication import RecoveryCost, ring
 from pdserve.cluster.routing import Donor, RouteKey, Router, session_key
 from pdserve.config import EngineConfig, Role, TransferMode
 from pdserve.engine.admission import remaining_tokens
+from pdserve.engine.length_head import HeadSpec, read_head
 from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import check_request
 from pdserve.errors import (
     EngineDeadError,
@@ -74,7 +74,6 @@ from pdserve.errors import (
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.confusion import PredictionCounters
-from pdserve.predictor.head import HeadSpec, read_head
 from pdserve.protocol.cache import KVOffered, PrefixFetched
 from pdserve.protocol.core import (
     AbortRequests,
@@ -107,6 +106,7 @@ from pdserve.protocol.replica import (
     ResumeFromReplica,
     StoreReplicas,
 )
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.timing import RequestTimes
 from pdserve.protocol.wire import EngineMessage, Handlers
 
