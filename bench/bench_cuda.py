@@ -59,9 +59,9 @@ from helpers.tiny_models import load_hf_reference, make_tiny_model
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
+from pdserve.protocol.sampling_params import SamplingParams
 
 NEW_TOKENS = 24
 # The shipped SmolLM2's shape, written out: the GPU machine has no room to carry the

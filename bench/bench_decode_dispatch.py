@@ -30,11 +30,12 @@ import torch
 
 from pdserve.cluster.config import DecodePolicy
 from pdserve.cluster.policies import DecodeChooser
+from pdserve.engine.length_head import features, read_head
 from pdserve.planner.hardware import datasheet_profile
 from pdserve.planner.latency import StepCost, step_cost
 from pdserve.planner.model_spec import PRESETS
 from pdserve.predictor.data import LengthData
-from pdserve.predictor.head import SHIPPED_DIR, SHIPPED_HEADS, features, read_head
+from pdserve.predictor.shipped import SHIPPED_DIR, SHIPPED_HEADS
 from pdserve.predictor.train import split_by_prompt
 
 HEAVY = 128  # TetriInfer: ShareGPT's median answer length

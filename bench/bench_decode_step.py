@@ -25,7 +25,7 @@ and the median of the paired ratios, and on how many rounds' ends the cores sat 
 CCDs (bench/reads.py).
 
 `--kv-pages`: the same engine's rounds alternate between its KV pool (on 2 MB pages,
-`quant/memory.py`) and a copy on ordinary pages (`torch.zeros`, what the pool was
+`pdserve/memory.py`) and a copy on ordinary pages (`torch.zeros`, what the pool was
 before); prints each round's medians and the median of the paired ratios.
 """
 

@@ -50,7 +50,6 @@ import reads
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import (
@@ -62,6 +61,7 @@ from pdserve.model.loader import (
 )
 from pdserve.model.registry import build_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.quant.formats import QuantType
 from pdserve.quant.linear import QuantLinear
 

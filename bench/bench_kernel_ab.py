@@ -83,9 +83,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reads
 from bench_quant_kernels import random_blocks
 
+from pdserve.memory import huge_page_zeros
 from pdserve.quant.formats import QuantType
 from pdserve.quant.linear import QuantLinear
-from pdserve.quant.memory import huge_page_zeros
 
 SHAPES = ((3072, 576), (1728, 576), (576, 1536))  # gate/up, q/k/v, down
 
@@ -126,7 +126,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """t copied onto 2 MB pages, as the served KV pool is (quant/memory.py)."""
+    """t copied onto 2 MB pages, as the served KV pool is (pdserve/memory.py)."""
     out = huge_page_zeros(tuple(t.shape), t.dtype)
     out.copy_(t)
     return out
@@ -240,8 +240,8 @@ def step_ab(
     """See the module docstring (`--step`, `--whole`, `--layers`)."""
     from bench_decode_step import served_engine
 
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.model.fused import FusedLayers
+    from pdserve.protocol.sampling_params import SamplingParams
 
     threads = torch.get_num_threads()  # --threads: the engine sets its config's
     engine = served_engine(activations, decode_burst=1)  # each step's layers swapped

@@ -23,7 +23,6 @@ from pdserve.config import CacheConfig, EngineConfig, Role, SchedulerConfig, Tra
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model
 from pdserve.engine.roles import PrefillRole
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.base import CausalLM
 from pdserve.protocol.handoff import (
     AddPrefilled,
@@ -33,6 +32,7 @@ from pdserve.protocol.handoff import (
     KVReserved,
     ReserveKV,
 )
+from pdserve.protocol.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 

@@ -33,12 +33,12 @@ import torch
 
 from pdserve.config import KV_CACHE_DTYPES, EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.model.attention import AttentionMetadata, SeqSpec
 from pdserve.model.base import CausalLM
 from pdserve.predictor.prompts import make_prompts
+from pdserve.protocol.sampling_params import SamplingParams
 
 NUM_PROMPTS = 16
 NUM_TOKENS = 64

@@ -37,9 +37,9 @@ import pdserve.model.layers as layers_mod
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.layers import DecoderLayer
 from pdserve.model.loader import resolve_model
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.quant.linear import QuantLinear
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")

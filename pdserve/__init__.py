@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from pdserve.version import __version__
 
 if TYPE_CHECKING:
     from pdserve.engine.llm import LLM
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.protocol.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

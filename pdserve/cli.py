@@ -123,7 +123,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.config import EngineConfig, SchedulerConfig, check_device
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol.sampling_params import SamplingParams
+    from pdserve.runtime import quiet_openmp_waits
+
+    quiet_openmp_waits()  # before check_device may load torch (runtime.py)
 
     params = SamplingParams(  # validated before the (slow) engine import and model load
         max_tokens=args.max_tokens,

@@ -239,7 +239,7 @@ class EngineConfig:
     # process reads them from the model's tokenizer; a front end that loaded the tokenizer
     # already passes them (building a GGUF tokenizer costs seconds per process).
     stop_token_ids: tuple[int, ...] | None = None
-    # Output-length head file (pdserve/predictor/head.py) read at load, checked against the
+    # Output-length head file (pdserve/engine/length_head.py) read at load, checked against the
     # model; None: no predictions (length-aware policies fall back, docs/scheduling.md).
     length_predictor: str | None = None
 

@@ -63,7 +63,8 @@ def quiet_openmp_waits() -> None:
 
     libgomp reads the environment once, when it loads (with torch), so this must run
     before `import torch`: pdserve/engine/__init__.py calls it, which every engine module
-    import runs first, and so does the fork server's start. A process that loaded torch
+    import runs first, and so do the fork server's start and `pdserve generate` (whose
+    device check may load torch before the engine). A process that loaded torch
     already keeps its waits but still passes the setting on to the processes it starts."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return

@@ -20,7 +20,6 @@ from pdserve.cluster.costs import RecoveryCost
 from pdserve.cluster.policies import DecodeChooser
 from pdserve.cluster.routing import FETCH_OVERHEAD_S, Router, RunningMedian
 from pdserve.config import Role
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.block_hash import block_hashes
 from pdserve.kv.layout import KVLayout, RegionHandle
 from pdserve.protocol.cache import (
@@ -33,6 +32,7 @@ from pdserve.protocol.cache import (
 )
 from pdserve.protocol.core import AddRequest
 from pdserve.protocol.handoff import KVSource, ReleaseKV
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.wire import EngineMessage
 
 BS = 16

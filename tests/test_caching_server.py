@@ -46,9 +46,9 @@ from openai.types import Completion
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.sampling_params import SamplingParams
 
 BS = 16
 MAX_TOKENS = 32

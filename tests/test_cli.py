@@ -121,7 +121,7 @@ def test_dtype_serves_fp_weights_and_refuses_quantized_ones() -> None:
     import torch
 
     from pdserve.engine.llm import LLM
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol.sampling_params import SamplingParams
 
     question = "What is the capital of France?"
     proc = pdserve("generate", question, "--dtype", "bfloat16", "--max-tokens", "8")

@@ -17,8 +17,8 @@ import pytest
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_trace import StepTrace
+from pdserve.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.kernels
 

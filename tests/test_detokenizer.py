@@ -7,8 +7,8 @@ from typing import ClassVar
 import pytest
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop_strings import StopMatcher
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class ByteTokenizer:

@@ -33,7 +33,6 @@ from pdserve.config import EngineConfig, Role
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import load_model
 from pdserve.engine.roles import ColocatedRole, DecodeRole, PrefillRole
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.transfer import gather
 from pdserve.model.base import CausalLM
 from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferKind, OfferPrefix, PrefixFetched
@@ -44,6 +43,7 @@ from pdserve.protocol.handoff import (
     KVReceived,
     ReserveKV,
 )
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.wire import EngineMessage
 
 MODES = ["pull", "layer-push", "request-push"]

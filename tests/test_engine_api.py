@@ -6,8 +6,8 @@ import pytest
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.sampling_params import SamplingParams
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -16,7 +16,7 @@ import pytest
 from pdserve.config import PreemptionMode
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 TOPICS = [
     "the moon",

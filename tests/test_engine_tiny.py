@@ -9,7 +9,7 @@ from helpers.tiny_models import load_hf_reference, make_tiny_gguf, make_tiny_mod
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 NEW = 12
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7] * 11, list(range(60, 90))]

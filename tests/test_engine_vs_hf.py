@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import iter_weights
+from pdserve.protocol.sampling_params import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

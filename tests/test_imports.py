@@ -1,19 +1,10 @@
 """Import structure of `pdserve`: no import cycles; the KV descriptors import no torch.
 
-The graph: one node per module under `pdserve/` (a package's `__init__.py` is the package
-itself), one edge per import of a `pdserve` module, read from the source with `ast`.
-
-- `import a.b.c` is an edge to `a.b.c`; `from pkg import name` is an edge to `pkg.name` when
-  that is a module, else to `pkg` (then `name` is an attribute of the package's `__init__`).
-  Relative imports are resolved against the importing module.
-- Imports anywhere count, inside functions too: a lazy import is a run-time dependency that
-  only runs later, and a cycle through it still means the two modules cannot be understood,
-  tested or split apart one without the other.
-- Imports under `if TYPE_CHECKING:` do NOT count: they never run, they exist for annotations
-  only (with `from __future__ import annotations`), so they cannot form a run-time cycle.
-- Importing `pkg.mod` also runs `pkg/__init__.py` first, but that implicit edge is not
-  drawn: a package whose `__init__` re-exports its submodules would otherwise be a "cycle"
-  with each of them, and Python handles that order by design.
+The graph is tests/helpers/imports.py's: one node per module, one edge per import of a
+`pdserve` module, lazy ones in functions included (a cycle through a lazy import still
+means the two modules cannot be understood, tested or split apart one without the
+other), those under `if TYPE_CHECKING:` left out (they never run, they exist for
+annotations only, so they cannot form a run-time cycle).
 """
 
 from __future__ import annotations
@@ -21,82 +12,8 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
-import pdserve
-
-ROOT = Path(pdserve.__file__).parent
-
-
-def module_names() -> dict[str, Path]:
-    """Every module under pdserve/ by dotted name (a package's __init__ as the package)."""
-    names: dict[str, Path] = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        names[".".join(parts)] = path
-    return names
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Import statements anywhere below `node`, except in `if TYPE_CHECKING:` bodies (their
-    `else:` branches do run, so they count)."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
-            for stmt in child.orelse:
-                yield from _imports_of_stmt(stmt)
-            continue
-        if isinstance(child, ast.Import | ast.ImportFrom):
-            yield child
-        yield from _imports(child)
-
-
-def _imports_of_stmt(stmt: ast.stmt) -> Iterator[ast.Import | ast.ImportFrom]:
-    if isinstance(stmt, ast.Import | ast.ImportFrom):
-        yield stmt
-    yield from _imports(stmt)
-
-
-def _known(name: str, modules: dict[str, Path]) -> str | None:
-    """`name`, or its closest enclosing module, if it is a pdserve module."""
-    while name and name not in modules:
-        name = name.rpartition(".")[0]
-    return name or None
-
-
-def import_graph() -> dict[str, set[str]]:
-    modules = module_names()
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        is_package = path.name == "__init__.py"
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in _imports(tree):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    package = name if is_package else name.rpartition(".")[0]
-                    for _ in range(node.level - 1):
-                        package = package.rpartition(".")[0]
-                    base = f"{package}.{base}" if base else package
-                for alias in node.names:
-                    sub = f"{base}.{alias.name}"
-                    targets.append(sub if sub in modules else base)
-            for target in targets:
-                known = _known(target, modules)
-                if known is not None and known != name:
-                    graph[name].add(known)
-    return graph
+from helpers.imports import ROOT, import_graph, imports
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -175,11 +92,15 @@ def test_imports_skip_type_checking_and_count_lazy_ones() -> None:
         "def f():\n"
         "    from d import e\n"
     )
-    found = [
-        n.module if isinstance(n, ast.ImportFrom) else n.names[0].name
-        for n in _imports(ast.parse(source))
-    ]
-    assert found == ["typing", "typing", "b", "d"]
+
+    def found(type_checking: bool) -> list[str | None]:
+        return [
+            n.module if isinstance(n, ast.ImportFrom) else n.names[0].name
+            for n in imports(ast.parse(source), type_checking)
+        ]
+
+    assert found(False) == ["typing", "typing", "b", "d"]
+    assert found(True) == ["typing", "typing", "a", "b", "c", "d"]  # tests/test_layers.py's
 
 
 def test_graph_resolves_the_import_forms() -> None:

@@ -5,7 +5,7 @@ the engine running under every combination of them with greedy outputs unchanged
   starvation bound, then the same order out of a real core;
 - decode admission (engine/admission.py) on constructed batches, worked by hand;
 - decode dispatch (cluster/policies.py) on constructed loads;
-- the length head (predictor/head.py): what a bad file is told, the prediction riding on
+- the length head (engine/length_head.py): what a bad file is told, the prediction riding on
   the first output and on to the decode core, and deliberately wrong heads (always the
   shortest bucket, always the longest) under every admission rule: outputs identical to
   the colocated default, no leak, no deadlock.
@@ -27,14 +27,14 @@ from pdserve.cluster.policies import DecodeChooser, same_class
 from pdserve.config import DecodeAdmission, EngineConfig, PrefillPolicy, Role, SchedulerConfig
 from pdserve.engine.admission import KVJob, admits, peak_future_blocks, remaining_tokens
 from pdserve.engine.engine import load_model
+from pdserve.engine.length_head import HeadSpec, LengthHead, set_probe
 from pdserve.engine.prefill_queue import PrefillQueue
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import ModelLoadError
 from pdserve.model.base import CausalLM
-from pdserve.predictor.head import HeadSpec, LengthHead, set_probe
 from pdserve.protocol.core import LoadReport
 from pdserve.protocol.prediction import LengthPrediction
+from pdserve.protocol.sampling_params import SamplingParams
 
 # ---- prefill order -------------------------------------------------------------------------
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.core import EngineCore
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.sampling_params import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

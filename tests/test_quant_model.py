@@ -23,11 +23,11 @@ from helpers.tiny_models import make_tiny_gguf, make_tiny_model
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine, load_model
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import ModelLoadError
 from pdserve.model.base import CausalLM
 from pdserve.model.loader import Quantization, iter_weights, load_config, resolve_quantization
 from pdserve.model.registry import build_model
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantEmbedding, QuantLinear
 

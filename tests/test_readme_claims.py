@@ -46,8 +46,8 @@ from helpers.tiny_models import make_tiny_model
 
 from pdserve.cluster.status import render
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.sampling_params import SamplingParams
 
 BS = 16  # the block size: the prefix caches hold full blocks
 UNAUTHORIZED = {

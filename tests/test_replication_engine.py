@@ -21,7 +21,6 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferC
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core
 from pdserve.engine.engine_process import _Loop
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.layout import KVLayout
@@ -47,6 +46,7 @@ from pdserve.protocol.replica import (
     ResumeFromReplica,
     StoreReplicas,
 )
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.wire import EngineMessage
 
 PROMPTS = [

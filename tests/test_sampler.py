@@ -15,7 +15,7 @@ from pdserve.engine.sampler import (
     sample,
     sampling_probs,
 )
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 VOCAB = 64
 

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 def test_defaults_follow_openai_conventions() -> None:

@@ -8,9 +8,9 @@ import pytest
 
 from pdserve.config import PreemptionMode, SchedulerConfig
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kv import KVCacheConfig, KVManager
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 def make(

@@ -52,15 +52,9 @@ from test_disagg_server import PROMPTS
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine, load_model
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.predictor.head import (
-    SHIPPED_DIR,
-    SHIPPED_HEADS,
-    HeadSpec,
-    LengthHead,
-    read_head,
-    set_probe,
-)
+from pdserve.engine.length_head import HeadSpec, LengthHead, read_head, set_probe
+from pdserve.predictor.shipped import SHIPPED_DIR, SHIPPED_HEADS
+from pdserve.protocol.sampling_params import SamplingParams
 
 MAX_TOKENS = 24
 QUESTIONS = [

@@ -35,9 +35,9 @@ from pdserve.cluster.policies import DecodeChooser
 from pdserve.cluster.routing import Router, session_key
 from pdserve.cluster.table import Item, Phase, Record, RequestTable
 from pdserve.config import EngineConfig, Role
+from pdserve.engine.length_head import HeadSpec, read_head
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import check_request
 from pdserve.errors import (
     EngineDeadError,
@@ -48,7 +48,6 @@ from pdserve.errors import (
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.confusion import PredictionCounters
-from pdserve.predictor.head import HeadSpec, read_head
 from pdserve.protocol.core import (
     AbortRequests,
     EngineStats,
@@ -56,6 +55,7 @@ from pdserve.protocol.core import (
     RequestRejected,
     WeightsInfo,
 )
+from pdserve.protocol.sampling_params import SamplingParams
 
 _WATCH_S = 0.1
 

@@ -20,8 +20,8 @@ from enum import StrEnum
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.routing import RouteKey
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.prediction import LengthPrediction
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.timing import RequestTimes
 
 Item = RequestOutput | BaseException

@@ -27,6 +27,7 @@ import torch
 from pdserve.config import DecodeAdmission, EngineConfig, Role
 from pdserve.engine.admission import KVJob, admits, remaining_tokens
 from pdserve.engine.cache_exchange import CacheExchange
+from pdserve.engine.length_head import LengthHead
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.replica_store import ReplicaStore
 from pdserve.engine.replicator import Replicator
@@ -46,7 +47,6 @@ from pdserve.engine.roles import (
     open_link,
 )
 from pdserve.engine.sampler import SampledToken, SamplingRow, is_plain_greedy, sample
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pdserve.engine.validation import check_request
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
@@ -56,7 +56,6 @@ from pdserve.kv.layout import KVLayout
 from pdserve.kv.manager import KVManager
 from pdserve.kv.transfer import LayoutMismatchError, Region, apply_plan, stream_in
 from pdserve.model.base import CausalLM
-from pdserve.predictor.head import LengthHead
 from pdserve.protocol.cache import FetchPrefix, OfferKind, OfferPrefix, PrefixFetched, offer_id
 from pdserve.protocol.core import EngineOutput, NewToken, RequestRejected
 from pdserve.protocol.handoff import AddPrefilled, Handoff, ReserveKV
@@ -71,6 +70,7 @@ from pdserve.protocol.replica import (
     ResumeFromReplica,
     StoreReplicas,
 )
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.wire import EngineMessage
 
 _TRANSFER_ROLES: dict[Role, type[TransferRole]] = {
@@ -90,7 +90,7 @@ class EngineCore:
         length_head: LengthHead | None = None,
     ) -> None:
         """`length_head`: predicts each fresh prompt's output length from its final hidden
-        state (pdserve/predictor/head.py); None: no predictions."""
+        state (pdserve/engine/length_head.py); None: no predictions."""
         self.config = config
         self.model = model
         self.max_model_len = max_model_len

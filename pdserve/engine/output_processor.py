@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.core import EngineOutput
 from pdserve.protocol.prediction import LengthPrediction
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class LoopBudget:

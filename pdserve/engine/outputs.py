@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.protocol.prediction import LengthPrediction
+from pdserve.protocol.timing import RequestMetrics
 
 
 @dataclass(frozen=True)
@@ -12,21 +13,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...]  # (token id, logprob), best first
-
-
-@dataclass(frozen=True)
-class RequestMetrics:
-    """Seconds, measured in the engine (monotonic clock)."""
-
-    queue_time: float | None  # arrival -> first scheduled
-    prefill_time: float | None  # first scheduled -> first token
-    decode_time: float | None  # first token -> finished
-    ttft: float | None  # arrival -> first token
-    e2e: float | None  # arrival -> finished
-    num_preemptions: int = 0
-    # Disaggregated serving only (DistServe §6.3 breakdown); None when colocated.
-    transfer_time: float | None = None  # the KV move itself
-    decode_queue_time: float | None = None  # prefill done -> decode side runs it, minus transfer
 
 
 @dataclass

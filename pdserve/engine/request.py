@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.prediction import LengthPrediction
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.timing import RequestTimes
 
 

@@ -33,7 +33,7 @@ from typing import cast
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 

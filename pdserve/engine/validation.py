@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 def check_request(

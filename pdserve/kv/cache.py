@@ -11,7 +11,7 @@ unit of layer-by-layer streaming. Zero-initialised (see `model/attention.py`).
 On the CPU nothing is written at start: both tiers are fresh mappings (`huge_page_zeros`,
 or a transfer region's /dev/shm segment), zeros whose pages the kernel faults in where
 first written. The device tier's pages are faulted in behind the start instead, by a
-thread at the lowest priority (`quant/memory.py` `fault_in_behind`) in the order blocks
+thread at the lowest priority (`pdserve/memory.py` `fault_in_behind`) in the order blocks
 are handed out: the first requests' blocks first (a 2 MB page's first touch cost 4-50 ms
 on this project's VM, and the first request writes one in each layer's K and V), and no
 step later meets a burst of faults. The host tier, written only by swaps, stays lazy.
@@ -31,7 +31,7 @@ from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer.aggregate import copy_runs
 from pdserve.kv.transfer.layout import token_view, torch_dtype
 from pdserve.kv.transfer.plan import runs_between
-from pdserve.quant.memory import HUGE_PAGE, fault_in, fault_in_behind, huge_page_zeros
+from pdserve.memory import HUGE_PAGE, fault_in, fault_in_behind, huge_page_zeros
 
 
 class KVCache:
@@ -118,7 +118,7 @@ def _device_tier(
 ) -> torch.Tensor:
     dtype = torch_dtype(layout)
     if given is None and torch.device(device).type == "cpu":
-        return huge_page_zeros(layout.shape, dtype)  # see quant/memory.py
+        return huge_page_zeros(layout.shape, dtype)  # see pdserve/memory.py
     if given is None:
         return torch.zeros(layout.shape, dtype=dtype, device=device)
     if tuple(given.shape) != layout.shape or given.dtype != dtype:

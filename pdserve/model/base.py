@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pdserve.errors import ModelLoadError
+from pdserve.memory import HugePageArena
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.config import ModelConfig
 from pdserve.model.fused import FusedLayers, norm_rows
@@ -24,7 +25,6 @@ from pdserve.model.linear import Linear, PackedLinear
 from pdserve.model.loader import Quantization, is_quantizable, weight_shapes
 from pdserve.quant.formats import QuantWeight
 from pdserve.quant.linear import QuantEmbedding, QuantLinear
-from pdserve.quant.memory import HugePageArena
 
 Weight = torch.Tensor | QuantWeight
 
@@ -215,7 +215,7 @@ class CausalLM(nn.Module):
 
     def _finalize_quantized(self, pack: bool) -> None:
         """Build every op from the weights `load_weights` kept (see the class docstring),
-        what their kernels stream on 2 MB pages (quant/memory.py)."""
+        what their kernels stream on 2 MB pages (pdserve/memory.py)."""
         arena = HugePageArena()
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)

@@ -102,7 +102,7 @@ class StepTimer:
         self.observer = StepObserver(core.scheduler)
 
     def add(self, prompt_len: int, max_tokens: int) -> str:
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.protocol.sampling_params import SamplingParams
 
         self.ids += 1
         rid = f"p{self.ids}"

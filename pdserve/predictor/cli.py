@@ -109,7 +109,7 @@ def _data(args: argparse.Namespace, engine: Engine) -> LengthData:
 
 def _prefill_seconds(engine: Engine, texts: list[str]) -> float:
     """Median seconds from scheduling to the first token of single prompts (no batch)."""
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol.sampling_params import SamplingParams
 
     times = []
     for text in texts:
@@ -127,7 +127,7 @@ def _prefill_seconds(engine: Engine, texts: list[str]) -> float:
 def _train(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from pdserve.predictor.head import HeadSpec, set_probe
+    from pdserve.engine.length_head import HeadSpec, set_probe
     from pdserve.predictor.prompts import make_prompts
     from pdserve.predictor.train import evaluate_granularity, head_cost, split_by_prompt
 

@@ -8,7 +8,7 @@ failed requests are not counted.
 
 from __future__ import annotations
 
-from pdserve.predictor.head import HeadSpec
+from pdserve.engine.length_head import HeadSpec
 from pdserve.protocol.prediction import LengthPrediction
 
 

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 SAMPLED_TEMPERATURE = 0.8
 SAMPLED_TOP_P = 0.95

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from pdserve.engine.length_head import HeadSpec, LengthHead, features
 from pdserve.predictor.data import LengthData
-from pdserve.predictor.head import HeadSpec, LengthHead, features
 
 L2_GRID = (1e-4, 1e-3, 1e-2)
 EPOCHS = 300

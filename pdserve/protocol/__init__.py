@@ -5,7 +5,8 @@
 - `wire`: the unions each side decodes, the encoder guard, and `Handlers` (dispatch by
   message type).
 - `timing`: `RequestTimes`, the one record of a request's timestamps, and the latency
-  breakdowns computed from it.
+  breakdowns computed from it (`RequestMetrics`).
+- `sampling_params`: `SamplingParams`, what a request asks of the sampler, validated.
 
 The HTTP process imports this package to decode what instances send; it must stay free
 of torch and of the KV transfer library (tests/test_imports.py checks).

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.engine.outputs import RequestMetrics
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.layout import KVLayout
 from pdserve.protocol.handoff import Handoff
 from pdserve.protocol.prediction import LengthPrediction
+from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.protocol.timing import RequestMetrics
 
 # ---- per-request progress -------------------------------------------------------
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.layout import RegionHandle
 from pdserve.protocol.prediction import LengthPrediction
+from pdserve.protocol.sampling_params import SamplingParams
 
 # ---- descriptors ------------------------------------------------------------------
 

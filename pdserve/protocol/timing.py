@@ -1,4 +1,5 @@
-"""`RequestTimes`: the one record of a request's timestamps, and its latency breakdowns.
+"""`RequestTimes`: the one record of a request's timestamps, and its latency breakdowns
+(`RequestMetrics`, what a finished request's output reports).
 
 Every time is `time.monotonic()`, which is system-wide on Linux, so times taken in the
 front end and in instance processes on the same machine compare directly. An engine core
@@ -11,7 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.outputs import RequestMetrics
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Seconds, measured in the engine (monotonic clock)."""
+
+    queue_time: float | None  # arrival -> first scheduled
+    prefill_time: float | None  # first scheduled -> first token
+    decode_time: float | None  # first token -> finished
+    ttft: float | None  # arrival -> first token
+    e2e: float | None  # arrival -> finished
+    num_preemptions: int = 0
+    # Disaggregated serving only (DistServe §6.3 breakdown); None when colocated.
+    transfer_time: float | None = None  # the KV move itself
+    decode_queue_time: float | None = None  # prefill done -> decode side runs it, minus transfer
 
 
 @dataclass

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from pdserve.config import ACTIVATIONS
+from pdserve.memory import HugePageArena
 from pdserve.quant.formats import BLOCK, Layout, QuantWeight
 from pdserve.quant.kernels import kernels, unavailable_reason
-from pdserve.quant.memory import HugePageArena
 
 # What the product reads in place of x (the kernel's prologues, _kernels.c).
 PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
@@ -132,7 +132,7 @@ class QuantLinear:
         arena: HugePageArena | None = None,
     ) -> None:
         """`arena`: where to keep what the kernels stream (the int8 records, or the
-        values, fp32 scales and minimums): on 2 MB pages (quant/memory.py); None keeps
+        values, fp32 scales and minimums): on 2 MB pages (pdserve/memory.py); None keeps
         the values where they are."""
         mod = kernels()
         if mod is None:

@@ -25,11 +25,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from pdserve import __version__
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.validation import check_prompt_length
 from pdserve.errors import EngineDeadError, InvalidRequestError, PdserveError
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.server import errors
 from pdserve.server.admission import Admission, AdmissionGate
 from pdserve.server.backend import ServingBackend
@@ -38,6 +37,7 @@ from pdserve.server.metrics import ServerMetrics
 from pdserve.server.prompts import Encoded, PromptConfig, PromptEncoder
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.render import Renderer
+from pdserve.version import __version__
 
 _DISCONNECT_POLL_S = 0.05
 

@@ -13,10 +13,10 @@ from typing import Protocol
 from pdserve.cluster.faults import FaultCounters
 from pdserve.cluster.routing import Router
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import EngineStats, WeightsInfo
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class ServingBackend(Protocol):

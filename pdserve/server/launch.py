@@ -27,7 +27,7 @@ from pdserve.cluster.instance import Launcher
 from pdserve.config import EngineConfig
 from pdserve.errors import RequestCancelledError
 from pdserve.model.loader import resolve_model, resolve_quantization
-from pdserve.predictor.head import resolve_predictor
+from pdserve.predictor.shipped import resolve_predictor
 from pdserve.protocol.core import WeightsInfo
 from pdserve.runtime import freeze_startup_heap
 from pdserve.server.admission import Admission

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):

@@ -15,7 +15,6 @@ from pdserve.config import CacheConfig, EngineConfig, Role, SchedulerConfig, Tra
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core
 from pdserve.engine.roles import DecodeRole, PrefillRole
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.transfer import gather
 from pdserve.model.base import CausalLM
 from pdserve.protocol.handoff import (
@@ -28,6 +27,7 @@ from pdserve.protocol.handoff import (
     ReserveKV,
 )
 from pdserve.protocol.prediction import LengthPrediction
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.wire import EngineMessage
 
 

@@ -14,6 +14,10 @@ for another model reads a meaningless state, so it is refused with the file and 
 mismatch named. The probe tolerates another quantization of the same weights (the cosine
 similarity of the probe rows, taken together, >= PROBE_MIN_COSINE; a padding row of zeros
 does not count), not another model.
+
+The head lives here, beside the engine that loads and calls it (`EngineCore`); making
+one (its data, training, the `pdserve predictor` command, the shipped heads) is
+`pdserve/predictor/`, which runs the engine.
 """
 
 from __future__ import annotations
@@ -188,22 +192,3 @@ def load_length_head(path: str | Path, model: CausalLM) -> LengthHead:
     head = read_head(path)
     check_matches(head, path, model.config.architecture, model.embed_tokens)
     return head
-
-
-# Heads shipped with the package, by the model file they were trained for.
-SHIPPED_DIR = Path(__file__).parent / "heads"
-SHIPPED_HEADS = {"SmolLM2-135M-Instruct.Q4_1.gguf": "smollm2-135m-instruct.safetensors"}
-
-
-def resolve_predictor(choice: str, model: str | None) -> str | None:
-    """The head file `--predictor` names: "none" -> None; "auto" -> the head shipped for
-    the model's file, None when none is; anything else is a path (checked at load)."""
-    if choice == "none":
-        return None
-    if choice != "auto":
-        return choice
-    from pdserve.model.loader import resolve_model
-
-    name = SHIPPED_HEADS.get(resolve_model(model).name)
-    path = SHIPPED_DIR / name if name is not None else None
-    return str(path) if path is not None and path.is_file() else None

@@ -14,8 +14,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import load_model
 from pdserve.kv.cache import KVCache, _block_rows
 from pdserve.kv.layout import KVLayout
+from pdserve.memory import HUGE_PAGE, HugePageArena, fault_in, huge_page_zeros
 from pdserve.quant.linear import QuantLinear
-from pdserve.quant.memory import HUGE_PAGE, HugePageArena, fault_in, huge_page_zeros
 
 
 def _smaps_field(address: int, field: str) -> list[str]:
