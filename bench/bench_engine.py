@@ -228,7 +228,7 @@ def ours_decode(engine: Engine, batch: int, steps: int = DECODE_STEPS) -> float:
         t = time.perf_counter()
         engine.step()
         seconds += time.perf_counter() - t
-        steps += engine.core.last_steps  # a decode burst runs several (engine/core.py)
+        steps += engine.core.bursts.last_steps  # a decode burst runs several (engine/bursts.py)
     return seconds / steps * 1000
 
 

@@ -52,7 +52,7 @@ def run(
     engine: Engine, requests: list[tuple[list[int], SamplingParams]]
 ) -> tuple[list[RequestOutput], list[int]]:
     """The requests together: each one's final output, in order, and the steps of each
-    call (core.last_steps)."""
+    call (core.bursts.last_steps)."""
     rids = [engine.add_request(ids, params) for ids, params in requests]
     final: dict[str, RequestOutput] = {}
     calls: list[int] = []
@@ -60,7 +60,7 @@ def run(
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-        calls.append(engine.core.last_steps)
+        calls.append(engine.core.bursts.last_steps)
     engine.core.check_integrity()
     assert engine.core.kv.num_used_blocks == 0
     return [final[r] for r in rids], calls
@@ -109,12 +109,12 @@ def test_the_core_counts_its_steps_and_those_run_in_bursts(engines: dict[int, En
     run(engines[8], [(prompt, params)])  # the step time of a batch of one, measured
     for burst, engine in engines.items():
         core = engine.core
-        before = core.num_steps, core.num_burst_steps
+        before = core.bursts.num_steps, core.bursts.num_burst_steps
         outs, calls = run(engine, [(prompt, params)])
         assert len(outs[0].token_ids) == 37
         assert calls == ([1] * 37 if burst == 1 else [1, 8, 8, 8, 8, 4])
-        assert core.num_steps - before[0] == 37
-        assert core.num_burst_steps - before[1] == (0 if burst == 1 else 36)
+        assert core.bursts.num_steps - before[0] == 37
+        assert core.bursts.num_burst_steps - before[1] == (0 if burst == 1 else 36)
 
 
 def test_a_stop_token_or_stop_string_inside_a_burst_ends_where_one_step_a_call_does(
@@ -201,13 +201,13 @@ def test_a_burst_asks_for_all_its_blocks_or_runs_one_step(engines: dict[int, Eng
     assert core.kv.hold("filler", [], num_tokens=core.kv.num_obtainable_blocks * bs) == 0
     assert core.kv.num_obtainable_blocks == 0
     engine.step()
-    assert core.last_steps == 1 and core.kv.block_table(rid) == held
+    assert core.bursts.last_steps == 1 and core.kv.block_table(rid) == held
     core.kv.free("filler")
     final = None
     calls = []
     while engine.has_unfinished():
         final = next((o for o in engine.step() if o.finished), final)
-        calls.append(core.last_steps)
+        calls.append(core.bursts.last_steps)
     assert max(calls) == 8
     core.check_integrity()
     assert core.kv.num_used_blocks == 0

@@ -30,6 +30,7 @@ from helpers.pairs import (
 from helpers.tiny_models import make_tiny_model
 
 from pdserve.config import EngineConfig, Role
+from pdserve.engine.cache_exchange import CacheExchange
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import load_model
 from pdserve.engine.roles import ColocatedRole, DecodeRole, PrefillRole
@@ -375,7 +376,7 @@ class ReturningRouter(Router):
         if isinstance(msg, KVOffered):
             self.offers[msg.offer_id] = msg
             fetch = FetchPrefix(msg.offer_id, "decode", msg.token_ids, msg.source)
-            self.prefill.fetch_prefix(fetch)
+            self.prefill.handle(fetch)
         elif isinstance(msg, PrefixFetched):
             self.fetched[msg.offer_id] = msg
             self.returned_equal[msg.offer_id] = self.same_returned_kv(self.offers[msg.offer_id])
@@ -429,7 +430,10 @@ def test_finished_kv_returns_to_the_prefill_cache_bit_exact(
             # the next turn's prompt (this one's prompt + answer + more) hits it all
             assert p.kv.match_prefix([*tokens, 5, 6]).num_cached_tokens == full
         assert_clean(p, d)
-        assert (d.exchange.num_offers, p.exchange.num_fetches) == (0, 0)
+        assert (
+            d.participant(CacheExchange).num_offers,
+            p.participant(CacheExchange).num_fetches,
+        ) == (0, 0)
     finally:
         p.close()
         d.close()
@@ -439,21 +443,21 @@ def offer_one(model_dir: Path, model: CausalLM, **transfer: object) -> tuple[Eng
     """A decode core that ran one request (pushed KV) to the end and offered its KV."""
     d = make_core(model_dir, model, Role.DECODE, "request-push", "shm", **transfer)
     prompt = list(range(5, 69))
-    d.reserve(ReserveKV("a", prompt))
+    d.handle(ReserveKV("a", prompt))
     d.poll_transfers()
     d.take_messages()
-    d.add_prefilled(AddPrefilled("a", prompt, [7], GREEDY, 0.0, None, None, return_to="prefill-x"))
+    d.handle(AddPrefilled("a", prompt, [7], GREEDY, 0.0, None, None, return_to="prefill-x"))
     while d.has_unfinished():
         d.step()
     offers = [m for m in d.take_messages() if isinstance(m, KVOffered)]
     assert [o.offer_id for o in offers] == ["a@return"] and offers[0].to == "prefill-x"
     assert offers[0].source.num_tokens == (64 + 12 - 1) // 16 * 16
-    assert d.exchange.num_offers == 1 and d.kv.num_used_blocks == 4
+    assert d.participant(CacheExchange).num_offers == 1 and d.kv.num_used_blocks == 4
     return d, offers[0]
 
 
 def fetch_answer(core: EngineCore, offer: KVOffered, timeout_s: float = 10.0) -> PrefixFetched:
-    core.fetch_prefix(FetchPrefix(offer.offer_id, "decode", offer.token_ids, offer.source))
+    core.handle(FetchPrefix(offer.offer_id, "decode", offer.token_ids, offer.source))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         core.poll_transfers()
@@ -468,7 +472,10 @@ def assert_pool_clean(*cores: EngineCore) -> None:
     for core in cores:
         core.kv.check_integrity()
         assert core.kv.num_used_blocks == 0
-        assert (core.exchange.num_offers, core.exchange.num_fetches) == (0, 0)
+        assert (
+            core.participant(CacheExchange).num_offers,
+            core.participant(CacheExchange).num_fetches,
+        ) == (0, 0)
 
 
 def test_failed_returns_free_every_block_on_both_sides(model_dir: Path, model: CausalLM) -> None:
@@ -509,7 +516,7 @@ def test_an_unclaimed_offer_is_unpinned_when_its_lease_ends(
     try:
         assert offer.source.lease_deadline <= time.monotonic() + 0.3
         d.poll_transfers()
-        assert d.exchange.num_offers == 1  # not yet
+        assert d.participant(CacheExchange).num_offers == 1  # not yet
         time.sleep(0.35)
         d.poll_transfers()
         assert_pool_clean(d)
@@ -526,13 +533,13 @@ def test_an_instance_offers_what_its_cache_holds_of_a_prefix(
     try:
         d.release([offer.offer_id])
         tokens = [*offer.token_ids, 9, 9, 9]
-        d.offer_prefix(OfferPrefix("b@prefetch", tokens, "prefill-y"))
+        d.handle(OfferPrefix("b@prefetch", tokens, "prefill-y"))
         (got,) = d.take_messages()
         assert isinstance(got, KVOffered) and got.offer_id == "b@prefetch"
         assert (got.to, got.token_ids, got.source.num_tokens) == ("prefill-y", tokens[:64], 64)
         assert got.source.blocks == offer.source.blocks  # the same cached blocks, pinned
         assert d.kv.num_used_blocks == 4
-        d.offer_prefix(OfferPrefix("c@prefetch", [1, 2, 3] * 20, "prefill-y"))
+        d.handle(OfferPrefix("c@prefetch", [1, 2, 3] * 20, "prefill-y"))
         (miss,) = d.take_messages()
         assert miss == PrefixFetched(
             "c@prefetch", d.config.instance_name, 0, 0, 0, "not cached here any more"

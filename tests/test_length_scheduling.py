@@ -375,6 +375,6 @@ def test_every_admission_rule_with_wrong_predictions_keeps_outputs_exact(
     assert router.tokens == reference
     assert_clean(p, d)
     if admission is DecodeAdmission.GREEDY:  # the pool is tight: preemption ran
-        assert (d.num_admission_waits, d.scheduler.num_preemptions > 0) == (0, True)
+        assert (d.admission.num_waits, d.scheduler.num_preemptions > 0) == (0, True)
     else:  # and the rule held requests back
-        assert d.num_admission_waits > 0
+        assert d.admission.num_waits > 0

@@ -21,6 +21,8 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferC
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core
 from pdserve.engine.engine_process import _Loop
+from pdserve.engine.replica_store import ReplicaStore
+from pdserve.engine.replicator import Replicator
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.layout import KVLayout
@@ -112,17 +114,17 @@ class Relay:
         self.streamed: dict[str, list[int]] = {}
 
     def open(self) -> None:
-        self.holder.open_replica_store(OpenReplicaStore(self.src, self.source.kv_layout))
+        self.holder.handle(OpenReplicaStore(self.src, self.source.kv_layout))
         (opened,) = self.holder.take_messages()
         assert isinstance(opened, ReplicaStoreOpened) and opened.source == self.src
-        self.source.replicate_to(ReplicateTo(self.dst, opened.region))
+        self.source.handle(ReplicateTo(self.dst, opened.region))
 
     def relay(self) -> None:
         """Source messages to the holder, the holder's acknowledgements back."""
         for msg in self.source.take_messages():
             assert isinstance(msg, KVReplicated) and msg.holder == self.dst
             self.reports.append(msg)
-            self.holder.store_replicas(StoreReplicas(self.src, msg.replicas))
+            self.holder.handle(StoreReplicas(self.src, msg.replicas))
         for ack in self.holder.take_messages():
             assert isinstance(ack, ReplicasStored)
             self.acked.update((r.request_id, r) for r in ack.replicas)
@@ -134,7 +136,7 @@ class Relay:
         for out in self.source.step():
             self.streamed.setdefault(out.request_id, []).extend(t.token_id for t in out.new_tokens)
             if out.finish_reason is not None:
-                self.holder.drop_replicas(DropReplicas(self.src, [out.request_id]))
+                self.holder.handle(DropReplicas(self.src, [out.request_id]))
                 self.acked.pop(out.request_id, None)
         self.relay()
 
@@ -142,11 +144,11 @@ class Relay:
         """Let the write in flight complete and relay its report (bounded wait); then
         write what it left behind, as the next step's end would, and relay that too."""
         for _ in range(2):
-            assert self.source.replicator.wait(WAIT_S)
+            assert self.source.participant(Replicator).wait(WAIT_S)
             self.source.poll_transfers()
             self.relay()
-            self.source.replicator.after_step(self.source.scheduler.running)
-        assert self.source.replicator.wait(WAIT_S)
+            self.source.participant(Replicator).step_ended(self.source.scheduler.running)
+        assert self.source.participant(Replicator).wait(WAIT_S)
         self.source.poll_transfers()
         self.relay()
 
@@ -186,7 +188,9 @@ def resume(
 ) -> str:
     new_id = f"{rid}-resumed"
     request = AddRequest(new_id, prompt, params, output_token_ids=relay.streamed[rid])
-    relay.holder.resume_from_replica(ResumeFromReplica(request, relay.src, rid, num_tokens))
+    relay.holder.participant(ReplicaStore).resume(
+        ResumeFromReplica(request, relay.src, rid, num_tokens)
+    )
     return new_id
 
 
@@ -196,10 +200,10 @@ def blocks_for(tokens: int) -> int:
 
 def assert_region_accounting(relay: Relay) -> None:
     """Source: free + allocated == region size; holder: recorded blocks == acknowledged."""
-    rep = relay.source.replicator
+    rep = relay.source.participant(Replicator)
     allocated = sum(len(r.blocks) for r in rep._replicas.values())
     assert rep.num_free_blocks + allocated == NUM_BLOCKS
-    store = relay.holder.replicas
+    store = relay.holder.participant(ReplicaStore)
     assert store.num_replicas == len(relay.acked)
     assert store.num_replica_blocks == sum(len(r.blocks) for r in relay.acked.values())
     for r in relay.acked.values():
@@ -208,10 +212,10 @@ def assert_region_accounting(relay: Relay) -> None:
 
 def kill_source(relay: Relay) -> None:
     """The source is gone: it never steps again (its requests are aborted at teardown)."""
-    relay.source.replicate_to(ReplicateTo(relay.dst, None))
+    relay.source.handle(ReplicateTo(relay.dst, None))
     for rid in list(relay.source.requests):
         relay.source.abort(rid)
-    assert relay.source.replicator.num_replicating == 0
+    assert relay.source.participant(Replicator).num_replicating == 0
 
 
 def finish_on_holder(relay: Relay, resumed: dict[str, str]) -> dict[str, list[int]]:
@@ -221,13 +225,13 @@ def finish_on_holder(relay: Relay, resumed: dict[str, str]) -> dict[str, list[in
 
 
 def assert_all_freed(relay: Relay) -> None:
-    relay.holder.drop_replicas(DropReplicas(relay.src, []))
+    relay.holder.handle(DropReplicas(relay.src, []))
     for core in (relay.source, relay.holder):
         core.check_integrity()
         assert core.kv.num_used_blocks == 0 and not core.has_unfinished()
-    assert relay.holder.replicas.num_replicas == 0
-    assert relay.holder.replicas.num_replica_blocks == 0
-    assert relay.source.replicator.num_replicating == 0
+    assert relay.holder.participant(ReplicaStore).num_replicas == 0
+    assert relay.holder.participant(ReplicaStore).num_replica_blocks == 0
+    assert relay.source.participant(Replicator).num_replicating == 0
 
 
 # ---- (a), (b): replicate while decoding, resume on the holder --------------------------
@@ -265,7 +269,7 @@ def test_resume_from_replicas_continues_token_for_token(
         n = relay.acked[rid].num_tokens - (0 if i % 2 == 0 else 7)
         resumed[rid] = resume(relay, rid, p, params, n)
         expected_new[resumed[rid]] = len(p) + len(relay.streamed[rid]) - n
-    assert holder.replicas.num_replicas == 0  # consumed
+    assert holder.participant(ReplicaStore).num_replicas == 0  # consumed
     for i, p in enumerate(prompts):
         new = resumed[f"r{i}"]
         n = len(p) + len(relay.streamed[f"r{i}"]) - expected_new[new]
@@ -290,7 +294,7 @@ def test_failed_writes_are_rewritten_and_resume_stays_identical(
     whole = reference(make_core, prompts[:2], params)
     source = make_core("source", fault_failure_rate=1.0, fault_seed=3)
     holder = make_core("holder")
-    transport = source._transfer_link().transport
+    transport = source.transfer_link().transport
     assert isinstance(transport, FaultyTransport)
     relay = Relay(source, holder)
     relay.open()
@@ -300,8 +304,8 @@ def test_failed_writes_are_rewritten_and_resume_stays_identical(
         relay.step()
     relay.settle()
     assert relay.reports == [] and relay.acked == {}
-    assert holder.replicas.num_replicas == 0
-    assert all(r.written == 0 for r in source.replicator._replicas.values())
+    assert holder.participant(ReplicaStore).num_replicas == 0
+    assert all(r.written == 0 for r in source.participant(Replicator)._replicas.values())
 
     transport.config = FaultConfig()  # the link recovers
     relay.step()
@@ -340,19 +344,25 @@ def test_replicate_to_none_stops_and_a_new_target_starts_from_token_zero(
     for _ in range(4):
         relay.step()
     relay.settle()
-    assert source.replicator.num_replicating == 2
+    assert source.participant(Replicator).num_replicating == 2
 
-    source.replicate_to(ReplicateTo(relay.dst, None))
-    assert source.replicator.num_replicating == 0 and not source.replicator.active
-    assert source.replicator.num_free_blocks == 0  # no region: nothing to allocate
+    source.handle(ReplicateTo(relay.dst, None))
+    assert (
+        source.participant(Replicator).num_replicating == 0
+        and not source.participant(Replicator).active
+    )
+    assert source.participant(Replicator).num_free_blocks == 0  # no region: nothing to allocate
     relay.reports.clear()
     for _ in range(3):
         relay.step()
     relay.settle()
     assert relay.reports == [] and not source.transfers_in_flight()
-    holder.drop_replicas(DropReplicas(relay.src, []))  # the front end forgets them
+    holder.handle(DropReplicas(relay.src, []))  # the front end forgets them
     relay.acked.clear()
-    assert holder.replicas.num_replicas == 0 and holder.replicas.num_replica_blocks == 0
+    assert (
+        holder.participant(ReplicaStore).num_replicas == 0
+        and holder.participant(ReplicaStore).num_replica_blocks == 0
+    )
 
     relay.open()  # the same region again (idempotent open): from token 0
     relay.step()
@@ -370,7 +380,7 @@ def run_rest(relay: Relay) -> None:
     while relay.source.has_unfinished():
         relay.step()
     relay.settle()
-    assert relay.source.replicator.num_free_blocks == NUM_BLOCKS
+    assert relay.source.participant(Replicator).num_free_blocks == NUM_BLOCKS
 
 
 # ---- (e): the merged plan and the aggregated gather ----------------------------------
@@ -412,7 +422,9 @@ def test_unknown_replica_falls_back_to_recompute(
     holder = make_core("holder")
     seen = spy_schedule(holder)
     request = AddRequest("moved", prompts[0], params, output_token_ids=whole[:9])
-    holder.resume_from_replica(ResumeFromReplica(request, "nobody", "r0", len(prompts[0]) + 8))
+    holder.participant(ReplicaStore).resume(
+        ResumeFromReplica(request, "nobody", "r0", len(prompts[0]) + 8)
+    )
     assert [r.request_id for r in holder.scheduler.waiting] == ["moved"]
     rest = run(holder)["moved"]
     assert whole[:9] + rest == whole
@@ -434,7 +446,7 @@ def test_invalid_resume_is_refused_and_keeps_the_replica(
     done = SamplingParams(max_tokens=len(relay.streamed["r0"]))  # nothing left to generate
     with pytest.raises(InvalidRequestError):
         resume(relay, "r0", prompts[0], done, relay.acked["r0"].num_tokens)
-    assert holder.replicas.num_replicas == 1 and not holder.has_unfinished()
+    assert holder.participant(ReplicaStore).num_replicas == 1 and not holder.has_unfinished()
     assert holder.kv.num_used_blocks == 0
     run_rest(relay)
     assert_all_freed(relay)
@@ -477,10 +489,11 @@ def test_engine_process_handles_the_replication_messages(make_core: MakeCore) ->
     assert (stats.num_replicas, stats.num_replica_blocks, stats.integrity_error) == (2, 4, None)
     # A record reusing b's block: the source reused it, so b's KV is gone (b forgotten).
     loop.apply(StoreReplicas("src", [ReplicaBlocks("d", [2], 5)]))
-    assert sorted(holder.replicas._stores["src"].replicas) == ["a", "d"]
+    assert sorted(holder.participant(ReplicaStore)._stores["src"].replicas) == ["a", "d"]
     # Invalid: nothing left to generate. Refused like an AddRequest; the replica is kept.
     request = AddRequest("x", [1, 2, 3], SamplingParams(max_tokens=1), output_token_ids=[4])
     loop.apply(ResumeFromReplica(request, "src", "a", 3))
+    loop.flush_messages()  # answered with the loop's next messages, before any output
     rejected = out.sent[-1]
     assert isinstance(rejected, RequestRejected) and rejected.request_id == "x"
     loop.apply(DropReplicas("src", ["d", "unknown"]))
@@ -492,9 +505,11 @@ def test_engine_process_handles_the_replication_messages(make_core: MakeCore) ->
     other = msgspec.structs.replace(layout, head_dim=8)
     wrong = msgspec.structs.replace(first.region, layout=other)
     src_loop.apply(ReplicateTo("holder", wrong))
-    assert not source.replicator.active
+    assert not source.participant(Replicator).active
     src_loop.apply(ReplicateTo("holder", first.region))
-    assert source.replicator.active and src_loop.stats(4, check=True).num_replicating == 0
+    assert (
+        source.participant(Replicator).active and src_loop.stats(4, check=True).num_replicating == 0
+    )
 
 
 # ---- the front end's cost rule (cluster/replication.py) ------------------------------

@@ -53,6 +53,7 @@ from test_disagg_server import PROMPTS
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine, load_model
 from pdserve.engine.length_head import HeadSpec, LengthHead, read_head, set_probe
+from pdserve.engine.length_prediction import LengthPredictor
 from pdserve.predictor.shipped import SHIPPED_DIR, SHIPPED_HEADS
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -134,7 +135,7 @@ def run_recording_states(
     def keep(rid: str, state: torch.Tensor) -> None:
         states[rid] = state.clone()
 
-    engine.core.prompt_state_sink = keep
+    engine.core.participant(LengthPredictor).state_sink = keep
     try:
         for i, (ids, params) in enumerate(jobs):
             engine.add_request(ids, params, f"sched-{i}")
@@ -144,7 +145,7 @@ def run_recording_states(
                 if out.finished:
                     done[out.request_id] = out.text
     finally:
-        engine.core.prompt_state_sink = None
+        engine.core.participant(LengthPredictor).state_sink = None
     rids = [f"sched-{i}" for i in range(len(jobs))]
     return [done[r] for r in rids], [states[r] for r in rids]
 

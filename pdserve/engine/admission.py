@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.config import DecodeAdmission
+from pdserve.engine.request import Request
+from pdserve.kv.manager import KVManager
 from pdserve.protocol.prediction import LengthPrediction
 
 
@@ -89,3 +91,34 @@ def peak_future_blocks(jobs: Sequence[KVJob], block_size: int) -> int:
         t = job.remaining
         peak = max(peak, sum(_blocks(j.tokens + t, block_size) for j in ordered[k:]))
     return peak
+
+
+class AdmissionGate:
+    """The core's decode admission rule over its own batch and pool: may `req`, prefilled
+    elsewhere, join `batch` (the running requests and those whose KV is on its way)? An
+    empty batch admits anything (allocation decides), so no prediction, however wrong,
+    can keep an idle instance from taking work."""
+
+    def __init__(self, policy: DecodeAdmission, kv: KVManager, max_model_len: int) -> None:
+        self.policy = policy
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.num_waits = 0  # since start: times a request was held back
+        self.num_held = 0  # requests it held back (each once, however long)
+
+    def __call__(self, req: Request, batch: Sequence[Request]) -> bool:
+        if self.policy is DecodeAdmission.GREEDY or not batch:
+            return True
+        jobs = [self._job(r) for r in batch]
+        bs = self.kv.cfg.block_size
+        if admits(self.policy, jobs, self._job(req), self.kv.num_obtainable_blocks, bs):
+            return True
+        self.num_waits += 1
+        self.num_held += not req.held_by_admission
+        req.held_by_admission = True
+        return False
+
+    def _job(self, req: Request) -> KVJob:
+        generated = len(req.output_token_ids)
+        left = min(req.params.max_tokens - generated, self.max_model_len - req.num_tokens)
+        return KVJob(req.num_tokens, remaining_tokens(req.prediction, generated, left))

@@ -19,15 +19,22 @@ entry (`PrefixFetched.error`): the blocks are freed on both sides (the destinati
 once, the source on ReleaseKV or at the end of its lease). Faults injected with the
 "cache" scope (`TransferConfig.fault_scope`) hit these copies only, through a fault
 wrapper around the link's transport.
+
+It is a participant of the core (engine/participant.py): it owns FetchPrefix and
+OfferPrefix, offers a finished request's prompt and answer back to the instance its
+`return_to` names (PD-Caching-3, `request_ended`: before the request's blocks are freed),
+and unpins offers on ReleaseKV.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pdserve.config import TransferConfig
+from pdserve.engine.participant import Admissible, Handler, Participant
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.roles.transfer import TransferLink, fault_config
 from pdserve.kv.manager import KVManager
 from pdserve.kv.transfer import (
@@ -38,7 +45,16 @@ from pdserve.kv.transfer import (
     Transport,
     stream_in,
 )
-from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferKind, PrefixFetched
+from pdserve.protocol.cache import (
+    FetchPrefix,
+    KVOffered,
+    OfferKind,
+    OfferPrefix,
+    PrefixFetched,
+)
+from pdserve.protocol.cache import (
+    offer_id as make_offer_id,
+)
 from pdserve.protocol.handoff import KVSource
 from pdserve.protocol.wire import EngineMessage
 
@@ -52,16 +68,18 @@ class _Fetch:
     nbytes: int
 
 
-class CacheExchange:
+class CacheExchange(Participant):
     """Offers and fetches of one instance. Single-threaded like the step loop."""
 
     def __init__(
         self,
+        instance_name: str,
         kv: KVManager,
         link: Callable[[], TransferLink],
         post: Callable[[EngineMessage], None],
         config: TransferConfig,
     ) -> None:
+        self.instance_name = instance_name
         self.kv = kv
         self._link = link  # opened on first use (a colocated core has none before)
         self._post = post
@@ -80,6 +98,12 @@ class CacheExchange:
 
     def busy(self) -> bool:
         return bool(self.fetches)
+
+    def stats(self) -> dict[str, int]:
+        return {"num_offers": self.num_offers, "num_prefix_fetches": self.num_fetches}
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {FetchPrefix: self.fetch, OfferPrefix: self.offer_prefix}
 
     # ---- the source side -------------------------------------------------------------
 
@@ -101,6 +125,24 @@ class CacheExchange:
         source = KVSource(link.region.handle, blocks, pinned, deadline)
         self._post(KVOffered(offer_id, kind, to, token_ids[:pinned], source))
         return True
+
+    def offer_prefix(self, msg: OfferPrefix) -> None:
+        """Pin what the prefix cache holds of `msg.token_ids` for instance `msg.to`
+        (KVOffered); PrefixFetched with the reason when it holds none of it."""
+        if not self.offer(msg.offer_id, OfferKind.PREFETCH, msg.token_ids, msg.to):
+            reason = "not cached here any more"
+            self._post(PrefixFetched(msg.offer_id, self.instance_name, 0, 0, 0, reason))
+
+    def request_ended(self, req: Request, status: RequestStatus | None) -> None:
+        """PD-Caching-3: offer the KV of a finished request's prompt and answer (the full
+        blocks whose KV was computed: the scheduler committed them to the prefix index
+        step by step) to the instance its `return_to` names."""
+        if req.return_to is None or status is None or status is RequestStatus.FINISHED_ABORTED:
+            return
+        bs = self.kv.cfg.block_size
+        full = req.num_computed_tokens // bs * bs
+        kind, tokens = OfferKind.RETURN, req.all_token_ids[:full]
+        self.offer(make_offer_id(kind, req.request_id), kind, tokens, req.return_to)
 
     def release(self, offer_id: str) -> bool:
         """Unpin an offer (ReleaseKV). False when it is not an offer of this instance."""
@@ -184,7 +226,7 @@ class CacheExchange:
 
     # ---- between steps -----------------------------------------------------------------
 
-    def poll(self) -> None:
+    def poll(self, free_seq_slots: int, admissible: Admissible) -> list[Request]:
         """Finish fetches that ended; unpin offers whose lease ran out."""
         for offer_id, fetch in list(self.fetches.items()):
             state = fetch.task.poll()
@@ -196,6 +238,7 @@ class CacheExchange:
         for offer_id, deadline in list(self.offers.items()):
             if now >= deadline:
                 self.release(offer_id)
+        return []
 
     def _finish(self, fetch: _Fetch, state: TransferState) -> None:
         msg, n = fetch.msg, fetch.msg.source.num_tokens

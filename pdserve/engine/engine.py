@@ -13,7 +13,6 @@ import torch
 
 from pdserve.config import EngineConfig, check_device
 from pdserve.engine.core import EngineCore
-from pdserve.engine.length_head import load_length_head
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.config import KVCacheConfig
@@ -101,10 +100,7 @@ def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[i
     kv_config = kv_config_for(config, model.config, model.quantization.quantized)
     max_len = max_model_len_for(config, model.config, kv_config)
     eos = set(stop_token_ids) | set(model.config.eos_token_ids)
-    head = None
-    if config.length_predictor is not None:
-        head = load_length_head(config.length_predictor, model)
-    return EngineCore(config, model, kv_config, max_len, sorted(eos), head)
+    return EngineCore(config, model, kv_config, max_len, sorted(eos))
 
 
 def kv_config_for(config: EngineConfig, model: ModelConfig, quantized: bool) -> KVCacheConfig:

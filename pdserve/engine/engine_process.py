@@ -32,7 +32,6 @@ from pdserve.engine.step_trace import StepTrace
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.base import CausalLM
 from pdserve.model.loader import resolve_model
-from pdserve.protocol.cache import FetchPrefix, OfferPrefix
 from pdserve.protocol.core import (
     AbortRequests,
     AddRequest,
@@ -46,14 +45,6 @@ from pdserve.protocol.core import (
     Shutdown,
     StatsRequest,
     WeightsInfo,
-)
-from pdserve.protocol.handoff import AddPrefilled, ReleaseKV, ReserveKV
-from pdserve.protocol.replica import (
-    DropReplicas,
-    OpenReplicaStore,
-    ReplicateTo,
-    ResumeFromReplica,
-    StoreReplicas,
 )
 from pdserve.protocol.wire import EngineInput, EngineMessage, Handlers
 from pdserve.runtime import ended, freeze_startup_heap, pin_process
@@ -84,22 +75,14 @@ class _Loop:
         self.trace = StepTrace.from_env(core.scheduler, core.config.instance_name)
         self.busy_s = 0.0  # wall time inside steps (TetriInfer's resource time)
         self.stopping = False
+        # The loop's own inputs, then the core's and its participants' (EngineCore.handle).
         self.handlers = Handlers[None](
             {
                 Shutdown: self.shutdown,
                 AddRequest: self.add_request,
-                AddPrefilled: core.add_prefilled,
-                ReserveKV: core.reserve,
-                ReleaseKV: self.release,
                 AbortRequests: self.abort,
                 StatsRequest: self.send_stats,
-                OpenReplicaStore: core.open_replica_store,
-                StoreReplicas: core.store_replicas,
-                DropReplicas: core.drop_replicas,
-                ResumeFromReplica: self.resume_from_replica,
-                ReplicateTo: self.replicate_to,
-                FetchPrefix: core.fetch_prefix,
-                OfferPrefix: core.offer_prefix,
+                **core.handlers(),
             }
         )
 
@@ -118,7 +101,7 @@ class _Loop:
                 dt = time.perf_counter() - t0
                 self.busy_s += dt
                 if self.trace is not None:
-                    self.trace.record(t0, dt, self.core.last_steps)
+                    self.trace.record(t0, dt, self.core.bursts.last_steps)
                 if outputs:
                     self.send(OutputBatch(outputs))
             self.flush_messages()
@@ -201,27 +184,6 @@ class _Loop:
         except EngineOverloadedError as e:
             self.send(RequestRejected(msg.request_id, str(e), None, overloaded=True))
 
-    def resume_from_replica(self, msg: ResumeFromReplica) -> None:
-        """Answered like an AddRequest: outputs, or RequestRejected."""
-        rid = msg.request.request_id
-        try:
-            self.core.resume_from_replica(msg)
-        except InvalidRequestError as e:
-            self.send(RequestRejected(rid, e.message, e.param))
-        except EngineOverloadedError as e:
-            self.send(RequestRejected(rid, str(e), None, overloaded=True))
-
-    def replicate_to(self, msg: ReplicateTo) -> None:
-        """A region this pool cannot fill is the front end's mistake, not the engine's
-        failure: said on stderr, and this instance does not replicate."""
-        try:
-            self.core.replicate_to(msg)
-        except ValueError as e:
-            print(f"pdserve: not replicating to {msg.holder}: {e}", file=sys.stderr)
-
-    def release(self, msg: ReleaseKV) -> None:
-        self.core.release(msg.request_ids)
-
     def abort(self, msg: AbortRequests) -> None:
         aborted = [self.core.abort(rid) for rid in msg.request_ids]
         if any(aborted):
@@ -231,7 +193,7 @@ class _Loop:
         self.send(self.stats(msg.request_id, msg.check_integrity))
 
     def stats(self, request_id: int, check: bool) -> EngineStats:
-        s, kv, role = self.core.scheduler, self.core.kv, self.core.role
+        s, kv = self.core.scheduler, self.core.kv
         routes = self.core.link.transport.routes() if self.core.link is not None else {}
         error = None
         if check:
@@ -250,27 +212,17 @@ class _Loop:
             prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_queries=kv.prefix_cache_queries,
             integrity_error=error,
-            num_held=role.num_held,
-            num_transferring=role.num_transferring,
-            num_reserved=role.num_reserved,
-            num_replicas=self.core.replicas.num_replicas,
-            num_replica_blocks=self.core.replicas.num_replica_blocks,
-            num_replicated_tokens=self.core.replicas.num_replicated_tokens,
-            num_replicating=self.core.replicator.num_replicating,
-            num_offers=self.core.exchange.num_offers,
-            num_prefix_fetches=self.core.exchange.num_fetches,
             num_preemptions=s.num_preemptions,
-            num_admission_waits=self.core.num_admission_waits,
-            num_admission_held=self.core.num_admission_held,
+            num_admission_waits=self.core.admission.num_waits,
+            num_admission_held=self.core.admission.num_held,
             num_prefill_batches=s.waiting.num_batches,
             num_prefill_overtakes=s.waiting.num_overtakes,
-            num_predicted_decodes=self.core.num_predicted_decodes,
-            predicted_decode_tokens=self.core.predicted_decode_tokens,
             busy_ms=round(self.busy_s * 1000),
-            num_steps=self.core.num_steps,
-            num_burst_steps=self.core.num_burst_steps,
+            num_steps=self.core.bursts.num_steps,
+            num_burst_steps=self.core.bursts.num_burst_steps,
             kv_routes_shm=routes.get("shm", 0),
             kv_routes_tcp=routes.get("tcp", 0),
+            **self.core.stats(),  # the role's and the features' fields
         )
 
 

@@ -18,19 +18,34 @@ into it with its transport. Contracts:
   the transport has no per-region release) and `close` (the link's transport releases
   the regions).
 
+It is a participant of the core (engine/participant.py): it owns OpenReplicaStore,
+StoreReplicas, DropReplicas and ResumeFromReplica, the last turning a replica into a
+request's KV when its source died (`resume`).
+
 Single-threaded: called from the step loop between steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pdserve.engine.roles.transfer import TransferLink
+from pdserve.engine.participant import CoreAccess, Handler, Participant
+from pdserve.engine.request import Request
+from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.kv.block_pool import integrity_check
 from pdserve.kv.layout import KVLayout, RegionHandle
-from pdserve.kv.transfer import Region
-from pdserve.protocol.replica import ReplicaBlocks
+from pdserve.kv.transfer import LayoutMismatchError, Region, apply_plan, stream_in
+from pdserve.protocol.core import RequestRejected
+from pdserve.protocol.replica import (
+    DropReplicas,
+    OpenReplicaStore,
+    ReplicaBlocks,
+    ReplicasStored,
+    ReplicaStoreOpened,
+    ResumeFromReplica,
+    StoreReplicas,
+)
 
 
 @dataclass
@@ -67,12 +82,12 @@ class _SourceStore:
         return {b for r in self.replicas.values() for b in r.blocks}
 
 
-class ReplicaStore:
+class ReplicaStore(Participant):
     """Replica regions and records of every source this instance holds for."""
 
-    def __init__(self, instance_name: str, link: Callable[[], TransferLink]) -> None:
-        self.instance_name = instance_name
-        self._link = link  # the core's transfer link, opened on first use
+    def __init__(self, core: CoreAccess) -> None:
+        self.core = core
+        self.instance_name = core.config.instance_name
         self._stores: dict[str, _SourceStore] = {}
         self._opened = 0  # regions created (unique region names)
 
@@ -95,6 +110,38 @@ class ReplicaStore:
     def sources(self) -> list[str]:
         return list(self._stores)
 
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_replicas": self.num_replicas,
+            "num_replica_blocks": self.num_replica_blocks,
+            "num_replicated_tokens": self.num_replicated_tokens,
+        }
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {
+            OpenReplicaStore: self._on_open,
+            StoreReplicas: self._on_store,
+            DropReplicas: lambda msg: self.drop(msg.source, msg.request_ids),
+            ResumeFromReplica: self._on_resume,
+        }
+
+    def _on_open(self, msg: OpenReplicaStore) -> None:
+        self.core.post(ReplicaStoreOpened(msg.source, self.open(msg.source, msg.layout)))
+
+    def _on_store(self, msg: StoreReplicas) -> None:
+        """ReplicasStored: those recorded."""
+        self.core.post(ReplicasStored(msg.source, self.store(msg.source, msg.replicas)))
+
+    def _on_resume(self, msg: ResumeFromReplica) -> None:
+        """Answered like an AddRequest: outputs, or RequestRejected."""
+        rid = msg.request.request_id
+        try:
+            self.resume(msg)
+        except InvalidRequestError as e:
+            self.core.post(RequestRejected(rid, e.message, e.param))
+        except EngineOverloadedError as e:
+            self.core.post(RequestRejected(rid, str(e), None, overloaded=True))
+
     # ---- the messages -----------------------------------------------------------
 
     def open(self, source: str, layout: KVLayout) -> RegionHandle:
@@ -106,7 +153,7 @@ class ReplicaStore:
         self._opened += 1
         suffix = "" if self._opened == 1 else f"-{self._opened}"
         name = f"{self.instance_name}-replica-{source}{suffix}"
-        region = self._link().transport.create_region(name, layout)
+        region = self.core.transfer_link().transport.create_region(name, layout)
         self._stores[source] = _SourceStore(region)
         return region.handle
 
@@ -140,6 +187,68 @@ class ReplicaStore:
             return None
         replica = store.replicas.get(request_id)
         return None if replica is None else (store.region, replica)
+
+    # ---- resuming -----------------------------------------------------------------
+
+    def resume(self, msg: ResumeFromReplica) -> Request:
+        """Continue `msg.request` from its replica (DéjàVu §4.3). The replica's KV of the
+        first `num_tokens` tokens (at most all tokens but the last) is copied into pool
+        blocks (prefix-cache hits first), committed, and the request joins the batch:
+        the next step computes the tokens after `num_tokens` and samples on. When the
+        replica is unknown, shorter than `num_tokens` or unusable, or the pool or batch
+        has no room, the request is recomputed instead, queued as `add_request` would.
+        The replica is consumed either way. Raises like `add_request` (nothing changes)."""
+        r = msg.request
+        core = self.core
+        args = (r.prompt_token_ids, r.params, r.arrival, r.output_token_ids)
+        req = core.new_request(r.request_id, *args)
+        req.prediction = r.prediction
+        found = self.get(msg.source, msg.replica_id)
+        if found is None or not self._place(req, *found, msg.num_tokens):
+            core.queue(req)
+        else:
+            core.join_batch(req)
+        self.drop(msg.source, [msg.replica_id])
+        return req
+
+    def _place(self, req: Request, region: Region, replica: ReplicaBlocks, num_tokens: int) -> bool:
+        """Give `req` pool blocks holding its first `num_tokens` tokens' KV (from the
+        prefix cache, then copied from the replica) and commit them. False, with nothing
+        allocated, when that cannot be done."""
+        kv = self.core.kv
+        tokens = req.all_token_ids
+        n = min(num_tokens, len(tokens) - 1)
+        if n <= 0 or replica.num_tokens < n or not self.core.has_room():
+            return False
+        rid = req.request_id
+        cached = kv.match_prefix(tokens).num_cached_tokens
+        alloc = kv.allocate(rid, tokens, max(n - cached, 0))
+        if alloc is None:
+            return False
+        cached = alloc.num_cached_tokens
+        try:
+            self._copy(rid, region, replica, cached, n)
+        except LayoutMismatchError:
+            kv.free(rid)
+            return False
+        done = max(n, cached)
+        kv.commit(rid, tokens, done)
+        req.num_computed_tokens = done
+        req.num_cached_prompt_tokens = min(cached, len(req.prompt_token_ids))
+        return True
+
+    def _copy(
+        self, request_id: str, region: Region, replica: ReplicaBlocks, start: int, end: int
+    ) -> None:
+        """Copy tokens [start, end) from the replica region into the request's blocks
+        (both are tensors of this process). LayoutMismatchError if the replica's table or
+        geometry does not fit."""
+        if end <= start:
+            return
+        cache = self.core.cache
+        table = self.core.kv.block_table(request_id)
+        plan = stream_in(region.handle.layout, replica.blocks, cache.layout, table, start, end)
+        apply_plan(plan, region.tensor, cache.device_tensor)
 
     # ---- integrity --------------------------------------------------------------
 

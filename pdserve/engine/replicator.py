@@ -7,7 +7,7 @@ the holder's region as it is computed, off the step loop:
   of `layout.block_size` tokens; a free list, no round trip per token). Each replicated
   request has a block list, grown as its tokens are computed; when the region is full a
   request simply is not replicated further this step (it is retried every step).
-- Writes: after every step (`after_step`, once the scheduler committed it) the new KV of
+- Writes: after every step (`step_ended`, once the scheduler committed it) the new KV of
   every RUNNING request, tokens [written, num_computed_tokens), is gathered synchronously
   into ONE contiguous buffer (a few tokens per request), and ONE background task on the
   core link's `TransferWorker` flushes that buffer into the region with ONE transport
@@ -19,7 +19,7 @@ the holder's region as it is computed, off the step loop:
   error, injected fault) nothing is sent and the same tokens are written again next time.
 - Freeing and the reuse contract: a request that ends (finished, aborted, or leaving the
   batch) frees its region blocks at once (`request_ended`), during the step that ends it.
-  A freed block may be handed to another request by that same step's `after_step`, but
+  A freed block may be handed to another request by that same step's `step_ended`, but
   the write into it is reported only by a LATER `poll` - after the step's outputs, among
   them the ended request's final output, were sent (the process loop sends a step's
   OutputBatch when `step` returns; an abort is answered at once). The front end therefore
@@ -29,15 +29,21 @@ the holder's region as it is computed, off the step loop:
   are still replicated, so the ended request is never reported after its end.
 - `ReplicateTo(None)` or to another region forgets every allocation; a write still in
   flight for the old region completes unreported.
+
+It is a participant of the core (engine/participant.py): it owns ReplicateTo, writes at
+`step_ended`, frees at `request_ended`, reports at `poll`, and wants every step while it
+replicates (a decode burst would commit several steps' KV at once).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.engine.participant import Admissible, Handler, Participant
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.roles.transfer import TransferLink
 from pdserve.kv.cache import KVCache
@@ -51,7 +57,7 @@ from pdserve.kv.transfer import (
     merge_plans,
 )
 from pdserve.kv.transfer.plan import check_table, runs_between, token_slots
-from pdserve.protocol.replica import KVReplicated, ReplicaBlocks
+from pdserve.protocol.replica import KVReplicated, ReplicaBlocks, ReplicateTo
 from pdserve.protocol.wire import EngineMessage
 
 # Geometry the region must share with the pool (its block size and count may differ).
@@ -96,7 +102,7 @@ class _Target:
     link: TransferLink
 
 
-class Replicator:
+class Replicator(Participant):
     """Streams running requests' KV into a holder's region (see the module doc).
     Single-threaded like the step loop; only the flush runs on the link's worker."""
 
@@ -104,11 +110,13 @@ class Replicator:
         self,
         kv: KVManager,
         cache: KVCache,
+        link: Callable[[], TransferLink],
         send: Callable[[EngineMessage], None],
         timeout_s: float,
     ) -> None:
         self.kv = kv
         self.cache = cache  # the pool: `device_tensor` may move into a region later
+        self._link = link  # the core's transfer link, opened on first use
         self.send = send
         self.timeout_s = timeout_s
         self._target: _Target | None = None
@@ -140,6 +148,28 @@ class Replicator:
         """A write is in flight (the loop should poll again soon)."""
         return self._write is not None
 
+    @property
+    def wants_every_step(self) -> bool:
+        return self.active
+
+    def stats(self) -> dict[str, int]:
+        return {"num_replicating": self.num_replicating}
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {ReplicateTo: self.replicate_to}
+
+    def replicate_to(self, msg: ReplicateTo) -> None:
+        """Stream running requests' KV into `msg.region` (None: stop). A region this pool
+        cannot fill is the front end's mistake, not the engine's failure: said on stderr,
+        and this instance does not replicate (nothing changes)."""
+        if msg.region is None:
+            self.stop()
+            return
+        try:
+            self.start(msg.holder, msg.region, self._link())
+        except ValueError as e:
+            print(f"pdserve: not replicating to {msg.holder}: {e}", file=sys.stderr)
+
     # ---- ReplicateTo ------------------------------------------------------------
 
     def start(self, holder: str, region: RegionHandle, link: TransferLink) -> None:
@@ -168,16 +198,16 @@ class Replicator:
 
     # ---- requests ---------------------------------------------------------------
 
-    def request_ended(self, request_id: str) -> None:
-        """`request_id` finished, was aborted or left the batch: free its region blocks
-        (see the module doc for why they may be reused at once)."""
-        replica = self._replicas.pop(request_id, None)
+    def request_ended(self, req: Request, status: RequestStatus | None) -> None:
+        """`req` finished, was aborted or left the batch: free its region blocks (see the
+        module doc for why they may be reused at once)."""
+        replica = self._replicas.pop(req.request_id, None)
         if replica is not None:
             self._free.extend(reversed(replica.blocks))
 
     # ---- the step loop ----------------------------------------------------------
 
-    def after_step(self, running: Sequence[Request]) -> None:
+    def step_ended(self, running: Sequence[Request]) -> None:
         """Start one write of every running request's new KV, unless one is in flight."""
         if self._target is None or self._write is not None:
             return
@@ -185,8 +215,12 @@ class Replicator:
         if pieces:
             self._write = self._submit(self._target, pieces)
 
-    def poll(self) -> None:
+    def poll(self, free_seq_slots: int, admissible: Admissible) -> list[Request]:
         """Report the write in flight once it completed (nothing after a failure)."""
+        self._report()
+        return []
+
+    def _report(self) -> None:
         write = self._write
         if write is None or write.task.poll() not in (TransferState.DONE, TransferState.FAILED):
             return
@@ -206,9 +240,9 @@ class Replicator:
             return True
         return write.task.wait(timeout_s) in (TransferState.DONE, TransferState.FAILED)
 
-    def close(self, timeout_s: float | None = None) -> None:
+    def close(self) -> None:
         """Shutdown: wait for the write in flight (it reads only its own buffer)."""
-        self.wait(timeout_s)
+        self.wait(self.timeout_s)
 
     # ---- internals ----------------------------------------------------------------
 

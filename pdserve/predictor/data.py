@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from pdserve.engine.engine import Engine
+from pdserve.engine.length_prediction import LengthPredictor
 from pdserve.protocol.sampling_params import SamplingParams
 
 SAMPLED_TEMPERATURE = 0.8
@@ -110,7 +111,7 @@ def collect(
     def keep(request_id: str, state: torch.Tensor) -> None:
         states[request_id] = state.float().numpy().copy()
 
-    engine.core.prompt_state_sink = keep
+    engine.core.participant(LengthPredictor).state_sink = keep
     jobs: dict[str, _Job] = {}
     n_sampled = round(len(prompts) * sampled_fraction)
     for i, (kind, text) in enumerate(prompts):
@@ -139,7 +140,7 @@ def collect(
                         out.finish_reason == "length",
                     )
                     bar.update(1)
-    engine.core.prompt_state_sink = None
+    engine.core.participant(LengthPredictor).state_sink = None
     order = list(jobs)
     return LengthData(
         hidden=np.stack([states[r] for r in order]).astype(np.float32),

@@ -121,7 +121,7 @@ class Router:
             if self.mode == "pull":
                 self.prefill.add_request(f"r{i}", p, self.params, handoff=Handoff("pull"))
             else:
-                self.decode.reserve(ReserveKV(f"r{i}", p))
+                self.decode.handle(ReserveKV(f"r{i}", p))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.tick(self.prefill)
@@ -156,7 +156,7 @@ class Router:
         elif isinstance(msg, KVHandedOff):
             p = self.batch[int(msg.request_id[1:])]
             first = list(self.tokens[msg.request_id])
-            self.decode.add_prefilled(
+            self.decode.handle(
                 AddPrefilled(
                     msg.request_id,
                     p,

@@ -71,6 +71,11 @@ class DecodeRole(TransferRole):
         self.fetching: dict[str, _Incoming] = {}
         self.reservations: dict[str, _Reservation] = {}
         self._pending_reservations: deque[_Reservation] = deque()
+        # Prefilled requests taken with a predicted length, and the low ends of their
+        # predicted buckets summed (the decode work length-aware dispatch spreads), since
+        # this core became a decode instance.
+        self.num_predicted_decodes = 0
+        self.predicted_decode_tokens = 0
 
     # ---- counters ---------------------------------------------------------------
 
@@ -85,6 +90,13 @@ class DecodeRole(TransferRole):
     def busy(self) -> bool:
         return bool(self.fetching)
 
+    def stats(self) -> dict[str, int]:
+        return {
+            **super().stats(),
+            "num_predicted_decodes": self.num_predicted_decodes,
+            "predicted_decode_tokens": self.predicted_decode_tokens,
+        }
+
     # ---- inputs -------------------------------------------------------------------
 
     def add_prefilled(self, msg: AddPrefilled, build: BuildRequest) -> Request | None:
@@ -92,6 +104,9 @@ class DecodeRole(TransferRole):
         req = build(msg)
         if req is None:
             return None
+        if req.prediction is not None:
+            self.num_predicted_decodes += 1
+            self.predicted_decode_tokens += req.prediction.low
         req.status = RequestStatus.WAITING_FOR_KV
         now = time.monotonic()
         if msg.source is not None:
@@ -110,15 +125,16 @@ class DecodeRole(TransferRole):
         self.reservations[msg.request_id] = res
         self._pending_reservations.append(res)
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> bool:
         """ReleaseKV: drop a reservation (the prefill side failed or the request ended)."""
         res = self.reservations.pop(request_id, None)
         if res is None:
-            return
+            return False
         if res.granted:
             self.kv.free(request_id)
         else:
             self._pending_reservations.remove(res)
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Drop a request that has not reached the scheduler. False if not held here."""

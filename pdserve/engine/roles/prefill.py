@@ -150,12 +150,14 @@ class PrefillRole(TransferRole):
             entry.tasks.append(self._push_whole(entry))
         # layer-push: every layer was flushed during the steps; `poll` finishes it.
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> bool:
         """ReleaseKV from the controller: the decode side has the KV or gave up."""
         entry = self.outgoing.get(request_id)
-        if entry is not None and entry.handed_off:
-            entry.dropped = True
-            self._free_when_idle(entry)
+        if entry is None or not entry.handed_off:
+            return False
+        entry.dropped = True
+        self._free_when_idle(entry)
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Drop a handed-off request (True) or just its hand-off record (False: the

@@ -1,0 +1,36 @@
+"""The engine core's features, in the order the core calls them (after its role).
+
+A feature is a participant (engine/participant.py) that owns its state and its input
+messages; adding one is its module and a line here. Each gets what it uses of the core
+through `CoreAccess`, never the core itself.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.cache_exchange import CacheExchange
+from pdserve.engine.length_head import load_length_head
+from pdserve.engine.length_prediction import LengthPredictor
+from pdserve.engine.participant import CoreAccess, Participant
+from pdserve.engine.replica_store import ReplicaStore
+from pdserve.engine.replicator import Replicator
+from pdserve.model.base import CausalLM
+
+
+def assemble(core: CoreAccess, model: CausalLM) -> list[Participant]:
+    """The features of a core serving `model`. Order matters only at `close`: the
+    replication write in flight and cache copies end before the replica regions go."""
+    config = core.config
+    transfer = config.transfer
+    head = None
+    if config.length_predictor is not None:
+        head = load_length_head(config.length_predictor, model)
+    return [
+        # DéjàVu replication, source side: running requests' KV streamed to a holder.
+        Replicator(core.kv, core.cache, core.transfer_link, core.post, transfer.timeout_s),
+        # MemServe's cluster caching: KV offered to and fetched from peers.
+        CacheExchange(config.instance_name, core.kv, core.transfer_link, core.post, transfer),
+        # DéjàVu replication, holder side: other instances' replicas, resumed on death.
+        ReplicaStore(core),
+        # TetriInfer's output-length prediction at each fresh prompt's first token.
+        LengthPredictor(head),
+    ]
