@@ -266,7 +266,7 @@ class PrefillRole(TransferRole):
 class _Mode:
     """How a request's prompt KV leaves this instance: one per `TransferMode` (`_MODES`),
     chosen once when the request arrives. Stateless; each hook acts through the role (its
-    pool, transport, transfer thread, `send`). Defaults: what pull does."""
+    pool, transport, transfer thread, `send`); each default does nothing."""
 
     pushes: ClassVar[bool] = False  # writes into blocks the decode side reserved (target)
 
