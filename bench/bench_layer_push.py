@@ -31,6 +31,7 @@ from pdserve.protocol.handoff import (
     KVReceived,
     KVReserved,
     ReserveKV,
+    TransferMode,
 )
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -58,7 +59,7 @@ def prefill_once(p: EngineCore, d: EngineCore, rid: str, prompt: list[int], mode
         d.poll_transfers()
         (reserved,) = [m for m in d.take_messages() if isinstance(m, KVReserved)]
         target = reserved.target
-    p.add_request(rid, prompt, PARAMS, handoff=Handoff(mode, target))
+    p.add_request(rid, prompt, PARAMS, handoff=Handoff(TransferMode(mode), target))
     t0 = time.perf_counter()
     tails = []
     while p.has_unfinished():

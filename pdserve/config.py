@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from pdserve.kv.layout import DTYPE_SIZES
+from pdserve.protocol.handoff import TransferMode
 
 # --quantization values; what each means for a given file: pdserve/model/loader.py.
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0")
@@ -34,14 +35,6 @@ class Role(StrEnum):
     COLOCATED = "colocated"  # both phases, chunked prefill + continuous batching
     PREFILL = "prefill"  # prompts only, in chunks; produces the first token, hands KV off
     DECODE = "decode"  # generation only, from KV received from a prefill instance
-
-
-class TransferMode(StrEnum):
-    """How a finished prefill's KV reaches the decode instance."""
-
-    PULL = "pull"  # DistServe: the decode side fetches it when it has room
-    LAYER_PUSH = "layer-push"  # DejaVu: each layer is pushed as soon as it has run
-    REQUEST_PUSH = "request-push"  # MemServe by-req-agg: one aggregated push per request
 
 
 class PrefillPolicy(StrEnum):

@@ -29,6 +29,7 @@ from helpers.pairs import (
 )
 from helpers.tiny_models import make_tiny_model
 
+from pdserve.cluster.transfer_policy import transfer_policy
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.cache_exchange import CacheExchange
 from pdserve.engine.core import EngineCore
@@ -37,15 +38,17 @@ from pdserve.engine.roles import ColocatedRole, DecodeRole, PrefillRole
 from pdserve.kv.transfer import gather
 from pdserve.model.base import CausalLM
 from pdserve.protocol.cache import FetchPrefix, KVOffered, OfferKind, OfferPrefix, PrefixFetched
+from pdserve.protocol.core import AddRequest
 from pdserve.protocol.handoff import (
     AddPrefilled,
     Handoff,
     KVHandedOff,
     KVReceived,
     ReserveKV,
+    TransferMode,
 )
 from pdserve.protocol.sampling_params import SamplingParams
-from pdserve.protocol.wire import EngineMessage
+from pdserve.protocol.wire import EngineInput, EngineMessage
 
 MODES = ["pull", "layer-push", "request-push"]
 
@@ -339,7 +342,7 @@ def test_a_busy_core_refuses_to_switch_role(model_dir: Path, model: CausalLM) ->
         assert isinstance(core.role, DecodeRole)
 
         # A prefill core holding a handed-off prompt's KV (pull: until ReleaseKV).
-        prefill.add_request("r0", prompt, GREEDY, handoff=Handoff("pull"))
+        prefill.add_request("r0", prompt, GREEDY, handoff=Handoff(TransferMode.PULL))
         drain(prefill)
         assert any(isinstance(m, KVHandedOff) for m in prefill.take_messages())
         assert refusal(prefill, Role.COLOCATED) == (
@@ -561,3 +564,27 @@ def test_a_prefill_or_decode_instance_keeps_its_pool_in_host_memory() -> None:
             "move host memory), so it runs on the cpu, not cuda:0"
         )
     assert EngineConfig(device="cuda", role=Role.COLOCATED).device == "cuda"
+
+
+def test_the_transfer_mode_travels_by_value_and_an_unknown_one_is_a_decode_error() -> None:
+    """`Handoff.mode` is a `TransferMode` on the wire: it decodes back to the enum member,
+    and a mode no engine knows is refused where the message is decoded."""
+    decoder = msgspec.msgpack.Decoder(EngineInput)
+    for mode in TransferMode:
+        sent = AddRequest("r0", [1, 2, 3], GREEDY, 0.0, Handoff(mode))
+        got = decoder.decode(msgspec.msgpack.encode(sent))
+        assert isinstance(got, AddRequest) and got.handoff is not None
+        assert got.handoff.mode is mode
+    raw = msgspec.msgpack.encode(AddRequest("r0", [1], GREEDY, 0.0, Handoff(TransferMode.PULL)))
+    assert raw.count(b"\xa4pull") == 1
+    with pytest.raises(msgspec.ValidationError, match="Invalid enum value 'push'"):
+        decoder.decode(raw.replace(b"\xa4pull", b"\xa4push"))
+
+
+def test_the_controller_pushes_in_the_push_modes_only() -> None:
+    """Each mode's controller policy: pull hands off to a decode instance chosen after the
+    prefill; the push modes reserve on the decode side first."""
+    for mode in TransferMode:
+        policy = transfer_policy(mode)
+        assert policy.push is (mode is not TransferMode.PULL)
+        assert policy.handoff() == Handoff(mode)

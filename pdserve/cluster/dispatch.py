@@ -36,7 +36,8 @@ from pdserve.cluster.hub import Feature, Handler, Hub
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.routing import Donor, Router
 from pdserve.cluster.table import Phase, Record
-from pdserve.config import Role, TransferMode
+from pdserve.cluster.transfer_policy import transfer_policy
+from pdserve.config import Role
 from pdserve.engine.admission import remaining_tokens
 from pdserve.errors import InstanceFailedError
 from pdserve.protocol.core import AbortRequests, AddRequest
@@ -60,7 +61,7 @@ class Dispatch(Feature):
         self.router = router
         self.copies = copies
         self.rates = rates  # the measured prefill rate and KV copy bandwidth
-        self.mode = hub.engine.transfer.mode
+        self.transfer = transfer_policy(hub.engine.transfer.mode)  # pull or push
         self.returns_kv = returns_kv(hub.config, hub.engine)
         # Push modes: decode reservations to release once the prefill side confirms it
         # stopped writing into them (key -> (prefill, decode)).
@@ -89,8 +90,8 @@ class Dispatch(Feature):
             self._send_prefill(rec, hub.of_role(Role.PREFILL), None)
         elif not hub.live(Role.PREFILL):
             self._run_whole_on_decode(rec)
-        elif self.mode is TransferMode.PULL:
-            self._send_prefill(rec, hub.of_role(Role.PREFILL), Handoff(self.mode.value))
+        elif not self.transfer.push:
+            self._send_prefill(rec, hub.of_role(Role.PREFILL), self.transfer.handoff())
         else:
             decode = self.choose_decode(rec)
             if decode is not None:
@@ -234,8 +235,7 @@ class Dispatch(Feature):
         if rec is None or rec.decode is not inst or rec.phase is not Phase.RESERVING:
             inst.send(ReleaseKV([msg.request_id]))
             return
-        handoff = Handoff(self.mode.value, msg.target)
-        self._send_prefill(rec, self.hub.of_role(Role.PREFILL), handoff)
+        self._send_prefill(rec, self.hub.of_role(Role.PREFILL), self.transfer.handoff(msg.target))
 
     def _on_received(self, inst: Instance, msg: KVReceived) -> None:
         rec = self.hub.table.get(msg.request_id)
@@ -263,7 +263,7 @@ class Dispatch(Feature):
         """An aborted push attempt whose prefill side may still write into the decode
         instance's blocks: keep the reservation until it confirms it stopped."""
         prefill, decode = rec.prefill, rec.decode
-        if not (abort and self.mode is not TransferMode.PULL and prefill is not None):
+        if not (abort and self.transfer.push and prefill is not None):
             return
         if prefill.alive and decode is not None and rec.phase in (Phase.PREFILL, Phase.HANDOFF):
             self._push_stops[rec.key] = (prefill, decode)

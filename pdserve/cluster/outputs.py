@@ -23,7 +23,7 @@ import msgspec
 from pdserve.cluster.hub import Feature, Hub
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.table import Phase, Record
-from pdserve.config import TransferMode
+from pdserve.cluster.transfer_policy import transfer_policy
 from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import EngineOutput, OutputBatch
@@ -36,6 +36,7 @@ class OutputRelay:
         self.hub = hub
         self.features = features
         self.predictions = predictions  # the length head's accuracy, by finished request
+        self.transfer = transfer_policy(hub.engine.transfer.mode)
         self.processor: OutputProcessor | None = None  # once the tokenizer is loaded
         self._budget = LoopBudget()
 
@@ -78,8 +79,8 @@ class OutputRelay:
             reason = result.finish_reason or "stop"
             self.predictions.observe(rec.prediction, len(rec.streamed), reason)
             if self.hub.config.disaggregated:
-                pulled = self.hub.engine.transfer.mode is TransferMode.PULL
-                result = dataclasses.replace(result, metrics=rec.times.handoff_metrics(pulled))
+                metrics = rec.times.handoff_metrics(pulled=not self.transfer.push)
+                result = dataclasses.replace(result, metrics=metrics)
             for feature in self.features:
                 feature.finished(rec, inst, clean=stop_string is None)
             self.hub.release(rec, abort=stop_string is not None)

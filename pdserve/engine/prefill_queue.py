@@ -7,6 +7,9 @@ the next scheduling batch, sorted by the policy:
 - fcfs: arrival order (nothing is sorted; the engine's behaviour before this existed);
 - sjf: fewest tokens to compute first; ljf: most first. Ties keep arrival order.
 
+Each policy is a `PrefillOrder` (`PREFILL_ORDERS`, by `PrefillPolicy`), chosen once by
+the queue.
+
 Starvation bound (the contract the tests check): a request is passed only by requests
 of its own scheduling batch, so at most `sched_batch - 1` later arrivals run before it,
 and a request at position p of the raw queue is scheduled in the ceil(p / sched_batch)-th
@@ -26,9 +29,56 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 from pdserve.config import PrefillPolicy
 from pdserve.engine.request import Request
+
+
+class PrefillOrder:
+    """A prefill policy: whether arrivals wait in the raw queue to be sorted a scheduling
+    batch at a time, and the order of one such batch."""
+
+    batches: ClassVar[bool]  # False: arrivals go straight to the scheduled queue
+
+    def sort(self, sizes: list[int]) -> list[int]:
+        """Indices of a batch (arrival order) by its jobs' `sizes`, in the order to run
+        them; stable: equal sizes keep arrival order."""
+        raise NotImplementedError
+
+
+class Fcfs(PrefillOrder):
+    """Arrival order: no batch is ever formed (the raw queue stays empty)."""
+
+    batches = False
+
+    def sort(self, sizes: list[int]) -> list[int]:
+        return list(range(len(sizes)))
+
+
+class Sjf(PrefillOrder):
+    """Fewest tokens to compute first."""
+
+    batches = True
+
+    def sort(self, sizes: list[int]) -> list[int]:
+        return sorted(range(len(sizes)), key=lambda i: sizes[i])
+
+
+class Ljf(PrefillOrder):
+    """Most tokens to compute first."""
+
+    batches = True
+
+    def sort(self, sizes: list[int]) -> list[int]:
+        return sorted(range(len(sizes)), key=lambda i: -sizes[i])
+
+
+PREFILL_ORDERS: dict[PrefillPolicy, PrefillOrder] = {
+    PrefillPolicy.FCFS: Fcfs(),
+    PrefillPolicy.SJF: Sjf(),
+    PrefillPolicy.LJF: Ljf(),
+}
 
 
 class PrefillQueue:
@@ -37,6 +87,7 @@ class PrefillQueue:
     ) -> None:
         """`job_size(request)`: the tokens its prefill computes (the sort key)."""
         self.policy = policy
+        self.order = PREFILL_ORDERS[policy]
         self.sched_batch = sched_batch
         self.job_size = job_size
         self.raw: deque[Request] = deque()
@@ -47,10 +98,10 @@ class PrefillQueue:
         self.num_overtakes = 0
 
     def append(self, req: Request) -> None:
-        if self.policy is PrefillPolicy.FCFS:
-            self.scheduled.append(req)  # one queue: arrival order
-        else:
+        if self.order.batches:
             self.raw.append(req)
+        else:
+            self.scheduled.append(req)  # one queue: arrival order
 
     def appendleft(self, req: Request) -> None:
         self.scheduled.appendleft(req)
@@ -87,10 +138,7 @@ class PrefillQueue:
     def _form_batch(self) -> None:
         n = min(self.sched_batch, len(self.raw))
         batch = [self.raw.popleft() for _ in range(n)]
-        descending = self.policy is PrefillPolicy.LJF
-        # sorted() is stable: equal sizes keep arrival order for sjf and ljf alike.
-        sizes = [self.job_size(r) for r in batch]
-        order = sorted(range(n), key=lambda i: -sizes[i] if descending else sizes[i])
+        order = self.order.sort([self.job_size(r) for r in batch])
         self.scheduled.extend(batch[i] for i in order)
         self.num_batches += 1
         self.num_overtakes += _inversions(order)

@@ -11,11 +11,23 @@ See docs/request-path.md.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import msgspec
 
 from pdserve.kv.layout import RegionHandle
 from pdserve.protocol.prediction import LengthPrediction
 from pdserve.protocol.sampling_params import SamplingParams
+
+
+class TransferMode(StrEnum):
+    """How a finished prefill's KV reaches the decode instance (`--transfer-mode`; on the
+    wire by value, so an unknown mode is a decode error)."""
+
+    PULL = "pull"  # DistServe: the decode side fetches it when it has room
+    LAYER_PUSH = "layer-push"  # DejaVu: each layer is pushed as soon as it has run
+    REQUEST_PUSH = "request-push"  # MemServe by-req-agg: one aggregated push per request
+
 
 # ---- descriptors ------------------------------------------------------------------
 
@@ -40,7 +52,7 @@ class KVSource(msgspec.Struct, frozen=True):
 class Handoff(msgspec.Struct, frozen=True):
     """How a prefill instance passes a request on once its first token is out."""
 
-    mode: str  # a TransferMode value
+    mode: TransferMode
     target: PushTarget | None = None  # push modes: where to write
 
 

@@ -23,9 +23,9 @@ from pdserve.config import (
     Role,
     SchedulerConfig,
     TransferConfig,
-    TransferMode,
     check_device,
 )
+from pdserve.protocol.handoff import TransferMode
 
 
 def check_serve_flags(args: argparse.Namespace) -> tuple[EngineConfig, ClusterConfig]:

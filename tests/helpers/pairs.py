@@ -25,6 +25,7 @@ from pdserve.protocol.handoff import (
     KVReceived,
     KVReserved,
     ReserveKV,
+    TransferMode,
 )
 from pdserve.protocol.prediction import LengthPrediction
 from pdserve.protocol.sampling_params import SamplingParams
@@ -119,7 +120,8 @@ class Router:
     def run(self, timeout_s: float = 60.0) -> None:
         for i, p in enumerate(self.batch):
             if self.mode == "pull":
-                self.prefill.add_request(f"r{i}", p, self.params, handoff=Handoff("pull"))
+                handoff = Handoff(TransferMode.PULL)
+                self.prefill.add_request(f"r{i}", p, self.params, handoff=handoff)
             else:
                 self.decode.handle(ReserveKV(f"r{i}", p))
         deadline = time.monotonic() + timeout_s
@@ -151,7 +153,7 @@ class Router:
     def route(self, msg: EngineMessage) -> None:
         if isinstance(msg, KVReserved):
             p = self.batch[int(msg.request_id[1:])]
-            handoff = Handoff(self.mode, msg.target)
+            handoff = Handoff(TransferMode(self.mode), msg.target)
             self.prefill.add_request(msg.request_id, p, self.params, handoff=handoff)
         elif isinstance(msg, KVHandedOff):
             p = self.batch[int(msg.request_id[1:])]

@@ -8,7 +8,8 @@ Life cycle of a request on a prefill instance (DistServe §4.3, TetriInfer §3.3
 2. The step that computes the last prompt token samples the first token. The core emits
    it at once (TTFT does not wait for the KV to move) and calls `first_token`, which hands
    the request off: it leaves the batch but keeps its blocks.
-3. By mode:
+3. By mode (one `_Mode` per `TransferMode`, chosen from `_MODES` when the request
+   arrives):
    - pull: the KV stays in the pool as a queue buffer. `KVHandedOff` says where it is and
      until when (the lease). The blocks are freed on `ReleaseKV` (the controller sends it
      once the decode side has fetched the KV, or gave up) or when the lease expires.
@@ -32,10 +33,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import msgspec
 
-from pdserve.config import Role, TransferMode
+from pdserve.config import Role
 from pdserve.engine.request import Request, generator_state
 from pdserve.engine.roles.base import Admissible
 from pdserve.engine.roles.transfer import TransferRole
@@ -49,13 +51,21 @@ from pdserve.kv.transfer import (
     stream_out,
 )
 from pdserve.model.base import ForwardHooks
-from pdserve.protocol.handoff import Handoff, HandoffFailed, KVHandedOff, KVSource, PushTarget
+from pdserve.protocol.handoff import (
+    Handoff,
+    HandoffFailed,
+    KVHandedOff,
+    KVSource,
+    PushTarget,
+    TransferMode,
+)
 
 
 @dataclass
 class _Outgoing:
     request: Request
     handoff: Handoff
+    mode: _Mode  # the hand-off's `TransferMode`
     tasks: list[TransferTask] = field(default_factory=list)
     pushed_upto: int = 0  # layer-push: tokens flushed for every layer
     handed_off: bool = False  # the first token is out; the request left the batch
@@ -115,10 +125,10 @@ class PrefillRole(TransferRole):
         runs here to the end, as on a colocated instance."""
         if handoff is None:
             return
-        mode = TransferMode(handoff.mode)
-        if mode is not TransferMode.PULL and handoff.target is None:
-            raise ValueError(f"transfer mode {mode.value!r} needs a push target")
-        self.outgoing[req.request_id] = _Outgoing(req, handoff)
+        mode = _MODES[handoff.mode]
+        if mode.pushes and handoff.target is None:
+            raise ValueError(f"transfer mode {handoff.mode.value!r} needs a push target")
+        self.outgoing[req.request_id] = _Outgoing(req, handoff, mode)
 
     def first_token(self, req: Request) -> bool:
         """Hand `req` off (True: it leaves the batch holding its blocks), unless it has no
@@ -136,19 +146,7 @@ class PrefillRole(TransferRole):
         """The first token is out; `req` leaves the batch holding its blocks."""
         entry = self.outgoing[req.request_id]
         entry.handed_off = True
-        mode = TransferMode(entry.handoff.mode)
-        if mode is TransferMode.PULL:
-            entry.lease_deadline = time.monotonic() + self.config.lease_s
-            source = KVSource(
-                self.region.handle,
-                self.kv.block_table(req.request_id),
-                len(req.prompt_token_ids),
-                entry.lease_deadline,
-            )
-            self.send(self._handed_off(entry, source))
-        elif mode is TransferMode.REQUEST_PUSH:
-            entry.tasks.append(self._push_whole(entry))
-        # layer-push: every layer was flushed during the steps; `poll` finishes it.
+        entry.mode.hand_off(self, entry)
 
     def release(self, request_id: str) -> bool:
         """ReleaseKV from the controller: the decode side has the KV or gave up."""
@@ -181,22 +179,9 @@ class PrefillRole(TransferRole):
         self._step_chunks = []
         for seq in seqs:
             entry = self.outgoing.get(seq.request.request_id)
-            if entry is None or entry.handoff.mode != TransferMode.LAYER_PUSH:
-                continue
-            req = seq.request
-            start = max(entry.target.start, entry.pushed_upto)
-            end = min(req.num_computed_tokens + seq.num_new_tokens, len(req.prompt_token_ids))
-            if end > start:
-                target = entry.target
-                plan = stream_out(
-                    self.layout,
-                    self.kv.block_table(req.request_id),
-                    target.region.layout,
-                    target.blocks,
-                    start,
-                    end,
-                )
-                self._step_chunks.append(_Chunk(entry, plan, end))
+            chunk = None if entry is None else entry.mode.chunk(self, entry, seq)
+            if chunk is not None:
+                self._step_chunks.append(chunk)
 
     def on_layer_done(self, layer: int) -> None:
         """Forward hook: layer `layer` of this step is in the pool; push it. Runs between
@@ -230,22 +215,11 @@ class PrefillRole(TransferRole):
             if entry.dropped:
                 self._free(entry)
                 self._confirm_stopped(entry)
-            elif entry.handoff.mode != TransferMode.PULL:
-                self._finish_push(entry)
-            elif entry.lease_deadline is not None and now > entry.lease_deadline:
-                self._free(entry)
+            else:
+                entry.mode.settle(self, entry, now)
         return []
 
     # ---- internals ----------------------------------------------------------------
-
-    def _finish_push(self, entry: _Outgoing) -> None:
-        error = entry.failure()
-        self._free(entry)
-        rid = entry.request.request_id
-        if error is not None:
-            self.send(HandoffFailed(rid, f"pushing the KV to the decode instance failed: {error}"))
-        else:
-            self.send(self._handed_off(entry, None))
 
     def _handed_off(self, entry: _Outgoing, source: KVSource | None) -> KVHandedOff:
         req = entry.request
@@ -256,34 +230,6 @@ class PrefillRole(TransferRole):
             req.times.first_scheduled,
             req.times.first_token,
         )
-
-    def _push_whole(self, entry: _Outgoing) -> TransferTask:
-        """request-push: gather the prompt KV into one buffer, flush it in one call."""
-        req, target = entry.request, entry.target
-        blocks = self.kv.block_table(req.request_id)
-        start, end = target.start, len(req.prompt_token_ids)
-
-        def run() -> None:
-            buf = gather(self.region.tensor, self.layout, blocks, start, end)
-            n = end - start
-            buf_layout = KVLayout(
-                num_layers=self.layout.num_layers,
-                num_blocks=n,
-                block_size=1,
-                num_kv_heads=self.layout.num_kv_heads,
-                head_dim=self.layout.head_dim,
-                dtype=self.layout.dtype,
-                first_layer=self.layout.first_layer,
-            )
-            # Token i of the request sits in buffer row i - start (block size 1).
-            buf_blocks = [0] * start + list(range(n))
-            plan = stream_out(
-                buf_layout, buf_blocks, target.region.layout, target.blocks, start, end
-            )
-            self.transport.flush(target.region, plan, buf.view(buf_layout.shape))
-
-        nbytes = 2 * self.layout.num_layers * (end - start) * self.layout.token_bytes
-        return self.worker.submit(run, nbytes=nbytes, deadline_s=self.config.timeout_s)
 
     def _submit_flush(self, target: PushTarget, plan: TransferPlan) -> TransferTask:
         local = self.region.tensor
@@ -314,6 +260,125 @@ class PrefillRole(TransferRole):
     def _wait(tasks: Sequence[TransferTask]) -> None:
         for task in tasks:
             task.wait(None)
+
+
+# ---- the transfer modes ------------------------------------------------------------
+
+
+class _Mode:
+    """How a request's prompt KV leaves this instance: one per `TransferMode` (`_MODES`),
+    chosen once when the request arrives. Stateless; each hook acts through the role (its
+    pool, transport, transfer thread, `send`); each default does nothing."""
+
+    pushes: ClassVar[bool] = False  # writes into blocks the decode side reserved (target)
+
+    def hand_off(self, role: PrefillRole, entry: _Outgoing) -> None:
+        """The first token is out and the request left the batch holding its blocks."""
+
+    def chunk(self, role: PrefillRole, entry: _Outgoing, seq: ScheduledSeq) -> _Chunk | None:
+        """`begin_step`: this step's part of the request, to push layer by layer as each
+        layer runs (None: nothing moves during the step)."""
+        return None
+
+    def settle(self, role: PrefillRole, entry: _Outgoing, now: float) -> None:
+        """`poll`, on a handed-off entry neither dropped nor with a task running."""
+
+
+class _Pull(_Mode):
+    """The KV stays in the pool, leased, until the decode side fetched it (ReleaseKV)."""
+
+    def hand_off(self, role: PrefillRole, entry: _Outgoing) -> None:
+        req = entry.request
+        entry.lease_deadline = time.monotonic() + role.config.lease_s
+        source = KVSource(
+            role.region.handle,
+            role.kv.block_table(req.request_id),
+            len(req.prompt_token_ids),
+            entry.lease_deadline,
+        )
+        role.send(role._handed_off(entry, source))
+
+    def settle(self, role: PrefillRole, entry: _Outgoing, now: float) -> None:
+        """Frees the KV once its lease ran out unclaimed."""
+        if entry.lease_deadline is not None and now > entry.lease_deadline:
+            role._free(entry)
+
+
+class _Push(_Mode):
+    """The KV is written into the decode side's reserved blocks; once every write is
+    done the blocks are freed and the controller told (KVHandedOff or HandoffFailed)."""
+
+    pushes = True
+
+    def settle(self, role: PrefillRole, entry: _Outgoing, now: float) -> None:
+        error = entry.failure()
+        role._free(entry)
+        rid = entry.request.request_id
+        if error is not None:
+            role.send(HandoffFailed(rid, f"pushing the KV to the decode instance failed: {error}"))
+        else:
+            role.send(role._handed_off(entry, None))
+
+
+class _LayerPush(_Push):
+    """Each layer of each step's chunk is flushed right after it ran (the forward hook,
+    `PrefillRole.on_layer_done`); at the hand-off every layer is on its way already."""
+
+    def chunk(self, role: PrefillRole, entry: _Outgoing, seq: ScheduledSeq) -> _Chunk | None:
+        req, target = seq.request, entry.target
+        start = max(target.start, entry.pushed_upto)
+        end = min(req.num_computed_tokens + seq.num_new_tokens, len(req.prompt_token_ids))
+        if end <= start:
+            return None
+        plan = stream_out(
+            role.layout,
+            role.kv.block_table(req.request_id),
+            target.region.layout,
+            target.blocks,
+            start,
+            end,
+        )
+        return _Chunk(entry, plan, end)
+
+
+class _RequestPush(_Push):
+    """After the first token one task gathers the prompt KV into one contiguous buffer
+    and flushes it in one call."""
+
+    def hand_off(self, role: PrefillRole, entry: _Outgoing) -> None:
+        req, target = entry.request, entry.target
+        blocks = role.kv.block_table(req.request_id)
+        start, end = target.start, len(req.prompt_token_ids)
+        layout = role.layout
+
+        def run() -> None:
+            buf = gather(role.region.tensor, layout, blocks, start, end)
+            n = end - start
+            buf_layout = KVLayout(
+                num_layers=layout.num_layers,
+                num_blocks=n,
+                block_size=1,
+                num_kv_heads=layout.num_kv_heads,
+                head_dim=layout.head_dim,
+                dtype=layout.dtype,
+                first_layer=layout.first_layer,
+            )
+            # Token i of the request sits in buffer row i - start (block size 1).
+            buf_blocks = [0] * start + list(range(n))
+            plan = stream_out(
+                buf_layout, buf_blocks, target.region.layout, target.blocks, start, end
+            )
+            role.transport.flush(target.region, plan, buf.view(buf_layout.shape))
+
+        nbytes = 2 * layout.num_layers * (end - start) * layout.token_bytes
+        entry.tasks.append(role.worker.submit(run, nbytes=nbytes, deadline_s=role.config.timeout_s))
+
+
+_MODES: dict[TransferMode, _Mode] = {
+    TransferMode.PULL: _Pull(),
+    TransferMode.LAYER_PUSH: _LayerPush(),
+    TransferMode.REQUEST_PUSH: _RequestPush(),
+}
 
 
 def _one_layer(plan: TransferPlan, local_layer: int) -> TransferPlan | None:
