@@ -48,7 +48,6 @@ from pdserve.engine.roles import (
 )
 from pdserve.engine.sampler import SampledToken, SamplingRow, is_plain_greedy, sample
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from pdserve.engine.validation import check_request
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.kv.cache import KVCache
 from pdserve.kv.config import KVCacheConfig
@@ -71,6 +70,7 @@ from pdserve.protocol.replica import (
     StoreReplicas,
 )
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.protocol.validation import check_request
 from pdserve.protocol.wire import EngineMessage
 
 _TRANSFER_ROLES: dict[Role, type[TransferRole]] = {
