@@ -45,10 +45,10 @@ from openai import OpenAI
 from openai.types import Completion
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.outputs import RequestOutput
 from pdserve.model.loader import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.outputs import RequestOutput
 
 BS = 16
 MAX_TOKENS = 32

@@ -16,9 +16,9 @@ import pytest
 
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.step_trace import StepTrace
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.outputs import RequestOutput
 
 pytestmark = pytest.mark.kernels
 

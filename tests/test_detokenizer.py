@@ -6,9 +6,9 @@ from typing import ClassVar
 
 import pytest
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.engine.stop_strings import StopMatcher
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.detokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.text.stop_strings import StopMatcher
 
 
 class ByteTokenizer:
@@ -341,7 +341,7 @@ def test_the_first_complete_stop_wins_however_the_text_is_split() -> None:
 def test_loop_budget_yields_the_event_loop_only_once_its_slice_is_spent() -> None:
     import asyncio
 
-    from pdserve.engine.output_processor import LoopBudget
+    from pdserve.text.output_processor import LoopBudget
 
     async def scenario(budget_s: float) -> list[str]:
         ran: list[str] = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.outputs import RequestOutput
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 

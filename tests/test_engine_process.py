@@ -18,9 +18,9 @@ from helpers.tiny_models import make_tiny_model
 
 from pdserve.cluster.controller import Cluster
 from pdserve.config import CacheConfig, EngineConfig
-from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.outputs import RequestOutput
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = SamplingParams(max_tokens=64, temperature=0)

@@ -15,8 +15,8 @@ import pytest
 
 from pdserve.config import PreemptionMode
 from pdserve.engine.engine import Engine
-from pdserve.engine.outputs import RequestOutput
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.outputs import RequestOutput
 
 TOPICS = [
     "the moon",

@@ -34,7 +34,12 @@ LAYERS: Layers = [
     ),
     (
         ("pdserve.protocol",),
-        "typed messages between processes (a request's parameters too): plain data over kv's",
+        "typed messages between processes (a request's parameters too, and their checks "
+        "against a model's limits): plain data over kv's",
+    ),
+    (
+        ("pdserve.text",),
+        "a request's token ids to text, stop strings, RequestOutput: over protocol's messages",
     ),
     (
         ("pdserve.config",),

@@ -36,9 +36,6 @@ from pdserve.cluster.routing import Router, session_key
 from pdserve.cluster.table import Item, Phase, Record, RequestTable
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.length_head import HeadSpec, read_head
-from pdserve.engine.output_processor import OutputProcessor
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.validation import check_request
 from pdserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -56,6 +53,9 @@ from pdserve.protocol.core import (
     WeightsInfo,
 )
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.protocol.validation import check_request
+from pdserve.text.output_processor import OutputProcessor
+from pdserve.text.outputs import RequestOutput
 
 _WATCH_S = 0.1
 

@@ -24,9 +24,9 @@ from pdserve.cluster.hub import Feature, Hub
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.table import Phase, Record
 from pdserve.cluster.transfer_policy import transfer_policy
-from pdserve.engine.output_processor import LoopBudget, OutputProcessor
 from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import EngineOutput, OutputBatch
+from pdserve.text.output_processor import LoopBudget, OutputProcessor
 
 
 class OutputRelay:

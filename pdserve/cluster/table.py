@@ -19,10 +19,10 @@ from enum import StrEnum
 
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.routing import RouteKey
-from pdserve.engine.outputs import RequestOutput
 from pdserve.protocol.prediction import LengthPrediction
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.timing import RequestTimes
+from pdserve.text.outputs import RequestOutput
 
 Item = RequestOutput | BaseException
 

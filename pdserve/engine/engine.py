@@ -13,8 +13,6 @@ import torch
 
 from pdserve.config import EngineConfig, check_device
 from pdserve.engine.core import EngineCore
-from pdserve.engine.output_processor import OutputProcessor
-from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.layout import DTYPE_SIZES
 from pdserve.model.base import CausalLM
@@ -28,6 +26,8 @@ from pdserve.model.loader import (
 from pdserve.model.registry import build_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.output_processor import OutputProcessor
+from pdserve.text.outputs import RequestOutput
 
 Prompt = str | Sequence[int]
 

@@ -12,10 +12,10 @@ from pdserve.engine.request import (
     generator_from_state,
     resumed_generator,
 )
-from pdserve.engine.validation import check_request
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.handoff import AddPrefilled
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.protocol.validation import check_request
 
 
 def new_request(

@@ -8,9 +8,9 @@ from typing import Any
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine, Prompt
-from pdserve.engine.outputs import RequestOutput
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.outputs import RequestOutput
 
 
 class LLM:

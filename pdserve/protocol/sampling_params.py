@@ -48,7 +48,7 @@ class SamplingParams:
     Fields (all validated in `__post_init__`):
 
     - max_tokens: most tokens to generate, >= 1 (the context length bounds it where the
-      model is known: `engine/validation.py`).
+      model is known: `protocol/validation.py`).
     - min_tokens: EOS, `stop_token_ids` and `stop` strings are not honoured before this many
       tokens were generated; 0 <= min_tokens <= max_tokens.
     - temperature: >= 0; 0 means greedy (argmax), and then top_p/top_k/min_p are ignored.
@@ -64,7 +64,7 @@ class SamplingParams:
       MAX_STOP_CHARS characters in all.
     - stop_token_ids: token ids that end generation (the token itself is not part of the text);
       at most MAX_STOP_TOKEN_IDS. Whether they lie in the vocabulary is checked where the
-      vocabulary is known (`engine/validation.py`).
+      vocabulary is known (`protocol/validation.py`).
     - ignore_eos: keep generating after the model's EOS token (until max_tokens or a stop).
     - logprobs: None = no log-probabilities; n in [0, 20] = return the chosen token's logprob
       plus the n most likely alternatives.

@@ -25,10 +25,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.validation import check_prompt_length
 from pdserve.errors import EngineDeadError, InvalidRequestError, PdserveError
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.protocol.validation import check_prompt_length
 from pdserve.server import errors
 from pdserve.server.admission import Admission, AdmissionGate
 from pdserve.server.backend import ServingBackend
@@ -37,6 +36,7 @@ from pdserve.server.metrics import ServerMetrics
 from pdserve.server.prompts import Encoded, PromptConfig, PromptEncoder
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.render import Renderer
+from pdserve.text.outputs import RequestOutput
 from pdserve.version import __version__
 
 _DISCONNECT_POLL_S = 0.05

@@ -12,11 +12,11 @@ from typing import Protocol
 
 from pdserve.cluster.faults import FaultCounters
 from pdserve.cluster.routing import Router
-from pdserve.engine.outputs import RequestOutput
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import EngineStats, WeightsInfo
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.outputs import RequestOutput
 
 
 class ServingBackend(Protocol):

@@ -15,10 +15,10 @@ from prometheus_client.registry import Collector
 
 from pdserve.cluster.faults import FaultCounters
 from pdserve.cluster.routing import Router
-from pdserve.engine.outputs import RequestOutput
 from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import EngineStats, WeightsInfo
 from pdserve.protocol.prediction import LengthPrediction
+from pdserve.text.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

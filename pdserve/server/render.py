@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.text.outputs import RequestOutput, TokenLogprob
 
 
 class Renderer:

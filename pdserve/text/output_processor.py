@@ -13,12 +13,11 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.outputs import RequestOutput, TokenLogprob
-from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.core import EngineOutput
 from pdserve.protocol.prediction import LengthPrediction
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.detokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.text.outputs import RequestOutput, TokenLogprob
 
 
 class LoopBudget:

@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from pdserve.engine.stop_strings import matcher_for
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.text.stop_strings import matcher_for
 
 _CONTEXT_TOKENS = 5
 """Prompt tokens decoded with the first output tokens as context (vLLM uses 5 too)."""

@@ -1,4 +1,5 @@
-"""What the engine reports per request, each step and at the end."""
+"""What a request's caller receives (from `Engine`, `LLM` or the front end), each step and
+at the end."""
 
 from __future__ import annotations
 
