@@ -1,14 +1,14 @@
 """Two builds of the compiled kernels, A/B in one process, on the same weights.
 
-    git show REV:pdserve/quant/_kernels.c > /tmp/a/_kernels.c   # and the other .c and .h
-    .venv/bin/python bench/bench_kernel_ab.py --build /tmp/a --build pdserve/quant \\
+    git show REV:pdserve/kernels/_kernels.c > /tmp/a/_kernels.c   # and the other .c and .h
+    .venv/bin/python bench/bench_kernel_ab.py --build /tmp/a --build pdserve/kernels \\
         [--formats Q4_1,Q8_0] [--rows 8,64,256] [--activations int8] [--attention]
 
 Each `--build` folder's C files are compiled (the flags of setup.py) into a private
 `_kernels.so` and loaded under its own name; the same `QuantLinear` then calls each
 build's `qlinear` in turn (alternating, so the machine's drift hits both) and the
 outputs are asserted bit-identical - a kernel change that keeps the contract
-(pdserve/quant/README.md) gives the same bits. Prints each build's GMAC/s (medians) and
+(pdserve/kernels/README.md) gives the same bits. Prints each build's GMAC/s (medians) and
 B's time over A's as a speed-up, for the shipped model's projection shapes (hot in
 cache: the kernels' own rate). `--activations int8` times `_int8.c`'s kernels instead.
 

@@ -8,7 +8,7 @@ perplexity (issue 20, acceptance 2).
 The reference is `--quantization none` with an fp32 KV cache: the file's blocks
 dequantized to fp32, so both settings hold exactly the same weights and the only
 difference is the order of the kernels' fp32 sums, and their compiled attention
-(pdserve/quant/README.md) - or, with `--activations int8`, also the rounding of the
+(pdserve/kernels/README.md) - or, with `--activations int8`, also the rounding of the
 activations to int8 (llama.cpp's method), and with an fp16 KV cache (`auto` under
 quantized weights) the rounding of each K and V to fp16. `--reference gguf` compares two
 settings of the quantized model instead (e.g. `--kv-cache-dtype float16` against

@@ -12,7 +12,7 @@ product, what `--quantization none` runs) on the dequantized copy of the same we
 alternating. Weights stay hot in cache here, so a GEMV reads as compute; in a model
 step the weights stream from memory (bench/bench_engine.py measures that). With
 `--int8`, a third column: the same weights with int8 activations (`--activations int8`,
-pdserve/quant/_int8.c), timed in the same alternation.
+pdserve/kernels/_int8.c), timed in the same alternation.
 
 `--stream` measures what a batch-1 decode step's products are bound by instead: the
 weights of 30 layers of the shipped model's shapes (q/k/v 960 x 576, o 576 x 576,
@@ -33,9 +33,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pdserve.kernels import kernels
 from pdserve.model.linear import PackedLinear
 from pdserve.quant.formats import QuantType, QuantWeight
-from pdserve.quant.kernels import kernels
 from pdserve.quant.linear import QuantLinear
 
 SHAPES = ((3072, 576), (576, 1536))

@@ -6,7 +6,7 @@
 Each launch is `python -m pdserve.cli serve --port P [ARGS]` run from a source tree (its
 folder first on PYTHONPATH, this interpreter): this one, and with `--ref` another
 checkout of pdserve, e.g. the commit before (`git worktree add /tmp/pdserve-ref <commit>`;
-copy `pdserve/quant/_kernels*.so` into it or build it there). The clock starts before
+copy `pdserve/kernels/_kernels*.so` into it or build it there). The clock starts before
 the process does. `/health` is polled every 50 ms; once it answers 200 one streamed
 completion is sent (greedy, 4 tokens) and the clock read again at its first token: the
 first step's costs (a KV pool's pages touched on first use, the first calls' warm-up)

@@ -207,7 +207,7 @@ class EngineConfig:
     quantization: str = "auto"
     # How the quantized kernels take activations (ACTIVATIONS): "fp32" exact (the
     # default); "int8" rounded per 32 values, integer products (llama.cpp's method:
-    # faster, not fp32's text; pdserve/quant/README.md). Needs quantized weights.
+    # faster, not fp32's text; pdserve/kernels/README.md). Needs quantized weights.
     activations: str = "fp32"
     # The KV pool's dtype (KV_CACHE_DTYPES); resolved by `kv_dtype`.
     kv_cache_dtype: str = "auto"

@@ -50,7 +50,7 @@ kernels_line() {
     .venv/bin/python - <<'PY'
 import os
 os.environ.pop("PDSERVE_NO_KERNELS", None)  # say what was built, not what this run uses
-from pdserve.quant.kernels import unavailable_reason
+from pdserve.kernels import unavailable_reason
 from pdserve.quant.linear import int8_build
 why = unavailable_reason()
 if why is None:

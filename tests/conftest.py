@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     they cannot run (a CPU without AVX2, or a stubbed answer), and the comparison of the
     int8 kernels' two builds (marked `vnni`) on a CPU that has only one of them; the
     header says so."""
-    from pdserve.quant.kernels import DISABLE_ENV, unavailable_reason
+    from pdserve.kernels import DISABLE_ENV, unavailable_reason
     from pdserve.quant.linear import int8_blocker, int8_build
 
     for item in items:

@@ -46,8 +46,12 @@ LAYERS: Layers = [
         "what an instance is built from (EngineConfig and its parts), sized by kv's dtype table",
     ),
     (
+        ("pdserve.kernels",),
+        "the compiled CPU kernels and their loader: plain addresses and sizes, torch only",
+    ),
+    (
         ("pdserve.quant",),
-        "GGUF blocks and the compiled kernels that read them: what the model's ops call",
+        "GGUF block formats and the ops over them that the model calls, by the kernels",
     ),
     (
         ("pdserve.model",),

@@ -1,4 +1,4 @@
-"""`--activations int8`: the int8 kernels (pdserve/quant/_int8.c) against references.
+"""`--activations int8`: the int8 kernels (pdserve/kernels/_int8.c) against references.
 
 The method (llama.cpp's): each row of activations is rounded per block of 32 values to
 q = round(x * 127 / max|x|) with the scale dx = max|x| / 127; every weight block is u*d + m
@@ -226,7 +226,7 @@ def test_a_cpu_without_avx2_is_refused_with_the_reason(monkeypatch: pytest.Monke
     assert int8_blocker() == ""
     with pytest.raises(ValueError, match="activations must be one of fp32, int8, got 'int4'"):
         QuantLinear(qw, None, "int4")
-    from pdserve.quant import _kernels  # type: ignore[attr-defined]
+    from pdserve.kernels import _kernels  # type: ignore[attr-defined]
 
     monkeypatch.setattr(_kernels, "int8_supported", lambda: False)
     lacks = "this CPU lacks AVX2 (with FMA and F16C), which the int8 kernels need"
@@ -261,7 +261,7 @@ def _products_in_a_process(tmp_path: Path, env: dict[str, str]) -> tuple[str, di
         "import sys; sys.path[:0] = sys.argv[2:]\n"
         "from pathlib import Path\n"
         "import test_quant_int8 as t\n"
-        "from pdserve.quant import _kernels\n"
+        "from pdserve.kernels import _kernels\n"
         "t._products_of_every_case(Path(sys.argv[1]))\n"
         "print(_kernels.int8_build())\n"
     )
@@ -281,7 +281,7 @@ def test_the_environment_variable_takes_the_avx2_build(tmp_path: Path) -> None:
     """PDSERVE_INT8_KERNEL=avx2 runs the AVX2 build, on a VNNI CPU too, over every case.
     (Its products against the VNNI build's: the next test, where the CPU has VNNI; against
     the method's bounds: the tests above, on a CPU whose own choice is AVX2.)"""
-    from pdserve.quant import _kernels  # type: ignore[attr-defined]
+    from pdserve.kernels import _kernels  # type: ignore[attr-defined]
 
     build, products = _products_in_a_process(tmp_path, {INT8_ENV: "avx2"})
     assert build == "avx2"

@@ -1,6 +1,6 @@
-"""The compiled quantized kernels (pdserve/quant/_kernels.c) against references.
+"""The compiled quantized kernels (pdserve/kernels/_kernels.c) against references.
 
-The method (pdserve/quant/README.md): each weight block is dequantized to exactly the fp32
+The method (pdserve/kernels/README.md): each weight block is dequantized to exactly the fp32
 values of gguf-py's dequantization, then multiplied by the fp32 activations, each output
 as 8 FMA lanes (lane l sums k = l, l+8, ...) and a 3-level horizontal sum. So against
 the float64 product with the same weights the only error is fp32 rounding of those sums:
@@ -221,7 +221,7 @@ def test_argmax_rows_picks_numpys_index_on_ties_nans_and_tails() -> None:
     ran the LM head): numpy's argmax on each row - the first of equal maxima (+0 and -0
     equal), the first NaN where there is one, all -inf, and lengths that leave a tail
     after the 8-wide loop."""
-    from pdserve.quant.kernels import kernels
+    from pdserve.kernels import kernels
 
     mod = kernels()
     assert mod is not None

@@ -1,4 +1,4 @@
-"""The compiled per-row path of quantized models (pdserve/quant/_attention.c and the
+"""The compiled per-row path of quantized models (pdserve/kernels/_attention.c and the
 prologues of _kernels.c): against torch's paged attention and ops, and its contract -
 a row's result has the same bits alone, in any batch, on any thread count - down to the
 model, where a decoded token's logits equal those of the same token recomputed by a
@@ -16,6 +16,7 @@ from helpers.tiny_models import make_tiny_gguf
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import load_model
+from pdserve.kernels import kernels
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.model.attention import (
@@ -30,7 +31,6 @@ from pdserve.model.base import CausalLM, ForwardHooks
 from pdserve.model.fused import norm_rows
 from pdserve.model.layers import RMSNorm, apply_rope
 from pdserve.quant.formats import QuantType, QuantWeight
-from pdserve.quant.kernels import kernels
 from pdserve.quant.linear import QuantLinear
 
 pytestmark = pytest.mark.kernels

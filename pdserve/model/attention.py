@@ -24,7 +24,7 @@ Layout contract
   and are masked, but a NaN there would still poison `softmax(.) @ V`.
 
 Two implementations read this layout. `paged_attention` (torch: gathers and SDPA) serves
-every dtype and device. `row_attention` (the compiled kernel in pdserve/quant/
+every dtype and device. `row_attention` (the compiled kernel in pdserve/kernels/
 _attention.c) serves quantized models on CPU: it attends each query row on its own, in
 the same float operations whether the row is a decode or one row of a prefill chunk, so
 a recomputed token gets the bits its decode got (see that file's contract). It reads the
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve.quant.kernels import kernels
+from pdserve.kernels import kernels
 
 
 @dataclass(frozen=True)

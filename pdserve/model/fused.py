@@ -25,10 +25,10 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.kernels import kernels
 from pdserve.model.attention import AttentionMetadata, RowRanges, kv_is_f16
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from pdserve.model.linear import Linear
-from pdserve.quant.kernels import kernels
 from pdserve.quant.linear import QuantEmbedding, QuantLinear
 
 # _kernels.c's Op: parts, N, K, bias, then MAX_PARTS parts of six words. A projection has

@@ -27,11 +27,11 @@ from safetensors import SafetensorError, safe_open
 
 from pdserve.config import ACTIVATIONS
 from pdserve.errors import ModelLoadError
+from pdserve.kernels import unavailable_reason
 from pdserve.model import gguf_loader
 from pdserve.model.config import ModelConfig
 from pdserve.model.default import default_model_path
 from pdserve.quant.formats import QuantType, QuantWeight
-from pdserve.quant.kernels import unavailable_reason
 from pdserve.quant.linear import int8_blocker
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -5,7 +5,7 @@ the weights dequantized in registers to their exact fp32 values and multiplied b
 fp32 activations (`_kernels.c`); "int8" - llama.cpp's method, each row rounded to int8
 per 32 values and multiplied by the weights' integer values with AVX-512 VNNI or AVX2
 (`_int8.c`, weights repacked at load by `pack_int8`): faster where a step is
-compute-bound, at a stated cost in accuracy (pdserve/quant/README.md). Either way each
+compute-bound, at a stated cost in accuracy (pdserve/kernels/README.md). Either way each
 output element is computed the same way whatever the batch.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from pdserve.config import ACTIVATIONS
+from pdserve.kernels import kernels, unavailable_reason
 from pdserve.memory import HugePageArena
 from pdserve.quant.formats import BLOCK, Layout, QuantWeight
-from pdserve.quant.kernels import kernels, unavailable_reason
 
 # What the product reads in place of x (the kernel's prologues, _kernels.c).
 PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2

@@ -11,7 +11,7 @@
  * activations to int8 to use integer dot products; on SmolLM2 that moved logits by ~0.2
  * and flipped near-tied greedy tokens. An int16 variant kept fp32's accuracy but ran a
  * GEMM at ~60% of oneDNN's fp32 rate; this one at 64-88% (bench/bench_quant_kernels.py;
- * pdserve/quant/README.md).)
+ * pdserve/kernels/README.md).)
  *
  * Contract - batch invariance: every output element y[m, n] is computed by the same
  * sequence of float operations whatever M is, wherever m and n fall in a tile, and
@@ -38,8 +38,6 @@
  * the libgomp.so.1 already loaded (torch's) is the one used: one thread pool, sized by
  * torch.set_num_threads.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -64,30 +62,9 @@ __attribute__((destructor)) static void phase_report(void) {
 }
 #endif
 
-#define QK 32
 #define FEW_ROWS 4 /* below this many rows, weights are dequantized straight into registers */
 
-enum { I8 = 0, Q4 = 1, Q4M = 2, I8_16 = 3, U8M = 4 }; /* the layouts; formats.Layout */
-
-typedef struct {
-    int type; /* the layout */
-    const uint8_t *qs;
-    const float *d; /* block scales (I8_16: two per block of 32) */
-    const float *m; /* block minimums (Q4M, U8M); else NULL */
-    int64_t N, K, B;   /* B = K / 32 blocks per row */
-} QWeight;
-
 /* ---- prologues: what the product reads in place of x ------------------------------- */
-
-/* x itself; RMSNorm(x) * w; or SwiGLU, silu(gate) * up, of a row that holds gate in
- * x[0, K) and up in x[K, 2K) (the fused gate/up projection's output). Fused so the
- * caller makes no separate pass (and no Python op) for them. */
-enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2 };
-typedef struct {
-    int kind;
-    const float *w; /* RMSNorm weight [K] */
-    float eps;
-} Prologue;
 
 /* 1 / sqrt(mean(x^2) + eps) over a row of K (a multiple of 32) floats. */
 INLINE float rms_scale(const float *x, int64_t K, float eps) {
@@ -348,8 +325,8 @@ static int apply_prologue(const Prologue *pre, const float **x, int64_t *ldx, in
 }
 
 /* y (+)= P(x) @ W^T. Returns -1 when scratch memory could not be allocated. */
-static int qlinear(const QWeight *w, const Prologue *pre, const float *x, int64_t ldx,
-                   int64_t M, float *y, int64_t ldy, int acc, int threads) {
+int qlinear(const QWeight *w, const Prologue *pre, const float *x, int64_t ldx,
+            int64_t M, float *y, int64_t ldy, int acc, int threads) {
     float *xt, *bufs = NULL;
     if (apply_prologue(pre, &x, &ldx, M, w->K, &xt, threads) != 0) return -1;
     int rc = 0;
@@ -368,38 +345,15 @@ static int qlinear(const QWeight *w, const Prologue *pre, const float *x, int64_
 /* ---- a stack of fused layers in one call --------------------------------------------- */
 
 /* y (+)= P(x) @ W^T for W packed by pack_int8 (_int8.c). */
-static int qlinear_int8_pre(const uint8_t *W, int kind, int64_t N, int64_t K,
-                            const Prologue *pre, const float *x, int64_t ldx, int64_t M,
-                            float *y, int64_t ldy, int acc, int threads) {
+int qlinear_int8_pre(const uint8_t *W, int kind, int64_t N, int64_t K,
+                     const Prologue *pre, const float *x, int64_t ldx, int64_t M,
+                     float *y, int64_t ldy, int acc, int threads) {
     float *xt;
     if (apply_prologue(pre, &x, &ldx, M, K, &xt, threads) != 0) return -1;
     const int rc = qlinear_int8(W, kind, N, K, x, ldx, M, y, ldy, acc, threads);
     free(xt);
     return rc;
 }
-
-/* The layer loop's view of a model, written by pdserve/model/fused.py (every field 8
- * bytes, in this order). A part is one kernel call of a projection, as QuantLinear's
- * `_calls` hold them: layout >= 0 the exact kernel (qs, fp32 scales d and minimums m),
- * layout -1 the int8 kernel (qs the records, d their kind); its output columns start at
- * byte `offset` of a row. */
-typedef struct {
-    int64_t layout, qs, d, m, rows, offset;
-} Part;
-
-#define MAX_PARTS 3 /* a part per run of one format: q, k, v at most */
-typedef struct {
-    int64_t parts, N, K, bias; /* bias: fp32 [N] or 0 */
-    Part part[MAX_PARTS];
-} Op;
-
-typedef struct {
-    Op qkv, o, gate_up, down;
-    int64_t norm1, norm2; /* RMSNorm weights, fp32 [hidden] */
-    double eps1, eps2;
-    int64_t H, Hkv, D;
-    double scale;
-} Layer;
 
 /* y (+)= P(x) @ W^T (+ bias) for every part of op: the prologue once, then each part's
  * call - the operations QuantLinear.run makes, so the same bits. */
@@ -431,42 +385,15 @@ static int run_op(const Op *op, const Prologue *pre, const float *x, int64_t ldx
     return rc;
 }
 
-/* The step's inputs to every layer (see py_fused_layers). */
-typedef struct {
-    float *h; /* [T][hidden], updated in place */
-    int64_t T;
-    const int64_t *positions, *slots;
-    const float *cos, *sin;
-    void *kv;          /* [layers][2][slots][Hkv][D], fp32 or (kv16) fp16 */
-    int64_t kv_layer;  /* elements from one layer's K to its V (and V to the next K) */
-    int64_t bs;
-    const int32_t *rows, *tables;
-    int64_t ldt;
-    float *qkv, *att, *gate_up; /* scratch: [T][qkv N], [T][H D], [T][gate_up N] */
-    int kv16;
-} Step;
-
 /* Layer i's K cache (v = 0) or V cache (v = 1). */
 static char *layer_kv(const Step *s, int64_t i, int v) {
     return (char *)s->kv + (2 * i + v) * s->kv_layer * (s->kv16 ? 2 : 4);
 }
 
-/* What follows the layers in the same call: the final RMSNorm of the rows that sample and
- * the LM head over them (see py_fused_layers). */
-typedef struct {
-    Prologue norm;       /* PRE_RMSNORM with the final norm's weight and eps */
-    const int64_t *rows; /* [n] rows of h, each in [0, T) */
-    int64_t n;
-    float *hidden;       /* [n][hidden]: RMSNorm(h[rows[i]]) * w */
-    const Op *head;      /* NULL: no LM head here */
-    float *logits;       /* [n][head N] */
-    int64_t *argmax;     /* [n]: each row's argmax_row of its logits; NULL: not asked */
-} Tail;
-
 /* out[i] = the prologue `pre` of row rows[i] of x, i < n, on one thread: rms_norm_rows
  * and the tail's final norm. */
-static void norm_rows_of(const Prologue *pre, const float *x, int64_t ldx, const int64_t *rows,
-                         int64_t n, int64_t K, float *out) {
+void norm_rows_of(const Prologue *pre, const float *x, int64_t ldx, const int64_t *rows,
+                  int64_t n, int64_t K, float *out) {
     for (int64_t i = 0; i < n; i++) prologue_row(pre, x + rows[i] * ldx, K, out + i * K);
 }
 
@@ -505,7 +432,7 @@ KERNEL static int64_t argmax_row(const float *x, int64_t n) {
 }
 
 /* out[i] = argmax_row of row i of x [rows][ld], its first n floats. */
-static void argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out) {
+void argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out) {
     for (int64_t i = 0; i < rows; i++) out[i] = argmax_row(x + i * ld, n);
 }
 
@@ -705,8 +632,8 @@ static int fused_layers_team(const Layer *layers, int64_t n, const Step *s, cons
 /* DecoderLayer.forward_fused for layers [0, n): the same calls in the same order; then the
  * tail (the final norm of its rows, the LM head over them: rms_norm_rows's and
  * QuantLinear.run's operations). */
-static int fused_layers(const Layer *layers, int64_t n, const Step *s, const Tail *tail,
-                        int threads) {
+int fused_layers(const Layer *layers, int64_t n, const Step *s, const Tail *tail,
+                 int threads) {
     if (threads >= TEAM_MIN_THREADS && s->T <= TEAM_ROWS && n > 0)
         return fused_layers_team(layers, n, s, tail, threads);
     for (int64_t i = 0; i < n; i++) {
@@ -745,22 +672,8 @@ static int fused_layers(const Layer *layers, int64_t n, const Step *s, const Tai
 
 /* ---- a decode burst: several greedy steps in one call ---------------------------------- */
 
-/* What a burst reads besides one step's inputs. Step k (k < steps) of T rows, one decode
- * row per sequence: its tokens are tokens[k] ([steps + 1][T]), its positions, slots and
- * key ranges the k-th [T] (or [T][3]) of each array, and its argmax goes to
- * tokens[k + 1]: the next step's input. */
-typedef struct {
-    const int64_t *positions, *slots; /* [steps][T] */
-    const int32_t *rows;              /* [steps][T][3] */
-    int64_t *tokens;                  /* [steps + 1][T] */
-    int64_t steps;
-    const int64_t *stop; /* [n_stop]: a step that samples one of these ends the burst */
-    int64_t n_stop;
-    QWeight embed;       /* the token embedding; type -1: fp32 rows at embed.qs */
-} Burst;
-
 /* out[i] = the embedding of token ids[i]: embed_rows' operations, or an fp32 row's copy. */
-static void embed_ids(const QWeight *w, const int64_t *ids, int64_t n, float *out) {
+void embed_ids(const QWeight *w, const int64_t *ids, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) {
         if (w->type < 0)
             memcpy(out + i * w->K, (const float *)(const void *)w->qs + ids[i] * w->K,
@@ -782,8 +695,8 @@ static int any_of(const int64_t *x, int64_t n, const int64_t *set, int64_t n_set
  * the next step's token - a step's operations, so each token is the one a step of its own
  * would give. Stops after a step that samples a token of b->stop. Returns the steps run
  * (their tokens are in b->tokens[1 ..]); *rc: fused_layers' code when it failed. */
-static int64_t decode_burst(const Layer *layers, int64_t n, const Step *s0, const Tail *t0,
-                            const Burst *b, int threads, int *rc) {
+int64_t decode_burst(const Layer *layers, int64_t n, const Step *s0, const Tail *t0,
+                     const Burst *b, int threads, int *rc) {
     const int64_t T = s0->T;
     int64_t *sample = malloc(sizeof(int64_t) * (size_t)T);
     *rc = sample == NULL ? -1 : 0;
@@ -809,373 +722,4 @@ static int64_t decode_burst(const Layer *layers, int64_t n, const Step *s0, cons
     }
     free(sample);
     return done;
-}
-
-/* ---- Python bindings ----------------------------------------------------------------- */
-
-static int cpu_ok(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-}
-
-/* Integer arguments (addresses, sizes), except those listed in `floats`: read as doubles
- * into out[i] reinterpreted through the union. */
-typedef union {
-    long long i;
-    double f;
-} Arg;
-
-static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Arg *out,
-                     const int *floats, int n_floats) {
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < want; i++) {
-        int is_float = 0;
-        for (int k = 0; k < n_floats; k++) is_float |= floats[k] == i;
-        if (is_float) {
-            out[i].f = PyFloat_AsDouble(args[i]);
-            if (out[i].f == -1.0 && PyErr_Occurred()) return -1;
-        } else {
-            out[i].i = PyLong_AsLongLong(args[i]);
-            if (out[i].i == -1 && PyErr_Occurred()) return -1;
-        }
-    }
-    return 0;
-}
-
-#define PTR(T, a) ((T)(intptr_t)(a).i)
-
-/* qlinear(layout, x, ldx, M, K, qs, d, m, N, y, ldy, threads, pre, pre_w, eps, accumulate):
- * y[M,N] = P(x)[M,K] @ W^T, or y += that with `accumulate`; P is the prologue `pre`
- * (PRE_NONE, PRE_RMSNORM with weight pre_w and eps, PRE_SWIGLU over rows of 2K).
- * Pointers are addresses (torch's data_ptr()); d and m are fp32; m is 0 except for the
- * layouts with minimums (Q4M, U8M). The caller checks
- * shapes, dtypes, contiguity and lifetimes (pdserve/quant/linear.py). K is a multiple
- * of 32. */
-static PyObject *py_qlinear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[16];
-    const int floats[] = {14};
-    if (read_args(args, nargs, 16, v, floats, 1) < 0) return NULL;
-    const int threads = v[11].i > 0 ? (int)v[11].i : 1;
-    const int type = (int)v[0].i;
-    const int64_t ldx = v[2].i, M = v[3].i, K = v[4].i, N = v[8].i, ldy = v[10].i;
-    const Prologue pre = {(int)v[12].i, PTR(const float *, v[13]), (float)v[14].f};
-    if (type < I8 || type > U8M || K % QK != 0 || M < 0 || N <= 0 || pre.kind < PRE_NONE ||
-        pre.kind > PRE_SWIGLU || ((type == Q4M || type == U8M) && v[7].i == 0)) {
-        PyErr_SetString(PyExc_ValueError, "qlinear: bad layout, shape, minimums or prologue");
-        return NULL;
-    }
-    if (M == 0) Py_RETURN_NONE;
-    const QWeight w = {type, PTR(const uint8_t *, v[5]), PTR(const float *, v[6]),
-                       PTR(const float *, v[7]), N, K, K / QK};
-    int rc;
-    Py_BEGIN_ALLOW_THREADS;
-    rc = qlinear(&w, &pre, PTR(const float *, v[1]), ldx, M, PTR(float *, v[9]), ldy,
-                 v[15].i != 0, threads);
-    Py_END_ALLOW_THREADS;
-    if (rc != 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
-/* qlinear_int8(packed, kind, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,
- * accumulate): y[M,N] (+)= P(x)[M,K] @ W^T with P(x) rounded to int8 per 32 values
- * (_int8.c); `packed` is pack_int8's records of `kind` (0 bytes, 1 nibbles, 2 bytes with
- * a scale per 16; pdserve/quant/linear.py). The caller checks that int8_supported() and
- * the shapes, as for qlinear. */
-static PyObject *py_qlinear_int8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[14];
-    const int floats[] = {12};
-    if (read_args(args, nargs, 14, v, floats, 1) < 0) return NULL;
-    const int64_t N = v[2].i, K = v[3].i, ldx = v[5].i, M = v[6].i, ldy = v[8].i;
-    const int threads = v[9].i > 0 ? (int)v[9].i : 1;
-    const Prologue pre = {(int)v[10].i, PTR(const float *, v[11]), (float)v[12].f};
-    if (!int8_supported() || K % QK != 0 || M < 0 || N <= 0 || pre.kind < PRE_NONE ||
-        pre.kind > PRE_SWIGLU || v[1].i < 0 || v[1].i > 2) {
-        PyErr_SetString(PyExc_ValueError, "qlinear_int8: no AVX2, or a bad shape or prologue");
-        return NULL;
-    }
-    if (M == 0) Py_RETURN_NONE;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS;
-    rc = qlinear_int8_pre(PTR(const uint8_t *, v[0]), (int)v[1].i, N, K, &pre,
-                          PTR(const float *, v[4]), ldx, M, PTR(float *, v[7]), ldy,
-                          v[13].i != 0, threads);
-    Py_END_ALLOW_THREADS;
-    if (rc != 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
-/* 0 when every ids[i] (i < n) is in [0, bound); else -1 with an IndexError naming the
- * first one outside ("<fn>: <what> <id> is outside [0, <bound>)"). */
-static int ids_within(const char *fn, const char *what, const int64_t *ids, int64_t n,
-                      int64_t bound) {
-    for (int64_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= bound) {
-            PyErr_Format(PyExc_IndexError, "%s: %s %lld is outside [0, %lld)", fn, what,
-                         (long long)ids[i], (long long)bound);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, kv16, bs, rows,
- * tables, ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head,
- * logits, argmax):
- * DecoderLayer.forward_fused for n layers in one call (`layers`: n Layer records,
- * pdserve/model/fused.py; the rest up to `threads` as fused_layers' Step), then the tail:
- * hidden[i] = RMSNorm(h[sample[i]]) * norm_w for i < n_sample (sample int64, each in
- * [0, T), n_sample <= T), and with `head` (an Op record; 0 for none) logits = hidden @
- * head^T, and with `argmax` (int64 [n_sample]; 0 for none, and with no head) each logits
- * row's argmax (argmax_rows). A sample row outside [0, T) is refused before anything runs.
- * The caller checks every shape and keeps every tensor alive. */
-static PyObject *py_fused_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[27];
-    const int floats[] = {20};
-    if (read_args(args, nargs, 27, v, floats, 1) < 0) return NULL;
-    const Step s = {PTR(float *, v[2]), v[3].i, PTR(const int64_t *, v[4]),
-                    PTR(const int64_t *, v[5]), PTR(const float *, v[6]),
-                    PTR(const float *, v[7]), PTR(void *, v[8]), v[9].i, v[11].i,
-                    PTR(const int32_t *, v[12]), PTR(const int32_t *, v[13]), v[14].i,
-                    PTR(float *, v[15]), PTR(float *, v[16]), PTR(float *, v[17]),
-                    v[10].i != 0};
-    const int threads = v[18].i > 0 ? (int)v[18].i : 1;
-    const Tail tail = {{PRE_RMSNORM, PTR(const float *, v[19]), (float)v[20].f},
-                       PTR(const int64_t *, v[21]), v[22].i, PTR(float *, v[23]),
-                       PTR(const Op *, v[24]), PTR(float *, v[25]), PTR(int64_t *, v[26])};
-    if (tail.n < 0 || tail.n > s.T) {
-        PyErr_Format(PyExc_ValueError, "fused_layers: %lld rows to sample, of %lld",
-                     (long long)tail.n, (long long)s.T);
-        return NULL;
-    }
-    if (ids_within("fused_layers", "row", tail.rows, tail.n, s.T) < 0) return NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS;
-    rc = fused_layers(PTR(const Layer *, v[0]), v[1].i, &s, &tail, threads);
-    Py_END_ALLOW_THREADS;
-    if (rc == -1) return PyErr_NoMemory();
-    if (rc != 0) {
-        PyErr_SetString(PyExc_ValueError, "fused_layers: a head size the attention cannot take");
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-/* decode_burst(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, kv16, bs, rows,
- * tables, ldt, qkv, att, gate_up, threads, norm_w, eps, hidden, head, logits, embed_layout,
- * embed_qs, embed_d, embed_m, vocab, tokens, steps, stop, n_stop) -> the steps run:
- * `steps` greedy decode steps of T rows (one decode row per sequence) in one call
- * (decode_burst above). positions and slots are int64 [steps][T], rows int32
- * [steps][T][3] (each step's key ranges), tables its sequences' block tables covering
- * every step; tokens int64 [steps + 1][T], row 0 the first step's input ids (each in
- * [0, vocab), else IndexError before anything runs), rows 1 .. the steps' argmax; stop
- * int64 [n_stop]. The embedding: a quantized [vocab][K] weight (embed_layout, qs, d, m as
- * embed_rows takes them) or, with embed_layout -1, fp32 rows at embed_qs. head (an Op
- * record) is required; hidden [T][K] and logits [T][head N] are scratch. The caller
- * checks every shape and keeps every tensor alive. */
-static PyObject *py_decode_burst(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[33];
-    const int floats[] = {20};
-    if (read_args(args, nargs, 33, v, floats, 1) < 0) return NULL;
-    const int64_t T = v[3].i, vocab = v[28].i, steps = v[30].i, n_stop = v[32].i;
-    const int64_t hidden = ((const Layer *)(intptr_t)v[0].i)->o.N;
-    if (v[1].i <= 0 || T <= 0 || steps <= 0 || n_stop < 0 || vocab <= 0 || v[22].i == 0 ||
-        v[24].i < -1 || v[24].i > U8M || (v[24].i >= 0 && hidden % QK != 0)) {
-        PyErr_SetString(PyExc_ValueError,
-                        "decode_burst: layers, rows, steps and a head are required, and an "
-                        "embedding layout -1 to 4");
-        return NULL;
-    }
-    const Step s = {PTR(float *, v[2]), T, NULL, NULL, PTR(const float *, v[6]),
-                    PTR(const float *, v[7]), PTR(void *, v[8]), v[9].i, v[11].i, NULL,
-                    PTR(const int32_t *, v[13]), v[14].i, PTR(float *, v[15]),
-                    PTR(float *, v[16]), PTR(float *, v[17]), v[10].i != 0};
-    const Tail tail = {{PRE_RMSNORM, PTR(const float *, v[19]), (float)v[20].f}, NULL, T,
-                       PTR(float *, v[21]), PTR(const Op *, v[22]), PTR(float *, v[23]), NULL};
-    const Burst b = {PTR(const int64_t *, v[4]), PTR(const int64_t *, v[5]),
-                     PTR(const int32_t *, v[12]), PTR(int64_t *, v[29]), steps,
-                     PTR(const int64_t *, v[31]), n_stop,
-                     {(int)v[24].i, PTR(const uint8_t *, v[25]), PTR(const float *, v[26]),
-                      PTR(const float *, v[27]), vocab, hidden, hidden / QK}};
-    if (ids_within("decode_burst", "token id", b.tokens, T, vocab) < 0) return NULL;
-    const int threads = v[18].i > 0 ? (int)v[18].i : 1;
-    int rc;
-    int64_t done;
-    Py_BEGIN_ALLOW_THREADS;
-    done = decode_burst(PTR(const Layer *, v[0]), v[1].i, &s, &tail, &b, threads, &rc);
-    Py_END_ALLOW_THREADS;
-    if (rc == -1) return PyErr_NoMemory();
-    if (rc != 0) {
-        PyErr_SetString(PyExc_ValueError, "decode_burst: a head size the attention cannot take");
-        return NULL;
-    }
-    return PyLong_FromLongLong(done);
-}
-
-/* argmax_rows(x, ld, rows, n, out): out[i] (int64) = the index of the first largest of the
- * first n floats of row i of x [rows][ld] (a NaN counting as the largest), i < rows: numpy's
- * argmax, as fused_layers takes it for a greedy step; bound so tests hold it to numpy's. */
-static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[5];
-    if (read_args(args, nargs, 5, v, NULL, 0) < 0) return NULL;
-    const int64_t ld = v[1].i, rows = v[2].i, n = v[3].i;
-    if (n <= 0 || rows < 0 || ld < n) {
-        PyErr_SetString(PyExc_ValueError, "argmax_rows: need 0 < n <= ld and rows >= 0");
-        return NULL;
-    }
-    const float *x = PTR(const float *, v[0]);
-    int64_t *out = PTR(int64_t *, v[4]);
-    Py_BEGIN_ALLOW_THREADS;
-    argmax_rows(x, ld, rows, n, out);
-    Py_END_ALLOW_THREADS;
-    Py_RETURN_NONE;
-}
-
-/* rms_norm_rows(x, ldx, T, rows, n, K, w, eps, out): out[i] = RMSNorm(x[rows[i]]) * w for
- * i < n (x [T][ldx], rows int64, out [n][K] contiguous): the gather of the rows that
- * sample and the model's final norm in one call, the same operations as a projection's
- * RMSNorm prologue. A row outside [0, T) is refused before anything is written. One
- * thread: a step samples a row per sequence (at most a few hundred). */
-static PyObject *py_rms_norm_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[9];
-    const int floats[] = {7};
-    if (read_args(args, nargs, 9, v, floats, 1) < 0) return NULL;
-    const int64_t ldx = v[1].i, T = v[2].i, n = v[4].i, K = v[5].i;
-    if (K <= 0 || K % 8 != 0 || n < 0) {
-        PyErr_SetString(PyExc_ValueError, "rms_norm_rows: K must be a positive multiple of 8");
-        return NULL;
-    }
-    const int64_t *rows = PTR(const int64_t *, v[3]);
-    if (ids_within("rms_norm_rows", "row", rows, n, T) < 0) return NULL;
-    const Prologue pre = {PRE_RMSNORM, PTR(const float *, v[6]), (float)v[7].f};
-    const float *x = PTR(const float *, v[0]);
-    float *out = PTR(float *, v[8]);
-    Py_BEGIN_ALLOW_THREADS;
-    norm_rows_of(&pre, x, ldx, rows, n, K, out);
-    Py_END_ALLOW_THREADS;
-    Py_RETURN_NONE;
-}
-
-/* embed_rows(layout, qs, d, m, N, K, ids, n, out): out[i] = row ids[i] of the [N][K]
- * weight, dequantized (d, m: fp32 as the kernels read them; ids int64; out [n][K]): the
- * values QuantWeight.dequantize gives, bit for bit (weight_block). An id outside [0, N)
- * is refused before anything is written. A decode step's token embedding: the torch
- * ops that gathered and dequantized one row took ~0.13 ms of a b=1 step (cold caches). */
-static PyObject *py_embed_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[9];
-    if (read_args(args, nargs, 9, v, NULL, 0) < 0) return NULL;
-    const int64_t N = v[4].i, K = v[5].i, n = v[7].i;
-    if (v[0].i < I8 || v[0].i > U8M || K <= 0 || K % QK != 0 || n < 0) {
-        PyErr_SetString(PyExc_ValueError, "embed_rows: a layout 0-4 and K a positive multiple of 32");
-        return NULL;
-    }
-    const int64_t *ids = PTR(const int64_t *, v[6]);
-    if (ids_within("embed_rows", "token id", ids, n, N) < 0) return NULL;
-    const QWeight w = {(int)v[0].i, PTR(const uint8_t *, v[1]), PTR(const float *, v[2]),
-                       PTR(const float *, v[3]), N, K, K / QK};
-    float *out = PTR(float *, v[8]);
-    Py_BEGIN_ALLOW_THREADS;
-    embed_ids(&w, ids, n, out);
-    Py_END_ALLOW_THREADS;
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_int8_supported(PyObject *self, PyObject *unused) {
-    return PyBool_FromLong(int8_supported());
-}
-
-static PyObject *py_int8_build(PyObject *self, PyObject *unused) {
-    return PyUnicode_FromString(int8_build());
-}
-
-/* paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, kv16, bs, rows, tables, ldt,
- * out, ldo, scale, threads): see _attention.c. rows and tables are int32; kv16: the caches
- * are fp16 (else fp32). */
-static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[17];
-    const int floats[] = {15};
-    if (read_args(args, nargs, 17, v, floats, 1) < 0) return NULL;
-    const Attn a = {PTR(const float *, v[0]), v[1].i, PTR(const void *, v[6]),
-                    PTR(const void *, v[7]), v[3].i, v[4].i, v[5].i, v[9].i,
-                    PTR(const int32_t *, v[10]), PTR(const int32_t *, v[11]), v[12].i,
-                    PTR(float *, v[13]), v[14].i, (float)v[15].f, v[8].i != 0};
-    const int threads = v[16].i > 0 ? (int)v[16].i : 1;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS;
-    rc = paged_attention(&a, v[2].i, threads);
-    Py_END_ALLOW_THREADS;
-    if (rc == -1) return PyErr_NoMemory();
-    if (rc != 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "paged_attention: head_dim must be a multiple of 8 up to 256, and the "
-                        "query heads a multiple of the KV heads");
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-/* rope_write_kv(qkv, ld, T, H, Hkv, D, positions, cos, sin, k_cache, v_cache, kv16,
- * slots): see _attention.c. positions and slots are int64; kv16: the caches are fp16. */
-static PyObject *py_rope_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Arg v[13];
-    if (read_args(args, nargs, 13, v, NULL, 0) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS;
-    rope_write_kv(PTR(float *, v[0]), v[1].i, v[2].i, v[3].i, v[4].i, v[5].i,
-                  PTR(const int64_t *, v[6]), PTR(const float *, v[7]), PTR(const float *, v[8]),
-                  PTR(void *, v[9]), PTR(void *, v[10]), v[11].i != 0,
-                  PTR(const int64_t *, v[12]));
-    Py_END_ALLOW_THREADS;
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef methods[] = {
-    {"qlinear", (PyCFunction)(void (*)(void))py_qlinear, METH_FASTCALL,
-     "qlinear(layout, x, ldx, M, K, qs, d, m, N, y, ldy, threads, pre, pre_w, eps, accumulate):"
-     " y (+)= P(x) @ W^T, W in GGUF blocks"},
-    {"qlinear_int8", (PyCFunction)(void (*)(void))py_qlinear_int8, METH_FASTCALL,
-     "qlinear_int8(packed, kind, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,"
-     " accumulate): y (+)= int8(P(x)) @ W^T, W packed by pack_int8"},
-    {"fused_layers", (PyCFunction)(void (*)(void))py_fused_layers, METH_FASTCALL,
-     "fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, kv16, bs, rows,"
-     " tables, ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits,"
-     " argmax): n fused decoder layers, then the final norm and LM head of the rows that"
-     " sample (and their argmax), in one call"},
-    {"decode_burst", (PyCFunction)(void (*)(void))py_decode_burst, METH_FASTCALL,
-     "decode_burst(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, kv16, bs, rows,"
-     " tables, ldt, qkv, att, gate_up, threads, norm_w, eps, hidden, head, logits, embed_layout,"
-     " embed_qs, embed_d, embed_m, vocab, tokens, steps, stop, n_stop): up to `steps` greedy"
-     " decode steps in one call; returns the steps run"},
-    {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
-     "argmax_rows(x, ld, rows, n, out): each row's first largest (numpy's argmax)"},
-    {"rms_norm_rows", (PyCFunction)(void (*)(void))py_rms_norm_rows, METH_FASTCALL,
-     "rms_norm_rows(x, ldx, T, rows, n, K, w, eps, out): RMSNorm of the rows `rows` of x"},
-    {"embed_rows", (PyCFunction)(void (*)(void))py_embed_rows, METH_FASTCALL,
-     "embed_rows(layout, qs, d, m, N, K, ids, n, out): rows ids of a quantized weight,"
-     " dequantized"},
-    {"int8_supported", py_int8_supported, METH_NOARGS,
-     "whether this CPU runs qlinear_int8 (AVX2, FMA and F16C)"},
-    {"int8_build", py_int8_build, METH_NOARGS,
-     "the build of qlinear_int8 this CPU runs: 'avx512-vnni', 'avx2' (also where"
-     " PDSERVE_INT8_KERNEL=avx2), '' for none"},
-    {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
-     "paged_attention(q, ldq, T, H, Hkv, D, k_cache, v_cache, kv16, bs, rows, tables, ldt, out,"
-     " ldo,"
-     " scale, threads): each query row over its keys in the paged cache"},
-    {"rope_write_kv", (PyCFunction)(void (*)(void))py_rope_write_kv, METH_FASTCALL,
-     "rope_write_kv(qkv, ld, T, H, Hkv, D, positions, cos, sin, k_cache, v_cache, kv16, slots):"
-     " RoPE on q and k in place, k and v into their cache slots"},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
-
-PyMODINIT_FUNC PyInit__kernels(void) {
-    if (!cpu_ok()) {
-        PyErr_SetString(PyExc_ImportError, "this CPU lacks AVX2, FMA or F16C");
-        return NULL;
-    }
-    return PyModule_Create(&module);
 }

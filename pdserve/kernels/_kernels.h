@@ -1,5 +1,6 @@
-/* Shared by the compiled kernels (_kernels.c: quantized products and the module;
- * _attention.c: attention over the paged KV cache, RoPE and the KV write).
+/* Shared by the compiled kernels (_kernels.c: quantized products, the layer loop, decode
+ * bursts; _attention.c: attention over the paged KV cache, RoPE and the KV write;
+ * _int8.c: int8-activation products) and the module's Python bindings (_bindings.c).
  *
  * Everything here is deterministic: the same inputs give the same bits, whatever the
  * batch or the thread split (the files are built with -ffp-contract=off, so the only
@@ -255,6 +256,113 @@ void rows8_free(Rows8 *r);
 void int8_round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, Rows8 *r);
 void int8_group(const uint8_t *W, int kind, const Rows8 *a, int64_t M, int64_t g, float *y,
                 int64_t ldy, int64_t N, int accumulate);
+
+/* ---- the products and the layer loop (_kernels.c), as the bindings call them --------- */
+
+#define QK 32 /* values per block */
+
+enum { I8 = 0, Q4 = 1, Q4M = 2, I8_16 = 3, U8M = 4 }; /* the layouts; formats.Layout */
+
+typedef struct {
+    int type; /* the layout */
+    const uint8_t *qs;
+    const float *d; /* block scales (I8_16: two per block of 32) */
+    const float *m; /* block minimums (Q4M, U8M); else NULL */
+    int64_t N, K, B;   /* B = K / 32 blocks per row */
+} QWeight;
+
+/* x itself; RMSNorm(x) * w; or SwiGLU, silu(gate) * up, of a row that holds gate in
+ * x[0, K) and up in x[K, 2K) (the fused gate/up projection's output). Fused so the
+ * caller makes no separate pass (and no Python op) for them. */
+enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2 };
+typedef struct {
+    int kind;
+    const float *w; /* RMSNorm weight [K] */
+    float eps;
+} Prologue;
+
+/* The layer loop's view of a model, written by pdserve/model/fused.py (every field 8
+ * bytes, in this order). A part is one kernel call of a projection, as QuantLinear's
+ * `_calls` hold them: layout >= 0 the exact kernel (qs, fp32 scales d and minimums m),
+ * layout -1 the int8 kernel (qs the records, d their kind); its output columns start at
+ * byte `offset` of a row. */
+typedef struct {
+    int64_t layout, qs, d, m, rows, offset;
+} Part;
+
+#define MAX_PARTS 3 /* a part per run of one format: q, k, v at most */
+typedef struct {
+    int64_t parts, N, K, bias; /* bias: fp32 [N] or 0 */
+    Part part[MAX_PARTS];
+} Op;
+
+typedef struct {
+    Op qkv, o, gate_up, down;
+    int64_t norm1, norm2; /* RMSNorm weights, fp32 [hidden] */
+    double eps1, eps2;
+    int64_t H, Hkv, D;
+    double scale;
+} Layer;
+
+/* The step's inputs to every layer (see py_fused_layers, _bindings.c). */
+typedef struct {
+    float *h; /* [T][hidden], updated in place */
+    int64_t T;
+    const int64_t *positions, *slots;
+    const float *cos, *sin;
+    void *kv;          /* [layers][2][slots][Hkv][D], fp32 or (kv16) fp16 */
+    int64_t kv_layer;  /* elements from one layer's K to its V (and V to the next K) */
+    int64_t bs;
+    const int32_t *rows, *tables;
+    int64_t ldt;
+    float *qkv, *att, *gate_up; /* scratch: [T][qkv N], [T][H D], [T][gate_up N] */
+    int kv16;
+} Step;
+
+/* What follows the layers in the same call: the final RMSNorm of the rows that sample and
+ * the LM head over them (see py_fused_layers, _bindings.c). */
+typedef struct {
+    Prologue norm;       /* PRE_RMSNORM with the final norm's weight and eps */
+    const int64_t *rows; /* [n] rows of h, each in [0, T) */
+    int64_t n;
+    float *hidden;       /* [n][hidden]: RMSNorm(h[rows[i]]) * w */
+    const Op *head;      /* NULL: no LM head here */
+    float *logits;       /* [n][head N] */
+    int64_t *argmax;     /* [n]: each row's argmax_row of its logits; NULL: not asked */
+} Tail;
+
+/* What a burst reads besides one step's inputs. Step k (k < steps) of T rows, one decode
+ * row per sequence: its tokens are tokens[k] ([steps + 1][T]), its positions, slots and
+ * key ranges the k-th [T] (or [T][3]) of each array, and its argmax goes to
+ * tokens[k + 1]: the next step's input. */
+typedef struct {
+    const int64_t *positions, *slots; /* [steps][T] */
+    const int32_t *rows;              /* [steps][T][3] */
+    int64_t *tokens;                  /* [steps + 1][T] */
+    int64_t steps;
+    const int64_t *stop; /* [n_stop]: a step that samples one of these ends the burst */
+    int64_t n_stop;
+    QWeight embed;       /* the token embedding; type -1: fp32 rows at embed.qs */
+} Burst;
+
+/* y (+)= P(x) @ W^T (the exact kernel) and, for W packed by pack_int8, with P(x) rounded
+ * to int8 (qlinear_int8). Return -1 when scratch memory could not be allocated. */
+int qlinear(const QWeight *w, const Prologue *pre, const float *x, int64_t ldx, int64_t M,
+            float *y, int64_t ldy, int acc, int threads);
+int qlinear_int8_pre(const uint8_t *W, int kind, int64_t N, int64_t K, const Prologue *pre,
+                     const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int acc,
+                     int threads);
+/* DecoderLayer.forward_fused for layers [0, n), then the tail; 0, -1 (no memory) or
+ * another code (a head size the attention cannot take). */
+int fused_layers(const Layer *layers, int64_t n, const Step *s, const Tail *tail, int threads);
+/* Up to b->steps greedy decode steps; returns the steps run, *rc as fused_layers'. */
+int64_t decode_burst(const Layer *layers, int64_t n, const Step *s0, const Tail *t0,
+                     const Burst *b, int threads, int *rc);
+/* out[i] = the prologue of row rows[i] of x; each row's argmax; token embeddings. */
+void norm_rows_of(const Prologue *pre, const float *x, int64_t ldx, const int64_t *rows,
+                  int64_t n, int64_t K, float *out);
+void argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out);
+void embed_ids(const QWeight *w, const int64_t *ids, int64_t n, float *out);
 
 /* PHASES (a development build: -DPHASES, e.g. AB_CFLAGS_B=-DPHASES with
  * bench/bench_kernel_ab.py --step): thread 0 of fused_layers_team adds the time since its

@@ -45,7 +45,6 @@
 #define A2 KERNEL
 #define A2_INLINE INLINE
 
-#define QK 32
 #define GROUP 16 /* output columns per group: one zmm lane each */
 
 enum { BYTES = 0, NIBBLES = 1, SUB16 = 2 }; /* record kinds; linear.py's pack_int8 */
