@@ -42,7 +42,7 @@ def counts(m: KVManager) -> tuple[int, int, int]:
 
 
 def refs(m: KVManager, *blocks: int) -> list[int]:
-    return [m._pool.refcount(b) for b in blocks]
+    return [m._device.refcount(b) for b in blocks]
 
 
 def toks(n: int, start: int = 100) -> list[int]:
@@ -70,14 +70,14 @@ def test_fresh_allocation_and_growth_across_block_boundaries() -> None:
     assert m.usage == 3 / 8
     m.commit("a", prompt, 10)
     assert m.num_computed_tokens("a") == 10
-    assert sorted(m._index.block_ids()) == [0, 1]  # type: ignore[union-attr]
+    assert sorted(m._device.indexed_blocks()) == [0, 1]
     tokens = [*prompt, 7]
     assert m.allocate("a", tokens, 1) == Allocation(0, 0)  # token 11 fits in block 2
     m.commit("a", tokens, 11)
     tokens = [*tokens, 8]
     assert m.allocate("a", tokens, 1) == Allocation(0, 0)  # token 12 fills block 2
     m.commit("a", tokens, 12)
-    assert sorted(m._index.block_ids()) == [0, 1, 2]  # type: ignore[union-attr]
+    assert sorted(m._device.indexed_blocks()) == [0, 1, 2]
     tokens = [*tokens, 9]
     assert m.allocate("a", tokens, 1) == Allocation(0, 1)  # token 13 opens block 3
     assert m.block_table("a") == [0, 1, 2, 3]
@@ -156,10 +156,10 @@ def test_commit_only_indexes_new_full_blocks() -> None:
     prompt = toks(14)
     assert m.allocate("a", prompt, 6) == Allocation(0, 2)
     m.commit("a", prompt, 6)
-    assert sorted(m._index.block_ids()) == [0]  # type: ignore[union-attr]
+    assert sorted(m._device.indexed_blocks()) == [0]
     assert m.allocate("a", prompt, 8) == Allocation(0, 2)
     m.commit("a", prompt, 14)
-    assert sorted(m._index.block_ids()) == [0, 1, 2]  # type: ignore[union-attr]
+    assert sorted(m._device.indexed_blocks()) == [0, 1, 2]
     assert m._reqs["a"].num_committed == 3
     m.commit("a", prompt, 14)  # repeating a commit is a no-op
     assert m.block_table("a") == [0, 1, 2, 3]
@@ -507,8 +507,8 @@ class _Sim:
             table = self.m.block_table(req)
             for pos in range(start, start + num_new):
                 block = table[pos // bs]
-                assert self.m._pool.refcount(block) == 1, "write into a shared block"
-                assert self.m._index is None or block not in self.m._index
+                assert self.m._device.refcount(block) == 1, "write into a shared block"
+                assert not self.m._device.is_indexed(block)
                 self.device.setdefault(block, [None] * bs)[pos % bs] = kv(tokens, pos)
             self.m.commit(req, tokens, start + num_new)
             self.pending[req] = 0
