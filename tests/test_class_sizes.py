@@ -73,3 +73,41 @@ def test_classes_with_a_stricter_limit_stay_under_it() -> None:
     assert not offenders, "classes at or over their limit:\n" + "\n".join(
         f"  {s} (limit: under {UNDER[(s.path, s.name)]})" for s in offenders
     )
+
+
+# What the engine core must not name (issue 52): its features are participants it calls
+# through one interface (engine/participant.py), never by name. Matched case-insensitively
+# against the source of the EngineCore class, docstrings and comments included.
+CORE_MUST_NOT_NAME = ("replica", "replicat", "exchange", "offer", "predict", "length_head")
+
+
+def named_features(source: str, class_name: str, words: tuple[str, ...]) -> list[str]:
+    """`words` found in the source of class `class_name` (first match each), as
+    'line N: word'."""
+    tree = ast.parse(source)
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == class_name]
+    assert node.end_lineno is not None
+    lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
+    found = []
+    for word in words:
+        for i, line in enumerate(lines, node.lineno):
+            if word in line.lower():
+                found.append(f"line {i}: {word!r} in {line.strip()!r}")
+                break
+    return found
+
+
+def test_the_engine_core_names_none_of_its_features() -> None:
+    source = (PDSERVE / "engine/core.py").read_text()
+    found = named_features(source, "EngineCore", CORE_MUST_NOT_NAME)
+    assert not found, "EngineCore names features it should reach as participants:\n" + "\n".join(
+        f"  pdserve/engine/core.py {f}" for f in found
+    )
+
+
+def test_the_name_check_sees_a_feature_named_in_a_class() -> None:
+    source = "class EngineCore:\n    def step(self):\n        self.replicator.step_ended()\n"
+    assert named_features(source, "EngineCore", CORE_MUST_NOT_NAME) == [
+        "line 3: 'replica' in 'self.replicator.step_ended()'",
+        "line 3: 'replicat' in 'self.replicator.step_ended()'",
+    ]

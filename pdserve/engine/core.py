@@ -26,7 +26,7 @@ from pdserve.config import EngineConfig, Role
 from pdserve.engine.admission import AdmissionGate
 from pdserve.engine.bursts import DecodeBursts, merged
 from pdserve.engine.features import assemble
-from pdserve.engine.intake import new_request, prefilled_request, stop_status
+from pdserve.engine.intake import new_request, prefilled_request, stop_status, token_output
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.participant import Handler, Participant
 from pdserve.engine.request import Request, RequestStatus
@@ -47,9 +47,8 @@ from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.manager import KVManager
 from pdserve.model.base import CausalLM
-from pdserve.protocol.core import EngineOutput, NewToken, RequestRejected
+from pdserve.protocol.core import EngineOutput, RequestRejected
 from pdserve.protocol.handoff import AddPrefilled, Handoff, ReleaseKV, ReserveKV
-from pdserve.protocol.prediction import LengthPrediction
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.wire import EngineMessage
 
@@ -178,7 +177,7 @@ class EngineCore:
         return out
 
     def close(self) -> None:
-        """Stop the participants' background work (in order: a replication write in
+        """Stop the participants' background work (in order: a background write in
         flight is waited for, the only place the core waits for one), then the transfer
         link: shared-memory regions released."""
         for p in self.participants:
@@ -209,7 +208,6 @@ class EngineCore:
         arrival: float | None = None,
         handoff: Handoff | None = None,
         output_token_ids: Sequence[int] = (),
-        prediction: LengthPrediction | None = None,
     ) -> Request:
         """Validate and queue. Raises InvalidRequestError or EngineOverloadedError;
         nothing is allocated then. `arrival` (time.monotonic(), system-wide) is when
@@ -221,11 +219,8 @@ class EngineCore:
         count as output (max_tokens, min_tokens, penalties); their KV is computed with the
         prompt's, like a request preempted by recompute, and the next token sampled is the
         one after them. A seeded generator skips the draws they took (`resumed_generator`),
-        so greedy and seeded requests continue exactly as if nothing had happened.
-        `prediction`: its output length as predicted where it was first prefilled (a
-        migrated request); a fresh prompt may get one from a participant."""
+        so greedy and seeded requests continue exactly as if nothing had happened."""
         req = self.new_request(request_id, prompt_token_ids, params, arrival, output_token_ids)
-        req.prediction = prediction
         self.queue(req, handoff)
         return req
 
@@ -286,7 +281,7 @@ class EngineCore:
 
     def release(self, request_ids: Sequence[str]) -> None:
         """ReleaseKV: free what a participant keeps for each id (hand-off KV, a
-        reservation, an offer); the first that holds it frees it."""
+        reservation, KV kept for a peer); the first that holds it frees it."""
         for rid in request_ids:
             any(p.release(rid) for p in self.participants)
 
@@ -419,26 +414,9 @@ class EngineCore:
             req.times.first_token = time.monotonic()
             firsts.append(req)
         status = stop_status(req, tok.token_id, self.eos_token_ids, self.max_model_len)
-        new = (NewToken(tok.token_id, tok.logprob, tok.top_logprobs),)
-        prediction = req.prediction if first else None  # said once, with the first token
-        if status is RequestStatus.RUNNING:
-            return EngineOutput(
-                req.request_id,
-                new,
-                num_cached_tokens=req.num_cached_prompt_tokens,
-                prediction=prediction,
-            )
-        self._end(req, status)
-        return EngineOutput(
-            req.request_id,
-            new,
-            finish_reason=status.value,
-            stop_reason=req.stop_reason,
-            stopped_by_token=status is RequestStatus.FINISHED_STOPPED,
-            num_cached_tokens=req.num_cached_prompt_tokens,
-            metrics=req.times.metrics(req.num_preemptions),
-            prediction=prediction,
-        )
+        if status is not RequestStatus.RUNNING:
+            self._end(req, status)
+        return token_output(req, tok, status, first)
 
     def _end(self, req: Request, status: RequestStatus) -> None:
         """`req` finished or was aborted: the participants' say (before its blocks go:

@@ -170,15 +170,15 @@ class _Loop:
 
     def add_request(self, msg: AddRequest) -> None:
         try:
-            self.core.add_request(
+            req = self.core.new_request(
                 msg.request_id,
                 msg.prompt_token_ids,
                 msg.params,
                 msg.arrival,
-                msg.handoff,
                 msg.output_token_ids,
-                msg.prediction,
             )
+            req.prediction = msg.prediction  # a migrated request keeps its first one
+            self.core.queue(req, msg.handoff)
         except InvalidRequestError as e:
             self.send(RequestRejected(msg.request_id, e.message, e.param))
         except EngineOverloadedError as e:

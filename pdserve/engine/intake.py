@@ -1,6 +1,7 @@
-"""How a request enters an engine core and when it stops, as plain functions of the
-request: built from a prompt (fresh or migrated, validated against the model) or from a
-prefill instance's hand-off, and its stop check after each sampled token."""
+"""How a request enters an engine core, when it stops and what it says, as plain
+functions of the request: built from a prompt (fresh or migrated, validated against the
+model) or from a prefill instance's hand-off, its stop check after each sampled token,
+and the output that carries the token to the front end."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pdserve.engine.request import (
     generator_from_state,
     resumed_generator,
 )
+from pdserve.engine.sampler import SampledToken
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.core import EngineOutput, NewToken
 from pdserve.protocol.handoff import AddPrefilled
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.validation import check_request
@@ -77,3 +80,30 @@ def stop_status(
     if n >= p.max_tokens or req.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return RequestStatus.RUNNING
+
+
+def token_output(
+    req: Request, tok: SampledToken, status: RequestStatus, first: bool
+) -> EngineOutput:
+    """The output that carries `tok` (just appended; `status` from `stop_status`). The
+    first token's also carries the request's predicted output length, if it has one; a
+    finished request's, why it finished and its metrics."""
+    new = (NewToken(tok.token_id, tok.logprob, tok.top_logprobs),)
+    prediction = req.prediction if first else None  # said once, with the first token
+    if status is RequestStatus.RUNNING:
+        return EngineOutput(
+            req.request_id,
+            new,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+            prediction=prediction,
+        )
+    return EngineOutput(
+        req.request_id,
+        new,
+        finish_reason=status.value,
+        stop_reason=req.stop_reason,
+        stopped_by_token=status is RequestStatus.FINISHED_STOPPED,
+        num_cached_tokens=req.num_cached_prompt_tokens,
+        metrics=req.times.metrics(req.num_preemptions),
+        prediction=prediction,
+    )
