@@ -167,7 +167,7 @@ class TransferConfig:
     fault_bandwidth: float | None = None
     fault_seed: int | None = None
     # Which transfers the faults hit: "all", or "cache": only the copies of cluster-wide
-    # caching (returns, prefix fetches: engine/cache_exchange.py), not the hand-offs.
+    # caching (returns, prefix fetches: engine/features/cache_exchange.py), not the hand-offs.
     fault_scope: str = "all"
 
     def __post_init__(self) -> None:

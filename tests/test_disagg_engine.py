@@ -31,9 +31,9 @@ from helpers.tiny_models import make_tiny_model
 
 from pdserve.cluster.transfer_policy import transfer_policy
 from pdserve.config import EngineConfig, Role
-from pdserve.engine.cache_exchange import CacheExchange
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import load_model
+from pdserve.engine.features.cache_exchange import CacheExchange
 from pdserve.engine.roles import ColocatedRole, DecodeRole, PrefillRole
 from pdserve.kv.transfer import gather
 from pdserve.model.base import CausalLM

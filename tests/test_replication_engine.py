@@ -21,8 +21,8 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferC
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core
 from pdserve.engine.engine_process import _Loop
-from pdserve.engine.replica_store import ReplicaStore
-from pdserve.engine.replicator import Replicator
+from pdserve.engine.features.replica_store import ReplicaStore
+from pdserve.engine.features.replicator import Replicator
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.layout import KVLayout

@@ -6,7 +6,7 @@ runs in its own process. A stop string found there ends the request with `abort`
 
 Everything an instance does besides that loop is a participant (engine/participant.py:
 the hooks, and when the core calls them): the instance's role first (colocated, prefill,
-decode: roles/base.py), then the features `engine/features.py` assembles. The core
+decode: roles/base.py), then the features `engine/features/` assembles. The core
 calls its participants in order at fixed points of a step and routes their input
 messages (`handle`); it knows none of them by name and never asks which role it holds.
 `switch_role` replaces the role between steps. Decode bursts (several greedy decode

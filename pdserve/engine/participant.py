@@ -1,7 +1,7 @@
 """`Participant`: what a feature adds to the engine core, at fixed points of a step.
 
 The core (engine/core.py) holds an ordered list of participants - its role first (the
-one part that is replaced, by `switch_role`), then the features `engine/features.py`
+one part that is replaced, by `switch_role`), then the features `engine/features/`
 assembles (replication's source and holder sides, the cache exchange, the length head)
 - and calls each hook on every participant in that order. It knows none of them by
 name: a feature is a module that owns its state and its input messages and plugs in with

@@ -203,7 +203,7 @@ class KVManager:
         `token_ids` (every full block may match: nothing is left to compute) and fresh blocks
         up to `num_tokens` tokens. Returns the tokens matched (its num_computed_tokens), or
         None - nothing taken, nothing evicted - without room. Counts no prefix-cache
-        statistics. What MemServe's pin and transfer calls use (engine/cache_exchange.py):
+        statistics. What MemServe's pin and transfer calls use (engine/features/cache_exchange.py):
         with `num_tokens` 0 it pins what the index holds; the caller `commit`s what it wrote
         into the fresh blocks and `free`s the state.
         """

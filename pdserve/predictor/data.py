@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.length_prediction import LengthPredictor
+from pdserve.engine.features.length_prediction import LengthPredictor
 from pdserve.protocol.sampling_params import SamplingParams
 
 SAMPLED_TEMPERATURE = 0.8

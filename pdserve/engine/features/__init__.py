@@ -7,12 +7,12 @@ through `CoreAccess`, never the core itself.
 
 from __future__ import annotations
 
-from pdserve.engine.cache_exchange import CacheExchange
+from pdserve.engine.features.cache_exchange import CacheExchange
+from pdserve.engine.features.length_prediction import LengthPredictor
+from pdserve.engine.features.replica_store import ReplicaStore
+from pdserve.engine.features.replicator import Replicator
 from pdserve.engine.length_head import load_length_head
-from pdserve.engine.length_prediction import LengthPredictor
 from pdserve.engine.participant import CoreAccess, Participant
-from pdserve.engine.replica_store import ReplicaStore
-from pdserve.engine.replicator import Replicator
 from pdserve.model.base import CausalLM
 
 
