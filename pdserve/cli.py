@@ -274,6 +274,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve GET /debug/engine (engine counters and a KV-pool integrity check)",
     )
+    p.add_argument(
+        "--disable-admin-endpoints",
+        action="store_true",
+        help="do not serve the operator's routes (POST /admin/instances/NAME/role: "
+        "instance flip, docs/elastic.md); with --api-key they need the key",
+    )
     _add_cluster(p.add_argument_group("instances and disaggregation"))
     _add_ray(p.add_argument_group("several machines: instances placed by Ray (docs/deploy.md)"))
     _add_scheduling(p.add_argument_group("length-aware scheduling (docs/scheduling.md)"))
@@ -363,6 +369,13 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         type=float,
         default=10.0,
         help="mark an instance dead after this many seconds without a report",
+    )
+    g.add_argument(
+        "--flip-timeout",
+        type=float,
+        default=60.0,
+        help="instance flip (POST /admin/instances/NAME/role): give a flip up after this "
+        "many seconds without the instance drained and switched; it keeps its old role",
     )
     g.add_argument(
         "--max-migrations",

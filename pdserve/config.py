@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.kv.layout import DTYPE_SIZES
 from pdserve.protocol.handoff import TransferMode
+from pdserve.protocol.role import Role as Role  # where the wire carries it
 
 # --quantization values; what each means for a given file: pdserve/model/loader.py.
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0")
@@ -27,14 +28,6 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 if TYPE_CHECKING:
     import torch
-
-
-class Role(StrEnum):
-    """What an engine instance does with prompts and generation (DistServe §3)."""
-
-    COLOCATED = "colocated"  # both phases, chunked prefill + continuous batching
-    PREFILL = "prefill"  # prompts only, in chunks; produces the first token, hands KV off
-    DECODE = "decode"  # generation only, from KV received from a prefill instance
 
 
 class PrefillPolicy(StrEnum):

@@ -43,3 +43,12 @@ class InstanceFailedError(PdserveError):
 
 class RequestCancelledError(PdserveError):
     """The server ended the request itself (it is shutting down and the drain timed out)."""
+
+
+class NotFoundError(PdserveError):
+    """An operator's request names something that does not exist (an instance)."""
+
+
+class ConflictError(PdserveError):
+    """An operator's request conflicts with what the cluster is doing now (an instance that
+    is flipping already, the last live instance of a role); nothing changed."""

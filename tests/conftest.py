@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.server import KEY, Server, stop
+from helpers.server import KEY, Server, pdkv_segments, stop
 
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from pdserve.engine.engine import Engine
@@ -166,3 +166,20 @@ def make_engine(smollm2: tuple[CausalLM, Tokenizer]) -> EngineFactory:
         kv.check_integrity()
         if not engine.has_unfinished():
             assert kv.num_used_blocks == 0
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., Server]]:
+    """Starts clusters of the test's own with the given flags (0.5 GiB KV, the debug
+    endpoints); at teardown each is stopped and no shared-memory segment may be left."""
+    before, started = pdkv_segments(), []
+
+    def go(*args: str) -> Server:
+        started.append(Server(*args, "--kv-cache-memory-gib", "0.5", "--enable-debug-endpoints"))
+        return started[-1]
+
+    yield go
+    for server in started:
+        stop(server)
+    leaked = pdkv_segments() - before
+    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"

@@ -34,6 +34,7 @@ from pdserve.config import EngineConfig, Role
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import load_model
 from pdserve.engine.features.cache_exchange import CacheExchange
+from pdserve.engine.features.role_flip import RoleFlip
 from pdserve.engine.roles import ColocatedRole, DecodeRole, PrefillRole
 from pdserve.kv.transfer import gather
 from pdserve.model.base import CausalLM
@@ -47,6 +48,7 @@ from pdserve.protocol.handoff import (
     ReserveKV,
     TransferMode,
 )
+from pdserve.protocol.role import RoleSwitched, SwitchRole
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.wire import EngineInput, EngineMessage
 
@@ -356,6 +358,52 @@ def test_a_busy_core_refuses_to_switch_role(model_dir: Path, model: CausalLM) ->
     finally:
         core.close()
         prefill.close()
+
+
+def switches(core: EngineCore) -> list[RoleSwitched]:
+    """The RoleSwitched answers the core posted (its other messages dropped)."""
+    return [m for m in core.take_messages() if isinstance(m, RoleSwitched)]
+
+
+def test_switch_role_messages_wait_for_an_idle_core_and_a_later_one_replaces_them(
+    model_dir: Path, model: CausalLM
+) -> None:
+    """SwitchRole (instance flip's instance side, engine/features/role_flip.py) on a busy
+    core waits, polled between steps, and switches once the core holds nothing: the new
+    role and token budget, the prefix cache kept, RoleSwitched with the wait. A SwitchRole
+    to the role the core holds answers at once and cancels one waiting (never answered)."""
+    vocab = model.config.vocab_size
+    batch = prompts(2, vocab, seed=11)
+    core = make_core(model_dir, model, Role.COLOCATED, transport="shm")
+    try:
+        flip = core.participant(RoleFlip)
+        core.add_request("r0", batch[0], GREEDY)
+        core.handle(SwitchRole(1, Role.DECODE, 512))
+        assert switches(core) == [] and flip.busy()
+        core.handle(SwitchRole(2, Role.COLOCATED, 512))  # cancels the switch waiting
+        assert switches(core) == [RoleSwitched(2, Role.COLOCATED)] and not flip.busy()
+        drain(core)
+        core.poll_transfers()
+        assert switches(core) == [] and isinstance(core.role, ColocatedRole)
+
+        core.add_request("r1", batch[1], GREEDY)
+        core.handle(SwitchRole(3, Role.PREFILL, 48))
+        core.step()
+        core.poll_transfers()  # still running r1: no switch
+        assert switches(core) == [] and isinstance(core.role, ColocatedRole)
+        drain(core)
+        cached = assert_idle_pool(core)
+        core.poll_transfers()
+        [done] = switches(core)
+        assert (done.flip_id, done.role, done.error) == (3, Role.PREFILL, None)
+        assert done.waited_s > 0 and done.switch_s >= 0
+        assert isinstance(core.role, PrefillRole) and core.config.role is Role.PREFILL
+        assert core.scheduler.config.max_num_batched_tokens == 48
+        assert core.config.scheduler.max_num_batched_tokens == 48
+        assert_idle_pool(core, cached)
+        assert core.stats()["num_role_switches"] == 1 and not flip.busy()
+    finally:
+        core.close()
 
 
 # ---- PD-Caching-3: the decode core returns finished KV to the prefill core ----------------

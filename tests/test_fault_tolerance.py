@@ -28,7 +28,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -36,10 +36,8 @@ from helpers.reference import Expected, run
 from helpers.server import (
     Server,
     cluster,
-    pdkv_segments,
     prometheus,
     row_of,
-    stop,
     wait_clean,
     wait_dead,
     wait_for,
@@ -67,23 +65,6 @@ def bodies() -> list[dict]:
             body.update(temperature=0.8, top_p=0.95, seed=1000 + i)
         out.append(body)
     return out
-
-
-@pytest.fixture
-def start() -> Iterator[Callable[..., Server]]:
-    """Starts a cluster of the test's own with the given flags (0.5 GiB KV, the debug
-    endpoints); at teardown each is stopped and no shared-memory segment may be left."""
-    before, started = pdkv_segments(), []
-
-    def go(*args: str) -> Server:
-        started.append(Server(*args, "--kv-cache-memory-gib", "0.5", "--enable-debug-endpoints"))
-        return started[-1]
-
-    yield go
-    for server in started:
-        stop(server)
-    leaked = pdkv_segments() - before
-    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
 
 
 @pytest.fixture(scope="module")

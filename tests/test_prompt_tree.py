@@ -262,3 +262,22 @@ def test_manager_without_prefix_cache_has_no_events() -> None:
     m.record_cache_events()
     run(m, "a", toks(12))
     assert m.take_cache_events() == CacheEvents(stored=[], removed=[])
+
+
+def test_an_instance_moves_to_another_tree_with_its_expiries_and_the_cap() -> None:
+    """Instance flip: what an instance holds moves to its new role's tree, expiries and
+    LRU order kept, the counts exact on both sides; the new tree's cap still holds."""
+    old, new = PromptTree(16, 10.0, 100), PromptTree(16, 10.0, 4)
+    old.apply("d1", [1, 2, 3], [], now=0.0)
+    old.apply("d1", [7], [], now=5.0)
+    old.apply("d0", [1, 2], [], now=0.0)
+    new.apply("p0", [1], [], now=1.0)
+    assert old.move_instance("d1", new) == 4
+    assert (old.num_entries, new.num_entries) == (2, 4)  # 5 entries over a cap of 4
+    # The least recently refreshed entry went: d1's deepest of its t=0 path (p0's is t=1).
+    assert new.evicted_total == 1 and new.entries_by_instance() == {"p0": 1, "d1": 3}
+    assert old.entries_by_instance() == {"d0": 2}
+    assert new.match([1, 2, 3], now=9.0) == {"p0": 1, "d1": 2}
+    assert new.match([7], now=14.0) == {"d1": 1}  # its t=5 expiry came along
+    assert new.match([1], now=10.5) == {"p0": 1}  # d1's t=0 entries expired at 10
+    assert old.move_instance("d1", new) == 0  # nothing left to move

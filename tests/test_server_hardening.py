@@ -634,6 +634,7 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     assert row == {
         "name": "engine",
         "role": "colocated",
+        "flipping_to": None,
         "node": "local",
         "pid": engine.pid,
         "alive": True,
@@ -666,6 +667,7 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     idle += ("num_preemptions", "num_admission_waits")  # its pool never ran short
     idle += ("num_admission_held", "num_prefill_batches", "num_prefill_overtakes")  # fcfs, greedy
     idle += ("num_predicted_decodes", "predicted_decode_tokens")  # decodes nothing prefilled
+    idle += ("num_role_switches",)  # never flipped
     idle += ("kv_routes_shm", "kv_routes_tcp")  # a lone engine moves no KV
     assert stats == {**dict.fromkeys(idle, 0), "integrity_error": None}
 

@@ -154,14 +154,16 @@ class CacheCopies:
         dest: Instance,
         token_ids: list[int],
         request: AddRequest,
+        kind: OfferKind = OfferKind.PREFETCH,
     ) -> None:
         """Ask `donor` to offer the full blocks of `token_ids` to `dest` and park `request`
-        (key `key`) until they are in `dest`'s cache."""
-        oid = offer_id(OfferKind.PREFETCH, key)
+        (key `key`) until they are in `dest`'s cache. `kind`: PREFETCH (before a prefill)
+        or MOVE (a running request's KV, to the instance it continues on)."""
+        oid = offer_id(kind, key)
         hashes = block_hashes(token_ids, self.block_size)
-        copy = Copy(oid, OfferKind.PREFETCH, donor, dest, hashes, self._clock())
+        copy = Copy(oid, kind, donor, dest, hashes, self._clock())
         self._copies[oid] = copy
-        donor.send(OfferPrefix(oid, token_ids, dest.name))
+        donor.send(OfferPrefix(oid, token_ids, dest.name, kind))
         self._park(copy, key, request)
 
     # ---- waiting -----------------------------------------------------------------------
@@ -240,7 +242,7 @@ class CacheCopies:
     def _may_copy(self, copy: Copy) -> bool:
         if not copy.dest.alive:
             return False
-        if copy.kind is OfferKind.PREFETCH:
+        if copy.kind is not OfferKind.RETURN:
             return True
         copying = sum(
             1
@@ -298,7 +300,7 @@ class CacheCopies:
         self._copies.pop(copy.offer_id, None)
         if failed is not None:
             log.info("KV %s %s to %s failed: %s", copy.kind, copy.offer_id, copy.dest.name, failed)
-            if copy.kind is OfferKind.PREFETCH or copy.state is CopyState.COPYING:
+            if copy.kind is not OfferKind.RETURN or copy.state is CopyState.COPYING:
                 self._count(copy, 0, failed=True)
         for key in copy.waiting:
             waiter = self._waiters.get(key)
@@ -310,6 +312,12 @@ class CacheCopies:
         counters = self.router.counters
         if copy.kind is OfferKind.RETURN:
             counters.returned(fetched, "failed" if failed else None)
+        elif copy.kind is OfferKind.MOVE:
+            if failed:
+                counters.kv_moves_failed += 1
+            else:
+                counters.kv_moves += 1
+                counters.kv_moved_tokens += fetched
         elif failed:
             counters.prefetches_failed += 1
         else:

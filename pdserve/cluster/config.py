@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pdserve.cluster.placement import PlacedInstance, check_roles, counts, in_launch_order
-from pdserve.config import EngineConfig, Role
+from pdserve.config import EngineConfig, Role, SchedulerConfig
 
 
 class Routing(StrEnum):
@@ -88,6 +88,9 @@ class ClusterConfig:
     # Which node each instance runs on and the devices it holds (cluster/placement.py), in
     # launch order (prefill, decode, colocated); () : wherever the launcher puts them.
     placement: tuple[PlacedInstance, ...] = ()
+    # Instance flip (cluster/flip.py): a flip whose instance has not drained and switched
+    # within this long is given up (the instance serves in its old role again).
+    flip_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated", "max_retries", "max_migrations"):
@@ -122,6 +125,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_balance < 0:
             raise ValueError(f"decode_balance must be >= 0, got {self.decode_balance}")
+        if not self.flip_timeout_s > 0:
+            raise ValueError(f"flip_timeout_s must be > 0, got {self.flip_timeout_s}")
         if self.kv_wait_s <= 0:
             raise ValueError(f"kv_wait_s must be > 0, got {self.kv_wait_s}")
         if self.instance_timeout_s <= 0:
@@ -169,11 +174,7 @@ def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[Engin
     for role, threads in zip(roles, shares, strict=True):
         index = counts[role] = counts.get(role, -1) + 1
         name = "engine" if len(roles) == 1 else f"{role.value}-{index}"
-        scheduler, cache = engine.scheduler, engine.cache
-        if role is Role.PREFILL and cluster.prefill_chunk_size is not None:
-            scheduler = dataclasses.replace(
-                scheduler, max_num_batched_tokens=cluster.prefill_chunk_size
-            )
+        scheduler, cache = role_scheduler(cluster, engine, role), engine.cache
         if role is Role.DECODE and cluster.pd_caching == 1:  # PD-Caching-1: caching at P only
             cache = dataclasses.replace(cache, enable_prefix_cache=False)
         configs.append(
@@ -187,3 +188,13 @@ def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[Engin
             )
         )
     return configs
+
+
+def role_scheduler(cluster: ClusterConfig, engine: EngineConfig, role: Role) -> SchedulerConfig:
+    """The scheduler settings of a `role` instance (at start, and after a flip to `role`):
+    a prefill instance's token budget per step is the prefill chunk size."""
+    if role is Role.PREFILL and cluster.prefill_chunk_size is not None:
+        return dataclasses.replace(
+            engine.scheduler, max_num_batched_tokens=cluster.prefill_chunk_size
+        )
+    return engine.scheduler

@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import AsyncGenerator, Sequence
+from typing import TypeVar
 
 import zmq.asyncio
 
@@ -28,7 +29,7 @@ from pdserve.cluster import reporting
 from pdserve.cluster.config import ClusterConfig, instance_configs
 from pdserve.cluster.faults import FaultCounters
 from pdserve.cluster.features import assemble
-from pdserve.cluster.hub import Handler, MessageBus
+from pdserve.cluster.hub import Feature, Handler, MessageBus
 from pdserve.cluster.instance import Instance, Launcher, LocalLauncher
 from pdserve.cluster.outputs import OutputRelay
 from pdserve.cluster.policies import DecodeChooser
@@ -58,6 +59,7 @@ from pdserve.text.output_processor import OutputProcessor
 from pdserve.text.outputs import RequestOutput
 
 _WATCH_S = 0.1
+F = TypeVar("F", bound=Feature)
 
 
 class Cluster:
@@ -138,7 +140,7 @@ class Cluster:
         self.max_model_len = min(i.max_model_len for i in self.instances)
         self.vocab_size = self.instances[0].vocab_size
         self.weights = self.instances[0].weights  # every instance loads the same way
-        self._instances_changed()
+        self.instances_changed()
         self._watch = asyncio.create_task(self._watchdog())
 
     def new_instance(self, config: EngineConfig) -> Instance:
@@ -166,17 +168,25 @@ class Cluster:
         self._ctx.term()
 
     def of_role(self, role: Role) -> list[Instance]:
-        return [i for i in self.instances if i.role is role]
+        return [i for i in self.instances if i.role is role and i.flipping_to is None]
 
     def live(self, role: Role) -> list[Instance]:
-        return [i for i in self.instances if i.role is role and i.alive]
+        return [i for i in self.of_role(role) if i.alive]
+
+    def feature(self, kind: type[F]) -> F:
+        """The feature of class `kind` (KeyError when there is none): what the HTTP
+        layer's operator routes call (an instance flip)."""
+        for feature in self.features:
+            if isinstance(feature, kind):
+                return feature
+        raise KeyError(kind.__name__)
 
     def instance(self, name: str) -> Instance | None:
         return next((i for i in self.instances if i.name == name), None)
 
     def replace(self, dead: Instance, fresh: Instance) -> None:
         self.instances[self.instances.index(dead)] = fresh
-        self._instances_changed()
+        self.instances_changed()
 
     @property
     def is_alive(self) -> bool:
@@ -303,9 +313,9 @@ class Cluster:
         self.faults.instance_failed(inst.role.value)
         for feature in self.features:
             feature.instance_dead(inst)
-        self._instances_changed()
+        self.instances_changed()
 
-    def _instances_changed(self) -> None:
+    def instances_changed(self) -> None:
         for feature in self.features:
             feature.instances_changed()
 

@@ -131,12 +131,14 @@ class Dispatch(Feature):
             inst.send(request)
 
     def send_waiting(self, key: str, inst: Instance, request: AddRequest) -> None:
-        """A parked request goes to its prefill instance: the copy it waited for ended, or
-        its wait did. Not when it was aborted or moved meanwhile."""
+        """A parked request goes to its instance: the copy it waited for ended, or its
+        wait did. Its prefill instance; or, for a request moved off an instance that flips
+        (cluster/flip.py), the decode instance it continues on. Not when it was aborted or
+        moved meanwhile."""
         rec = self.hub.table.get(key)
-        if rec is None or rec.phase is not Phase.WAITING_FOR_KV or rec.prefill is not inst:
+        if rec is None or rec.phase is not Phase.WAITING_FOR_KV or not rec.holds(inst):
             return
-        rec.phase = Phase.PREFILL
+        rec.phase = Phase.PREFILL if inst is rec.prefill else Phase.DECODE
         inst.send(request)
 
     def _prefix_donor(self, rec: Record, inst: Instance, cached: int) -> Donor | None:

@@ -4,7 +4,8 @@ Adding a family of messages to the front end (say, instance flip) is one new mod
 `Feature` subclass (cluster/hub.py) and one line here. The order matters where hooks meet:
 dispatch's push stops and caching's copies end before recovery moves a dead instance's
 requests (its `instance_dead`); replication re-arranges its ring after they moved
-(`instances_changed`).
+(`instances_changed`); a flip moves requests through recovery and the copies, so it
+comes after both.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pdserve.cluster.cache_copies import CacheCopies
 from pdserve.cluster.caching import Caching
 from pdserve.cluster.costs import RecoveryCost
 from pdserve.cluster.dispatch import Dispatch
+from pdserve.cluster.flip import Flip
 from pdserve.cluster.hub import Feature, Hub
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.recovery import Recovery
@@ -32,9 +34,11 @@ def assemble(hub: Hub, router: Router) -> tuple[Dispatch, list[Feature]]:
 
     copies = CacheCopies(hub.config, block_size, router, rates, hub.instance, send_parked)
     dispatch = Dispatch(hub, router, copies, rates)
+    recovery = Recovery(hub, dispatch, rates)
     return dispatch, [
         dispatch,
         Caching(router, copies),
         Replication(hub),
-        Recovery(hub, dispatch, rates),
+        recovery,
+        Flip(hub, router, copies, recovery),
     ]

@@ -25,8 +25,9 @@ defaults here: nothing):
   (`rec.decode = None`) so the hub leaves it alone.
 - `instance_dead(inst)`: `inst` died and is fenced (its process is gone, nothing it sent
   later is read), before its requests are moved.
-- `instances_changed()`: after the instances started, after a death's requests moved, and
-  after a dead instance's replacement joined.
+- `instances_changed()`: after the instances started, after a death's requests moved,
+  after a dead instance's replacement joined, and when an instance leaves its role to
+  flip and takes its new one (cluster/flip.py).
 - `tick(now)`: every watchdog period (`now`: time.monotonic()).
 - `describe(inst)`: what the feature knows of `inst`, added to its /debug/cluster row.
 - `close()`: the server is shutting down (before open requests fail); stop what runs.
@@ -66,9 +67,13 @@ class Hub(Protocol):
 
     def instance(self, name: str) -> Instance | None: ...
 
-    def of_role(self, role: Role) -> list[Instance]: ...
+    def of_role(self, role: Role) -> list[Instance]:
+        """The instances that take new work as `role` (not one that is flipping)."""
+        ...
 
-    def live(self, role: Role) -> list[Instance]: ...
+    def live(self, role: Role) -> list[Instance]:
+        """`of_role`'s live ones."""
+        ...
 
     def dispatch(self, rec: Record) -> None:
         """Send an attempt that streamed nothing yet to its first instance."""
@@ -89,6 +94,10 @@ class Hub(Protocol):
 
     def new_instance(self, config: EngineConfig) -> Instance:
         """An instance of `config` (not started), wired to this hub."""
+        ...
+
+    def instances_changed(self) -> None:
+        """Tell every feature (`instances_changed`): an instance left or took a role."""
         ...
 
 

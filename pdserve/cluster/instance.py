@@ -180,6 +180,9 @@ class Instance:
         self.timeout_s = timeout_s
         self.name = config.instance_name
         self.role: Role = config.role
+        # Instance flip (cluster/flip.py): the role it is draining toward. Meanwhile it is
+        # no instance of any role to dispatch and recovery (`Cluster.of_role`, `live`).
+        self.flipping_to: Role | None = None
         self.on_message = on_message
         self.on_report = on_report  # also told of every load report (prompt-tree events)
         self.max_model_len = 0

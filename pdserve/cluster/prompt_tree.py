@@ -140,6 +140,23 @@ class PromptTree:
         self._num_entries -= removed
         return removed
 
+    def move_instance(self, instance: str, to: PromptTree) -> int:
+        """Hand every entry of `instance` to `to`, expiries kept (the instance changed role:
+        instance flip); returns how many moved."""
+        held = self._held.pop(instance, None)
+        if not held:
+            return 0
+        self._num_entries -= len(held)
+        target = to._held.setdefault(instance, OrderedDict())
+        before = len(target)
+        for block_hash, expiry in held.items():  # oldest first: the LRU order is kept
+            if expiry > target.get(block_hash, _ABSENT):
+                target[block_hash] = expiry
+                target.move_to_end(block_hash)
+        to._num_entries += len(target) - before
+        to._evict_over_cap()
+        return len(held)
+
     def expire(self, now: float) -> int:
         """Remove the entries whose TTL has passed; returns how many. O(instances + expired):
         only queue fronts are looked at."""

@@ -107,7 +107,7 @@ class Recovery(Feature):
         done, bound = (
             (rec.migrations, config.max_migrations)
             if migration
-            else (rec.attempts - rec.migrations, config.max_retries)
+            else (rec.attempts - rec.migrations - rec.drains, config.max_retries)
         )
         if done >= bound or self.hub.closed:
             moves = "migrations" if migration else "retries"
@@ -138,7 +138,7 @@ class Recovery(Feature):
         log.info("request %s: %s", rec.request_id, choice.describe())
         if not choice.resume:
             return False
-        request = self._continue_on(rec, holder)
+        request = self.continue_on(rec, holder)
         holder.send(ResumeFromReplica(request, replica.source, replica.key, through))
         self.hub.faults.resumed_from_replica += 1
         self.hub.faults.recomputed_tokens += total - through
@@ -148,15 +148,15 @@ class Recovery(Feature):
         """Continue `rec` after its last streamed token: the instance computes the KV of
         prompt + streamed tokens again (prefix-cache hits excepted) and samples the next
         token."""
-        inst = self._continuation_instance(rec)
+        inst = self.continuation_instance(rec)
         if inst is None:
             error = InstanceFailedError("no live instance to continue the request on")
             self.hub.fail(rec, error)
             return
         rec.recompute = len(rec.prompt) + len(rec.streamed) - 1
-        inst.send(self._continue_on(rec, inst))
+        inst.send(self.continue_on(rec, inst))
 
-    def _continue_on(self, rec: Record, inst: Instance) -> AddRequest:
+    def continue_on(self, rec: Record, inst: Instance) -> AddRequest:
         """Make `inst` the instance `rec` decodes on (its load credited) and return the
         request that continues it there after its streamed tokens."""
         rec.credit_decode_to(inst, self.dispatch.is_heavy(rec))
@@ -170,7 +170,7 @@ class Recovery(Feature):
             prediction=rec.prediction,
         )
 
-    def _continuation_instance(self, rec: Record) -> Instance | None:
+    def continuation_instance(self, rec: Record) -> Instance | None:
         """Where a moved request continues: a live decode instance (by the decode policy,
         preferring room for its tokens), else a colocated one, else - no instance that
         decodes is left - a prefill instance, which runs it to the end."""

@@ -88,6 +88,8 @@ def _identity(inst: Instance) -> dict[str, object]:
     return {
         "name": inst.name,
         "role": inst.role.value,
+        # instance flip (cluster/flip.py): the role it drains toward, else None
+        "flipping_to": None if inst.flipping_to is None else inst.flipping_to.value,
         "node": inst.node,
         "pid": inst.process.pid,
         "alive": inst.alive,

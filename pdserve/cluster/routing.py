@@ -103,6 +103,10 @@ class CacheCounters:
     prefetches: int = 0
     prefetches_failed: int = 0  # nothing was cached any more, no room, transfer failure
     prefetched_tokens: int = 0
+    # Running requests' KV moved off an instance that flips (cluster/flip.py), by outcome.
+    kv_moves: int = 0
+    kv_moves_failed: int = 0
+    kv_moved_tokens: int = 0
     # Requests that waited for a copy already on its way into their prefill instance (a
     # return, another request's prefetch: cluster/cache_copies.py), and waits of any kind
     # (their own prefetch too) that ended by the bound, not by the copy.
@@ -301,6 +305,15 @@ class Router:
     def forget(self, inst: Instance) -> None:
         """A dead instance's entries leave its tree at once."""
         self.trees[inst.role].drop_instance(inst.name)
+
+    def role_changed(self, inst: Instance, old: Role) -> None:
+        """`inst` was an `old` instance and is an `inst.role` one now (instance flip): what
+        it caches moves to its new role's tree (a prefix it cached is a hit there), and
+        the sessions kept on it in its old role forget it."""
+        self.trees[old].move_instance(inst.name, self.trees[inst.role])
+        for key, name in list(self._sessions.items()):
+            if key[0] is old and name == inst.name:
+                del self._sessions[key]
 
     def expire(self, now: float) -> None:
         for tree in self.trees.values():

@@ -64,6 +64,7 @@ class Record:
     cached_tokens: int | None = None
     attempts: int = 0  # dispatches after the first (retries and migrations)
     migrations: int = 0
+    drains: int = 0  # of the attempts: moves off an instance that flipped (cluster/flip.py)
     streamed: list[int] = field(default_factory=list)  # token ids forwarded to the client
     recompute: int = 0  # tokens a move sent to be computed again (counted on its output)
     # Replication (`config.replicate`): where this attempt's KV is replicated and how far
@@ -145,11 +146,13 @@ class RequestTable:
     def remove(self, rec: Record) -> None:
         self._records.pop(rec.key, None)
 
-    def next_attempt(self, rec: Record, migration: bool) -> None:
-        """Re-key `rec` for its next attempt (`migration`: its instance died)."""
+    def next_attempt(self, rec: Record, migration: bool, drain: bool = False) -> None:
+        """Re-key `rec` for its next attempt (`migration`: its instance died; `drain`: it
+        moves off an instance that flips)."""
         self.remove(rec)
         rec.attempts += 1
         rec.migrations += migration
+        rec.drains += drain
         self.add(rec)
 
     def holding(self, inst: Instance) -> list[Record]:

@@ -93,26 +93,42 @@ class EngineCore:
 
     # ---- the role --------------------------------------------------------------
 
-    def switch_role(self, role: Role) -> None:
+    def switch_role(self, role: Role, max_num_batched_tokens: int | None = None) -> None:
         """Make this a `role` instance (instance flip), between steps. The core must be
-        idle: no request, and nothing held, moving or reserved for a hand-off, and no block
-        in use; otherwise RuntimeError, and nothing changes.
+        idle (`holdings` is None): no request, and nothing held, moving or reserved for a
+        hand-off, and no block in use; otherwise RuntimeError, and nothing changes. The
+        prefix cache stays: what was cached in the old role is a hit in the new one.
+        `max_num_batched_tokens`: the scheduler's token budget per step from now on (a
+        prefill instance's chunk size); None keeps it.
 
         Prefill and decode need the pool in a transfer region (peers read and write it in
         place). A core that has none (built colocated) opens its link on the first switch
         to either (`transfer_link`). The link then stays open until `close`: switching
         back to colocated keeps it (nothing is handed to peers any more), and a later
         switch reuses it without a copy. A role the config refuses (prefill or decode on a
-        GPU: EngineConfig's rule) is a ValueError, nothing changed."""
-        config = dataclasses.replace(self.config, role=role)  # validated before any change
-        idle = _holdings(self)
-        if idle is not None:
+        GPU: EngineConfig's rule) is a ValueError, nothing changed.
+
+        The participant list is replaced by a new one (the new role first): a loop over
+        the old list (a participant's hook that switched) finishes over the old one."""
+        scheduler = self.scheduler.config
+        if max_num_batched_tokens is not None:
+            scheduler = dataclasses.replace(
+                scheduler, max_num_batched_tokens=max_num_batched_tokens
+            )
+        config = dataclasses.replace(self.config, role=role, scheduler=scheduler)  # validated
+        held = self.holdings()
+        if held is not None:
             raise RuntimeError(
                 f"cannot switch the {self.config.role.value} core to {role.value}: it is not "
-                f"idle ({idle}); switch between steps once it has drained"
+                f"idle ({held}); switch between steps once it has drained"
             )
         self._take_role(role)
+        self.scheduler.config = scheduler
         self.config = config
+
+    def holdings(self) -> str | None:
+        """None when the core is idle (`switch_role` may run), else what it still holds."""
+        return _holdings(self)
 
     def _take_role(self, role: Role) -> None:
         self.role: EngineRole

@@ -52,7 +52,7 @@ from pdserve.protocol.handoff import Handoff
 from pdserve.protocol.wire import EngineMessage
 
 if TYPE_CHECKING:
-    from pdserve.config import EngineConfig
+    from pdserve.config import EngineConfig, Role
     from pdserve.engine.roles.transfer import TransferLink
     from pdserve.kv.cache import KVCache
     from pdserve.kv.manager import KVManager
@@ -160,4 +160,12 @@ class CoreAccess(Protocol):
 
     def has_room(self) -> bool:
         """The running batch has a free slot."""
+        ...
+
+    def holdings(self) -> str | None:
+        """None when the core is idle (a role switch may run), else what it holds."""
+        ...
+
+    def switch_role(self, role: Role, max_num_batched_tokens: int | None) -> None:
+        """Replace the role (instance flip); the core must be idle (RuntimeError)."""
         ...

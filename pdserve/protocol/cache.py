@@ -50,6 +50,8 @@ class OfferKind(StrEnum):
 
     RETURN = "return"  # a finished request's prompt + answer, decode -> its prefill instance
     PREFETCH = "prefetch"  # a cached prefix, donor -> the instance about to prefill it
+    # a running request's KV, off an instance that flips -> the one it continues on
+    MOVE = "move"
 
 
 def offer_id(kind: OfferKind, request_key: str) -> str:
@@ -77,6 +79,7 @@ class OfferPrefix(msgspec.Struct, frozen=True, tag=True):
     offer_id: str
     token_ids: list[int]
     to: str
+    kind: OfferKind = OfferKind.PREFETCH
 
 
 class FetchPrefix(msgspec.Struct, frozen=True, tag=True):

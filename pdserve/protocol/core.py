@@ -158,6 +158,7 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     # sent through shared memory (a peer on its node) and over TCP (a peer on another node)
     kv_routes_shm: int = 0
     kv_routes_tcp: int = 0
+    num_role_switches: int = 0  # since start: instance flips this instance made
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

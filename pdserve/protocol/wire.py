@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from pdserve.errors import InvalidRequestError
-from pdserve.protocol import cache, core, handoff, replica
+from pdserve.protocol import cache, core, handoff, replica, role
 
 EngineInput = (
     core.AddRequest
@@ -32,6 +32,7 @@ EngineInput = (
     | replica.ReplicateTo
     | cache.FetchPrefix
     | cache.OfferPrefix
+    | role.SwitchRole
 )
 
 EngineMessage = (
@@ -51,6 +52,7 @@ EngineMessage = (
     | replica.ReplicasStored
     | cache.KVOffered
     | cache.PrefixFetched
+    | role.RoleSwitched
 )
 
 

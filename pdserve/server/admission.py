@@ -39,7 +39,15 @@ _GATED_PREFIX = "/v1/"
 # clients that send the whole body before reading (urllib, httpx) would otherwise
 # see the connection reset instead of the answer.
 _DISCARD_CAP = 64 * 1024 * 1024
-_KEYED_PREFIXES = ("/v1/", "/debug/", "/cluster/", "/docs", "/redoc", "/openapi.json")
+_KEYED_PREFIXES = (
+    "/v1/",
+    "/debug/",
+    "/cluster/",
+    "/admin/",
+    "/docs",
+    "/redoc",
+    "/openapi.json",
+)
 _DRAINING = "the server is shutting down; no new requests are accepted"
 
 

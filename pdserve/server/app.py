@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from pdserve.cluster.flip import Flip
 from pdserve.errors import EngineDeadError, InvalidRequestError, PdserveError
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.validation import check_prompt_length
@@ -34,7 +35,7 @@ from pdserve.server.backend import ServingBackend
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.prompts import Encoded, PromptConfig, PromptEncoder
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, RoleChange
 from pdserve.server.render import Renderer
 from pdserve.text.outputs import RequestOutput
 from pdserve.version import __version__
@@ -48,6 +49,8 @@ class ServerConfig:
     api_key: str | None = None
     # GET /debug/engine: the core's counters and a KV-pool integrity check (tests, ops).
     debug_endpoints: bool = False
+    # POST /admin/instances/{name}/role: instance flip (cluster/flip.py); keyed like /v1/.
+    admin_endpoints: bool = True
     # Request bodies above this are refused with 413.
     max_body_bytes: int = 4 * 1024 * 1024
     # Tokenization: the thread pool for large prompts, what is small enough to stay inline.
@@ -85,6 +88,8 @@ def build_app(
     if config.debug_endpoints:
         app.get("/debug/engine")(api.debug_engine)
         app.get("/debug/cluster")(api.debug_cluster)
+    if config.admin_endpoints:
+        app.post("/admin/instances/{name}/role")(api.flip)
     return app
 
 
@@ -130,6 +135,11 @@ class _Api:
         counters["caching"] = self.client.router.summary()
         counters["length_prediction"] = self.client.predictions.summary()
         return {"instances": await self.client.instance_stats(), "controller": counters}
+
+    async def flip(self, name: str, body: RoleChange) -> dict[str, Any]:
+        """Instance flip by hand: answers once `name` serves in its new role (its report),
+        404 for no such instance, 409 when the flip is refused (cluster/flip.py)."""
+        return (await self.client.feature(Flip).flip(name, body.role)).as_dict()
 
     async def cluster_status(self) -> dict[str, Any]:
         """Nodes, instances, roles and load (`pdserve cluster status`); asks no instance,

@@ -8,15 +8,18 @@ per-instance rows for /debug/cluster, the failure counters and the router's.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pdserve.cluster.faults import FaultCounters
+from pdserve.cluster.hub import Feature
 from pdserve.cluster.routing import Router
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import EngineStats, WeightsInfo
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.text.outputs import RequestOutput
+
+F = TypeVar("F", bound=Feature)
 
 
 class ServingBackend(Protocol):
@@ -49,5 +52,10 @@ class ServingBackend(Protocol):
         ...
 
     def cancel_all(self, error: Exception) -> int: ...
+
+    def feature(self, kind: type[F]) -> F:
+        """The front end's feature of class `kind` (cluster/hub.py), for the operator's
+        routes (instance flip: cluster/flip.py); KeyError when it has none."""
+        ...
 
     async def shutdown(self, timeout: float = 10.0) -> None: ...

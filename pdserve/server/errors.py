@@ -20,10 +20,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.errors import (
+    ConflictError,
     EngineDeadError,
     EngineOverloadedError,
     InstanceFailedError,
     InvalidRequestError,
+    NotFoundError,
     RequestCancelledError,
 )
 
@@ -32,6 +34,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
@@ -138,6 +141,10 @@ def status_of(exc: Exception) -> tuple[int, str]:
         return 500, f"the engine is not available: {exc}"
     if isinstance(exc, EngineOverloadedError | RequestCancelledError | InstanceFailedError):
         return 503, str(exc)
+    if isinstance(exc, NotFoundError):
+        return 404, str(exc)
+    if isinstance(exc, ConflictError):
+        return 409, str(exc)
     return 500, "internal server error"
 
 

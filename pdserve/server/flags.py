@@ -140,6 +140,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         restart_dead=args.ray_restart,
         decode_policy=DecodePolicy(args.decode_policy),
         instance_timeout_s=args.instance_timeout,
+        flip_timeout_s=args.flip_timeout,
         max_migrations=args.max_migrations,
         replicate=args.kv_replication,
         prefill_chunk_size=args.chunk_size,

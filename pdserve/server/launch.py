@@ -138,7 +138,12 @@ async def serve(
     watch: asyncio.Task[None] | None = None
     try:
         admission = Admission(args.max_body_bytes, args.api_key, args.body_timeout)
-        server_config = ServerConfig(name, args.api_key, args.enable_debug_endpoints)
+        server_config = ServerConfig(
+            name,
+            args.api_key,
+            args.enable_debug_endpoints,
+            admin_endpoints=not args.disable_admin_endpoints,
+        )
         app = build_app(client, server_config, admission)
         uv = uvicorn.Config(
             app,

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from pdserve.config import Role
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -203,3 +204,11 @@ def _check_text(text: str, path: str) -> None:
             f"{path} is not valid Unicode: a lone surrogate ({code}) at character {e.start}",
             path,
         ) from None
+
+
+class RoleChange(BaseModel):
+    """`POST /admin/instances/{name}/role`: the role the instance takes (instance flip)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Role

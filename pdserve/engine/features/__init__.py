@@ -11,6 +11,7 @@ from pdserve.engine.features.cache_exchange import CacheExchange
 from pdserve.engine.features.length_prediction import LengthPredictor
 from pdserve.engine.features.replica_store import ReplicaStore
 from pdserve.engine.features.replicator import Replicator
+from pdserve.engine.features.role_flip import RoleFlip
 from pdserve.engine.length_head import load_length_head
 from pdserve.engine.participant import CoreAccess, Participant
 from pdserve.model.base import CausalLM
@@ -33,4 +34,6 @@ def assemble(core: CoreAccess, model: CausalLM) -> list[Participant]:
         ReplicaStore(core),
         # TetriInfer's output-length prediction at each fresh prompt's first token.
         LengthPredictor(head),
+        # TetriInfer's instance flip: the role replaced once the drained core is idle.
+        RoleFlip(core),
     ]

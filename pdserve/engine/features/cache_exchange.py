@@ -129,7 +129,7 @@ class CacheExchange(Participant):
     def offer_prefix(self, msg: OfferPrefix) -> None:
         """Pin what the prefix cache holds of `msg.token_ids` for instance `msg.to`
         (KVOffered); PrefixFetched with the reason when it holds none of it."""
-        if not self.offer(msg.offer_id, OfferKind.PREFETCH, msg.token_ids, msg.to):
+        if not self.offer(msg.offer_id, msg.kind, msg.token_ids, msg.to):
             reason = "not cached here any more"
             self._post(PrefixFetched(msg.offer_id, self.instance_name, 0, 0, 0, reason))
 
