@@ -378,6 +378,39 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         "many seconds without the instance drained and switched; it keeps its old role",
     )
     g.add_argument(
+        "--flip-policy",
+        choices=["none", "tetriinfer"],
+        default="none",
+        help="the transition watcher (docs/elastic.md): tetriinfer flips an instance out "
+        "of a role that stayed under --flip-idle-load for --flip-idle-seconds while the "
+        "other role was saturated; none (the default) flips only by hand",
+    )
+    g.add_argument(
+        "--replan-interval",
+        type=float,
+        default=10.0,
+        help="seconds between the transition watcher's looks at the load",
+    )
+    g.add_argument(
+        "--flip-idle-load",
+        type=float,
+        default=0.1,
+        help="tetriinfer policy: a role's load (the fraction of time its instances spend "
+        "in steps) under which it counts as idle",
+    )
+    g.add_argument(
+        "--flip-idle-seconds",
+        type=float,
+        default=60.0,
+        help="tetriinfer policy: how long a role must stay idle (and the evidence window)",
+    )
+    g.add_argument(
+        "--flip-busy-load",
+        type=float,
+        default=0.8,
+        help="tetriinfer policy: the other role's mean load that counts as saturated",
+    )
+    g.add_argument(
         "--max-migrations",
         type=int,
         default=2,

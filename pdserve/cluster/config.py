@@ -30,6 +30,10 @@ class DecodePolicy(StrEnum):
     IMBALANCE = "imbalance"  # heavy decodes all to one instance (Fig. 19's worst case)
 
 
+# The transition watcher's policies (cluster/watcher.py).
+FLIP_POLICIES = ("none", "tetriinfer")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     # Instances started on this machine. prefill + decode > 0 means disaggregated serving;
@@ -91,6 +95,15 @@ class ClusterConfig:
     # Instance flip (cluster/flip.py): a flip whose instance has not drained and switched
     # within this long is given up (the instance serves in its old role again).
     flip_timeout_s: float = 60.0
+    # The transition watcher (cluster/watcher.py): which policy flips instances by itself
+    # (FLIP_POLICIES; "none": only by hand), how often it looks, and the tetriinfer
+    # policy's settings: a role under `flip_idle_load` for `flip_idle_s` seconds while the
+    # other averages `flip_busy_load` (or keeps requests queued) gives it an instance.
+    flip_policy: str = "none"
+    replan_interval_s: float = 10.0
+    flip_idle_load: float = 0.1
+    flip_idle_s: float = 60.0
+    flip_busy_load: float = 0.8
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated", "max_retries", "max_migrations"):
@@ -125,6 +138,16 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_balance < 0:
             raise ValueError(f"decode_balance must be >= 0, got {self.decode_balance}")
+        if self.flip_policy not in FLIP_POLICIES:
+            raise ValueError(
+                f"unknown flip policy {self.flip_policy!r} (choose {' or '.join(FLIP_POLICIES)})"
+            )
+        for name in ("replan_interval_s", "flip_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("flip_idle_load", "flip_busy_load"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if not self.flip_timeout_s > 0:
             raise ValueError(f"flip_timeout_s must be > 0, got {self.flip_timeout_s}")
         if self.kv_wait_s <= 0:

@@ -20,6 +20,7 @@ from pdserve.cluster.instance import Instance
 from pdserve.cluster.recovery import Recovery
 from pdserve.cluster.replication import Replication
 from pdserve.cluster.routing import Router
+from pdserve.cluster.watcher import Watcher, make_policy
 from pdserve.protocol.core import AddRequest
 
 
@@ -35,10 +36,13 @@ def assemble(hub: Hub, router: Router) -> tuple[Dispatch, list[Feature]]:
     copies = CacheCopies(hub.config, block_size, router, rates, hub.instance, send_parked)
     dispatch = Dispatch(hub, router, copies, rates)
     recovery = Recovery(hub, dispatch, rates)
+    flip = Flip(hub, router, copies, recovery)
+    config = hub.config
     return dispatch, [
         dispatch,
         Caching(router, copies),
         Replication(hub),
         recovery,
-        Flip(hub, router, copies, recovery),
+        flip,
+        Watcher(hub, flip, make_policy(config), config.replan_interval_s, config.flip_idle_s),
     ]

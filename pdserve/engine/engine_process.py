@@ -142,6 +142,7 @@ class _Loop:
             num_held=role.num_held,
             num_transferring=role.num_transferring,
             num_reserved=role.num_reserved,
+            busy_s=self.busy_s,
             cache_stored=events.stored,
             cache_removed=events.removed,
         )

@@ -185,3 +185,6 @@ class LoadReport(msgspec.Struct, frozen=True, tag=True):
     # kv/block_hash.py): the controller's global prompt tree follows them.
     cache_stored: list[int] = []
     cache_removed: list[int] = []
+    # Wall time spent in steps since the instance started (TetriInfer's resource time):
+    # two reports give its utilisation between them (cluster/watcher.py).
+    busy_s: float = 0.0

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from pdserve.cluster.flip import Flip
+from pdserve.cluster.watcher import Watcher
 from pdserve.errors import EngineDeadError, InvalidRequestError, PdserveError
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.validation import check_prompt_length
@@ -134,6 +135,7 @@ class _Api:
         counters: dict[str, Any] = dict(self.client.faults.as_dict())
         counters["caching"] = self.client.router.summary()
         counters["length_prediction"] = self.client.predictions.summary()
+        counters["elastic"] = self.client.feature(Watcher).summary()
         return {"instances": await self.client.instance_stats(), "controller": counters}
 
     async def flip(self, name: str, body: RoleChange) -> dict[str, Any]:
