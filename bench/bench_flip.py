@@ -13,7 +13,7 @@ Starts `pdserve serve --prefill 1 --decode 2` (plus SERVER ARGS) and, each round
    waits for decode to end (vLLM's role switch) would wait at most.
 3. **Loaded D->P**: the same streams; at the same moment decode-1 flips to prefill, its
    requests moving to decode-0 with their KV. Its `drain_s` (front end), `waited_s` (the
-   instance waiting for the copies to let go of its blocks) and `total_s`; `moved`.
+   instance waiting for the copies to let go of its blocks) and `total_s`; `moved`, `copied`.
    After the streams end, decode-1 flips back (idle).
 
 Printed: medians over the rounds, and the ratio of the loaded flip's total to the
@@ -145,6 +145,7 @@ def main() -> None:
                 "idle_switch_ms": 1000 * statistics.median([there["switch_s"], back["switch_s"]]),
                 "idle_total_ms": 1000 * statistics.median([there["total_s"], back["total_s"]]),
                 "moved": flip["moved"],
+                "copied": flip["copied"],
                 "drain_ms": 1000 * flip["drain_s"],
                 "waited_ms": 1000 * flip["waited_s"],
                 "switch_ms": 1000 * flip["switch_s"],

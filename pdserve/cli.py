@@ -371,6 +371,14 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         help="mark an instance dead after this many seconds without a report",
     )
     g.add_argument(
+        "--kv-wait",
+        type=float,
+        default=2.0,
+        help="a request waiting for a KV copy into its instance (a prefix fetch, the "
+        "previous turn's return, a move off a flipping instance) waits at most this many "
+        "seconds, then is computed there anyway",
+    )
+    g.add_argument(
         "--flip-timeout",
         type=float,
         default=60.0,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from helpers.server import Server, cluster, wait_clean, wait_for
+from helpers.server import Server, cluster, prometheus, wait_clean, wait_for
 
 from pdserve.cluster.watcher import (
     InstanceLoad,
@@ -155,6 +155,9 @@ def test_a_real_cluster_follows_a_shift_and_its_reversal(start: Callable[..., Se
     )
     assert sorted(roles(server).values()) == ["decode", "decode", "prefill"]
     assert [f["role"] for f in elastic(server)["flips"]] == ["prefill", "decode"]
+    metrics = prometheus(server)
+    assert metrics['pdserve_flip_decisions_total{outcome="flipped",policy="tetriinfer"}'] == 2
+    assert metrics['pdserve_flip_decisions_total{outcome="refused",policy="tetriinfer"}'] == 0
     wait_clean(server)
 
 

@@ -14,7 +14,8 @@ weight reload. The steps, each with what it costs:
    the full blocks of prompt + streamed tokens to the new instance (`OfferKind.MOVE`,
    cluster/cache_copies.py), and the continuation (recovery's: after its last streamed
    token, a seeded generator skipping the draws already taken) is parked until the copy
-   commits - it then recomputes only the last partial block. A request whose KV is still on
+   commits - it then recomputes only the last partial block (a request with no whole
+   block yet is sent on at once: it recomputes under a block). A request whose KV is still on
    its way in (HANDOFF) moves the moment it arrives (`KVReceived`). The move is a new
    attempt (`Record.drains`; neither a retry nor a migration); a failed copy only means
    the new instance computes more.
@@ -72,7 +73,8 @@ class FlipReport:
     instance: str
     previous_role: Role
     role: Role
-    moved: int  # requests moved off the instance with their KV (a decode drain)
+    moved: int  # requests moved off the instance (a decode drain)
+    copied: int  # of those, the ones whose KV was copied (the rest had no whole block)
     drain_s: float  # from the flip's start until the front end held nothing there
     waited_s: float  # then, until the instance itself was idle (copies, pins)
     switch_s: float  # replacing the role object: the flip itself (TetriInfer: 5-7 ms)
@@ -92,6 +94,7 @@ class _Flip:
     switch_id: int | None = None  # the SwitchRole sent (None: still draining)
     drained: float = 0.0  # monotonic: when the table held nothing for it
     moved: int = 0
+    copied: int = 0
     cancelled: bool = False
 
 
@@ -226,9 +229,13 @@ class Flip(Feature):
             return
         request = self.recovery.continue_on(rec, dest)
         rec.recompute = len(tokens) - 1  # counted against what the copy brings (recovery)
+        flip.moved += 1
+        if (len(tokens) - 1) // self.hub.engine.cache.block_size == 0:
+            dest.send(request)  # no whole block computed yet: nothing to copy
+            return
         rec.phase = Phase.WAITING_FOR_KV
         self.copies.prefetch(rec.key, source, dest, tokens, request, OfferKind.MOVE)
-        flip.moved += 1
+        flip.copied += 1
 
     # ---- switching -----------------------------------------------------------------------
 
@@ -269,6 +276,7 @@ class Flip(Feature):
             flip.previous,
             msg.role,
             flip.moved,
+            flip.copied,
             flip.drained - flip.started,
             msg.waited_s,
             msg.switch_s,

@@ -106,6 +106,7 @@ class _Api:
         self.metrics.watch_faults(client.faults)
         self.metrics.watch_cache(client.router)
         self.metrics.watch_predictions(client.predictions)
+        self.metrics.watch_elastic(client.feature(Watcher))
         self.metrics.describe_weights(client.weights)
 
     @contextlib.asynccontextmanager

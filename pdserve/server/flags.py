@@ -141,6 +141,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         decode_policy=DecodePolicy(args.decode_policy),
         instance_timeout_s=args.instance_timeout,
         flip_timeout_s=args.flip_timeout,
+        kv_wait_s=args.kv_wait,
         flip_policy=args.flip_policy,
         replan_interval_s=args.replan_interval,
         flip_idle_load=args.flip_idle_load,

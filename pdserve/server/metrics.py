@@ -1,6 +1,8 @@
 """Prometheus metrics of the HTTP frontend (prometheus-client, one registry per app).
 
-Request outcomes and latencies are observed here when a request ends; engine gauges
+Request outcomes and latencies are observed here when a request ends; the front end's
+counters (faults, caching, predictions, flips) are read from their objects at scrape
+time; engine gauges
 (running / waiting requests, KV usage, prefix-cache hit rate) are read from the
 engine process at scrape time, so they are never stale.
 """
@@ -15,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.cluster.faults import FaultCounters
 from pdserve.cluster.routing import Router
+from pdserve.cluster.watcher import Watcher
 from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import EngineStats, WeightsInfo
 from pdserve.protocol.prediction import LengthPrediction
@@ -92,6 +95,11 @@ class ServerMetrics:
     def watch_cache(self, router: Router) -> None:
         """Export routing, prompt-tree and KV-return counters (read at every scrape)."""
         self.registry.register(_CacheCollector(router))
+
+    def watch_elastic(self, watcher: Watcher) -> None:
+        """Export instance flips, the watcher's decisions and each instance's role (read
+        at every scrape; docs/elastic.md)."""
+        self.registry.register(_ElasticCollector(watcher))
 
     def watch_predictions(self, predictions: PredictionCounters) -> None:
         """Export the length predictions' confusion counts (read at every scrape)."""
@@ -175,6 +183,61 @@ class _FaultCollector(Collector):
         for role, count in sorted(f.instance_restarts.items()):
             restarts.add_metric([role], count)
         yield restarts
+
+
+class _ElasticCollector(Collector):
+    """Flips by direction, the last flip's phases, the watcher's decisions by outcome,
+    and the role each instance holds now (cluster/flip.py, cluster/watcher.py)."""
+
+    def __init__(self, watcher: Watcher) -> None:
+        self.watcher = watcher
+
+    def collect(self) -> Iterator[Metric]:
+        reports = self.watcher.flip.reports
+        flips = CounterMetricFamily(
+            "pdserve_instance_flips", "Instance flips done, by direction", labels=["from", "to"]
+        )
+        directions: dict[tuple[str, str], int] = {}
+        for r in reports:
+            key = (str(r.previous_role), str(r.role))
+            directions[key] = directions.get(key, 0) + 1
+        for (old, new), count in sorted(directions.items()):
+            flips.add_metric([old, new], count)
+        yield flips
+        last = GaugeMetricFamily(
+            "pdserve_last_flip_seconds",
+            "The last flip's phases: drain (front end), wait (instance idle), switch, total",
+            labels=["phase"],
+        )
+        if reports:
+            r = reports[-1]
+            for phase, value in (
+                ("drain", r.drain_s),
+                ("wait", r.waited_s),
+                ("switch", r.switch_s),
+                ("total", r.total_s),
+            ):
+                last.add_metric([phase], value)
+        yield last
+        decisions = CounterMetricFamily(
+            "pdserve_flip_decisions",
+            "The transition watcher's decisions, by outcome",
+            labels=["policy", "outcome"],
+        )
+        outcomes = {"flipped": 0, "refused": 0}
+        for d in self.watcher.decisions:
+            outcomes["flipped" if d.outcome.startswith("flipped") else "refused"] += 1
+        for outcome, count in outcomes.items():
+            decisions.add_metric([self.watcher.policy.name, outcome], count)
+        yield decisions
+        roles = GaugeMetricFamily(
+            "pdserve_instance_role",
+            "1 for the role each instance holds now",
+            labels=["instance", "role"],
+        )
+        for inst in self.watcher.hub.instances:
+            roles.add_metric([inst.name, str(inst.role)], 1)
+        yield roles
 
 
 class _CacheCollector(Collector):
