@@ -405,6 +405,9 @@ class _FailingBackend:
     def cancel_all(self, error: Exception) -> int:
         return 0
 
+    def feature(self, kind: type) -> Any:
+        raise KeyError(kind.__name__)  # a backend with no features
+
 
 def test_an_unexpected_exception_is_a_500_body_on_a_connection_that_stays_usable() -> None:
     app = build_app(_FailingBackend(), ServerConfig("m"))  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.validation import check_prompt_length
 from pdserve.server import errors
 from pdserve.server.admission import Admission, AdmissionGate
-from pdserve.server.backend import ServingBackend
+from pdserve.server.backend import F, ServingBackend
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.prompts import Encoded, PromptConfig, PromptEncoder
@@ -106,7 +106,9 @@ class _Api:
         self.metrics.watch_faults(client.faults)
         self.metrics.watch_cache(client.router)
         self.metrics.watch_predictions(client.predictions)
-        self.metrics.watch_elastic(client.feature(Watcher))
+        self.watcher = _feature(client, Watcher)
+        if self.watcher is not None:
+            self.metrics.watch_elastic(self.watcher)
         self.metrics.describe_weights(client.weights)
 
     @contextlib.asynccontextmanager
@@ -136,13 +138,17 @@ class _Api:
         counters: dict[str, Any] = dict(self.client.faults.as_dict())
         counters["caching"] = self.client.router.summary()
         counters["length_prediction"] = self.client.predictions.summary()
-        counters["elastic"] = self.client.feature(Watcher).summary()
+        if self.watcher is not None:
+            counters["elastic"] = self.watcher.summary()
         return {"instances": await self.client.instance_stats(), "controller": counters}
 
     async def flip(self, name: str, body: RoleChange) -> dict[str, Any]:
         """Instance flip by hand: answers once `name` serves in its new role (its report),
         404 for no such instance, 409 when the flip is refused (cluster/flip.py)."""
-        return (await self.client.feature(Flip).flip(name, body.role)).as_dict()
+        flip = _feature(self.client, Flip)
+        if flip is None:
+            raise APIError(404, "this server has no instance flip")
+        return (await flip.flip(name, body.role)).as_dict()
 
     async def cluster_status(self) -> dict[str, Any]:
         """Nodes, instances, roles and load (`pdserve cluster status`); asks no instance,
@@ -266,6 +272,14 @@ class _Api:
 
 
 MAX_CHOICES = 16
+
+
+def _feature(client: ServingBackend, kind: type[F]) -> F | None:
+    """The backend's feature of class `kind`, None when it has none."""
+    try:
+        return client.feature(kind)
+    except KeyError:
+        return None
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
