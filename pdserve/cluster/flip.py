@@ -88,7 +88,7 @@ class FlipReport:
 class _Flip:
     inst: Instance
     previous: Role
-    role: Role  # where it goes; its old role again once cancelled
+    role: Role  # where it goes
     started: float  # monotonic
     done: asyncio.Future[FlipReport]
     switch_id: int | None = None  # the SwitchRole sent (None: still draining)
@@ -208,11 +208,12 @@ class Flip(Feature):
         """Move what can move; once nothing is held for the instance, ask it to switch."""
         if flip.switch_id is not None or flip.cancelled:
             return
-        held = self.hub.table.holding(flip.inst)
-        for rec in held:
+        held = False  # something stays: a prompt, KV on its way in
+        for rec in self.hub.table.holding(flip.inst):
             if rec.decode is flip.inst and rec.phase is Phase.DECODE:
                 self._move(rec, flip)
-        if self.hub.table.holding(flip.inst):
+            held |= rec.holds(flip.inst)
+        if held:
             return
         flip.drained = time.monotonic()
         self._send_switch(flip, flip.role)

@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -175,7 +175,8 @@ class Decided:
 
     at: float  # time.time()
     decision: FlipDecision
-    outcome: str  # "flipped in N ms", or why the flip failed
+    flipped: bool
+    outcome: str  # "flipped in N ms (M moved)", or why the flip failed
 
 
 class Watcher(Feature):
@@ -188,7 +189,6 @@ class Watcher(Feature):
         policy: FlipPolicy,
         interval_s: float,
         window_s: float,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.hub = hub
         self.flip = flip
@@ -196,13 +196,12 @@ class Watcher(Feature):
         self.interval_s = interval_s
         self.history = LoadHistory(window_s)
         self.decisions: list[Decided] = []
-        self._clock = clock
-        self._next = clock() + interval_s
+        self._next = time.monotonic() + interval_s
         self._seen: dict[str, tuple[float, float]] = {}  # name -> (sent_at, busy_s)
         self._acting: asyncio.Task[None] | None = None
 
     def tick(self, now: float) -> None:
-        if isinstance(self.policy, NoFlips) or now < self._next:
+        if now < self._next:
             return
         self._next = now + self.interval_s
         snapshot = self._snapshot(now)
@@ -227,6 +226,7 @@ class Watcher(Feature):
                     "role": str(d.decision.role),
                     "reason": d.decision.reason,
                     "numbers": d.decision.numbers,
+                    "flipped": d.flipped,
                     "outcome": d.outcome,
                 }
                 for d in self.decisions
@@ -257,11 +257,12 @@ class Watcher(Feature):
     async def _carry_out(self, decision: FlipDecision) -> None:
         try:
             report = await self.flip.flip(decision.instance, decision.role)
+            flipped = True
             outcome = f"flipped in {report.total_s * 1000:.0f} ms ({report.moved} moved)"
         except PdserveError as e:
-            outcome = f"not flipped: {e}"
+            flipped, outcome = False, f"not flipped: {e}"
         log.info("flip of %s to %s: %s", decision.instance, decision.role, outcome)
-        self.decisions.append(Decided(time.time(), decision, outcome))
+        self.decisions.append(Decided(time.time(), decision, flipped, outcome))
         self.history.clear()  # the next decision needs a whole window after this one
         self._seen.clear()
         self._acting = None

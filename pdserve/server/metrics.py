@@ -226,7 +226,7 @@ class _ElasticCollector(Collector):
         )
         outcomes = {"flipped": 0, "refused": 0}
         for d in self.watcher.decisions:
-            outcomes["flipped" if d.outcome.startswith("flipped") else "refused"] += 1
+            outcomes["flipped" if d.flipped else "refused"] += 1
         for outcome, count in outcomes.items():
             decisions.add_metric([self.watcher.policy.name, outcome], count)
         yield decisions
