@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from pdserve.bench.cli import add_bench_parser
 from pdserve.cluster.status import add_cluster_parser
@@ -12,6 +13,11 @@ from pdserve.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from pdserve.planner.cli import add_plan_parser
 from pdserve.planner.profiler import add_profile_parser
 from pdserve.predictor.cli import add_predictor_parser
+
+if TYPE_CHECKING:
+    from pdserve.cluster.config import ClusterConfig
+    from pdserve.config import EngineConfig
+    from pdserve.planner.replan import ProfileSplitPlanner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,11 +393,13 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--flip-policy",
-        choices=["none", "tetriinfer"],
+        choices=["none", "tetriinfer", "distserve"],
         default="none",
         help="the transition watcher (docs/elastic.md): tetriinfer flips an instance out "
         "of a role that stayed under --flip-idle-load for --flip-idle-seconds while the "
-        "other role was saturated; none (the default) flips only by hand",
+        "other role was saturated; distserve runs the planner on the last "
+        "--replan-window of requests (--flip-profile, --slo-ttft, --slo-tpot) and flips "
+        "toward its best prefill:decode split; none (the default) flips only by hand",
     )
     g.add_argument(
         "--replan-interval",
@@ -417,6 +425,39 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         type=float,
         default=0.8,
         help="tetriinfer policy: the other role's mean load that counts as saturated",
+    )
+    g.add_argument(
+        "--flip-profile",
+        default=None,
+        help="distserve policy: this machine's profile (`pdserve profile --threads T`, T "
+        "the threads each instance runs)",
+    )
+    g.add_argument("--slo-ttft", type=float, default=None, help="distserve policy: seconds")
+    g.add_argument("--slo-tpot", type=float, default=None, help="distserve policy: seconds")
+    g.add_argument(
+        "--slo-attainment",
+        type=float,
+        default=0.9,
+        help="distserve policy: the share of requests that must meet both SLOs",
+    )
+    g.add_argument(
+        "--replan-window",
+        type=float,
+        default=60.0,
+        help="distserve policy: seconds of finished requests it replans for",
+    )
+    g.add_argument(
+        "--replan-gain",
+        type=float,
+        default=0.2,
+        help="distserve policy: flip only when the best split's predicted goodput beats the "
+        "running split's by more than this fraction (hysteresis)",
+    )
+    g.add_argument(
+        "--replan-min-requests",
+        type=int,
+        default=20,
+        help="distserve policy: the fewest finished requests in a window it judges on",
     )
     g.add_argument(
         "--max-migrations",
@@ -522,6 +563,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pdserve.server.flags import check_serve_flags, listen
 
     flags, cluster = check_serve_flags(args)  # usage errors before the server's ~5 s import
+    planner = _split_planner(args, flags, cluster)
     listener = listen(args.host, args.port)
     if not args.ray:
         from pdserve.cluster import forkserver
@@ -529,7 +571,41 @@ def _serve(args: argparse.Namespace) -> int:
         forkserver.start()  # the instances' imports, beside the server's (cluster/forkserver.py)
     from pdserve.server.launch import serve
 
-    return asyncio.run(serve(args, flags, cluster, listener))
+    return asyncio.run(serve(args, flags, cluster, listener, planner))
+
+
+def _split_planner(
+    args: argparse.Namespace, flags: EngineConfig, cluster: ClusterConfig
+) -> ProfileSplitPlanner | None:
+    """The distserve flip policy's planner (planner/replan.py), built here: the
+    controller sits below the planner and is handed it. None for other policies."""
+    if cluster.flip_policy != "distserve":
+        return None
+    from pdserve.planner.candidates import InstanceKnobs
+    from pdserve.planner.hardware import load_profile
+    from pdserve.planner.model_spec import resolve_model_spec
+    from pdserve.planner.replan import ProfileSplitPlanner
+    from pdserve.planner.search import SLOTarget
+
+    if args.flip_profile is None or args.slo_ttft is None or args.slo_tpot is None:
+        raise ValueError(
+            "--flip-policy distserve needs --flip-profile (pdserve profile's output), "
+            "--slo-ttft and --slo-tpot"
+        )
+    from pdserve.cluster.config import role_scheduler
+    from pdserve.config import Role
+
+    decode = role_scheduler(cluster, flags, Role.DECODE)
+    prefill = role_scheduler(cluster, flags, Role.PREFILL)
+    knobs = InstanceKnobs(
+        decode.max_num_seqs, prefill.max_num_batched_tokens, decode.max_num_batched_tokens
+    )
+    return ProfileSplitPlanner(
+        resolve_model_spec(args.model),
+        load_profile(args.flip_profile),
+        SLOTarget(args.slo_ttft, args.slo_tpot, args.slo_attainment),
+        knobs,
+    )
 
 
 if __name__ == "__main__":

@@ -614,7 +614,12 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     caching = reply["controller"].pop("caching")
     # The shipped length head (docs/scheduling.md): a 2-token completion is cut by
     # max_tokens, so it counts as truncated, not in the matrix.
-    assert reply["controller"].pop("elastic") == {"policy": "none", "flips": [], "decisions": []}
+    assert reply["controller"].pop("elastic") == {
+        "policy": "none",
+        "flips": [],
+        "last_keep": None,
+        "decisions": [],
+    }
     lengths = reply["controller"].pop("length_prediction")
     assert (lengths["granularity"], lengths["num_buckets"]) == (32, 9)
     assert lengths["truncated"] >= 1 and lengths["unpredicted"] == 0

@@ -6,20 +6,14 @@ the watcher on a real cluster through a shift and its reversal."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
-import httpx
 import pytest
-from helpers.server import Server, cluster, prometheus, wait_clean, wait_for
+from helpers.elastic import Load, elastic, roles
+from helpers.server import Server, prometheus, wait_clean, wait_for
 
-from pdserve.cluster.watcher import (
-    InstanceLoad,
-    LoadHistory,
-    Snapshot,
-    TetriInferPolicy,
-    utilisation,
-)
+from pdserve.cluster.evidence import FlipDecision, InstanceLoad, LoadHistory, Snapshot
+from pdserve.cluster.watcher import TetriInferPolicy, utilisation
 from pdserve.config import Role
 from pdserve.protocol.core import LoadReport
 
@@ -33,10 +27,10 @@ def feed(
     seconds: float,
     loads: dict[str, tuple[Role, float, int]],
     every: float = 10.0,
-) -> list[object]:
+) -> list[FlipDecision | None]:
     """Snapshots every `every` s from `start` for `seconds` s, all with `loads`
     (name -> role, utilisation, waiting); the policy's decision after each."""
-    out = []
+    out: list[FlipDecision | None] = []
     t = start
     while t <= start + seconds + 1e-9:
         history.add(Snapshot(t, {n: InstanceLoad(*v) for n, v in loads.items()}))
@@ -161,41 +155,3 @@ def test_a_real_cluster_follows_a_shift_and_its_reversal(start: Callable[..., Se
     assert metrics['pdserve_flip_decisions_total{outcome="flipped",policy="tetriinfer"}'] == 2
     assert metrics['pdserve_flip_decisions_total{outcome="refused",policy="tetriinfer"}'] == 0
     wait_clean(server)
-
-
-def elastic(server: Server) -> dict:
-    return dict(cluster(server)["controller"]["elastic"])
-
-
-def roles(server: Server) -> dict[str, str]:
-    return {r["name"]: r["role"] for r in cluster(server)["instances"]}
-
-
-class Load:
-    """`clients` threads sending `body` one after another until the block ends; every
-    answer must be a 200 (checked when the block ends)."""
-
-    def __init__(self, server: Server, body: dict, clients: int) -> None:
-        self.url = server.url + "/v1/completions"
-        self.body = body
-        self.done = threading.Event()
-        self.statuses: list[int] = []
-        self.threads = [threading.Thread(target=self._run) for _ in range(clients)]
-
-    def _run(self) -> None:
-        while not self.done.is_set():
-            with httpx.stream("POST", self.url, json=self.body, timeout=120) as r:
-                for _ in r.iter_bytes():
-                    pass
-                self.statuses.append(r.status_code)
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        for t in self.threads:
-            t.join(120)
-        assert self.statuses and set(self.statuses) == {200}, self.statuses

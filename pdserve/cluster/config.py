@@ -31,7 +31,7 @@ class DecodePolicy(StrEnum):
 
 
 # The transition watcher's policies (cluster/watcher.py).
-FLIP_POLICIES = ("none", "tetriinfer")
+FLIP_POLICIES = ("none", "tetriinfer", "distserve")
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,12 @@ class ClusterConfig:
     flip_idle_load: float = 0.1
     flip_idle_s: float = 60.0
     flip_busy_load: float = 0.8
+    # The distserve policy (cluster/replanning.py): the window of finished requests it
+    # replans for, the goodput gain a flip must promise (0.2: the best split serves 1.2x
+    # the running one's rate within the SLOs), and the fewest requests it judges on.
+    replan_window_s: float = 60.0
+    replan_gain: float = 0.2
+    replan_min_requests: int = 20
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated", "max_retries", "max_migrations"):
@@ -133,16 +139,19 @@ class ClusterConfig:
             "max_sessions",
             "max_returns_in_flight",
             "heavy_decode_tokens",
+            "replan_min_requests",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.replan_gain < 0:
+            raise ValueError(f"replan_gain must be >= 0, got {self.replan_gain}")
         if self.decode_balance < 0:
             raise ValueError(f"decode_balance must be >= 0, got {self.decode_balance}")
         if self.flip_policy not in FLIP_POLICIES:
             raise ValueError(
                 f"unknown flip policy {self.flip_policy!r} (choose {' or '.join(FLIP_POLICIES)})"
             )
-        for name in ("replan_interval_s", "flip_idle_s"):
+        for name in ("replan_interval_s", "flip_idle_s", "replan_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("flip_idle_load", "flip_busy_load"):

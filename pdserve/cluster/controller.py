@@ -33,6 +33,7 @@ from pdserve.cluster.hub import Feature, Handler, MessageBus
 from pdserve.cluster.instance import Instance, Launcher, LocalLauncher
 from pdserve.cluster.outputs import OutputRelay
 from pdserve.cluster.policies import DecodeChooser
+from pdserve.cluster.replanning import SplitPlanner
 from pdserve.cluster.routing import Router, session_key
 from pdserve.cluster.table import Item, Phase, Record, RequestTable
 from pdserve.config import EngineConfig, Role
@@ -64,7 +65,11 @@ F = TypeVar("F", bound=Feature)
 
 class Cluster:
     def __init__(
-        self, config: ClusterConfig, engine: EngineConfig, launcher: Launcher | None = None
+        self,
+        config: ClusterConfig,
+        engine: EngineConfig,
+        launcher: Launcher | None = None,
+        planner: SplitPlanner | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -81,7 +86,7 @@ class Cluster:
         self.router = Router(
             config, engine.cache.block_size, DecodeChooser(config.decode_policy, config.seed)
         )
-        self.dispatcher, self.features = assemble(self, self.router)
+        self.dispatcher, self.features = assemble(self, self.router, planner)
         self.outputs = OutputRelay(self, self.features, self.predictions)
         own: dict[type, Handler] = {
             OutputBatch: self.outputs.on_outputs,
@@ -103,13 +108,15 @@ class Cluster:
         config: ClusterConfig | None = None,
         timeout: float = 600.0,
         launcher: Launcher | None = None,
+        planner: SplitPlanner | None = None,
     ) -> Cluster:
         """Start every instance (in parallel) and wait until all are ready. `config`
         None: a single engine. `launcher`: where the instances' processes run (None:
-        children of this process; cluster/ray_launch.py: Ray actors). Raises what a
+        children of this process; cluster/ray_launch.py: Ray actors). `planner`: what the
+        distserve flip policy asks (cluster/replanning.py). Raises what a
         failed start reports (EngineDeadError with the engine's message,
         ModelLoadError); no process is left running then."""
-        cluster = cls(config or ClusterConfig(num_colocated=1), engine, launcher)
+        cluster = cls(config or ClusterConfig(num_colocated=1), engine, launcher, planner)
         try:
             await cluster._start(timeout)
         except BaseException:

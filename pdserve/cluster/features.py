@@ -12,21 +12,27 @@ from __future__ import annotations
 
 from pdserve.cluster.cache_copies import CacheCopies
 from pdserve.cluster.caching import Caching
+from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.costs import RecoveryCost
 from pdserve.cluster.dispatch import Dispatch
+from pdserve.cluster.evidence import FlipPolicy
 from pdserve.cluster.flip import Flip
 from pdserve.cluster.hub import Feature, Hub
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.recovery import Recovery
+from pdserve.cluster.replanning import DistServePolicy, SplitPlanner
 from pdserve.cluster.replication import Replication
 from pdserve.cluster.routing import Router
-from pdserve.cluster.watcher import Watcher, make_policy
+from pdserve.cluster.watcher import NoFlips, TetriInferPolicy, Watcher
 from pdserve.protocol.core import AddRequest
 
 
-def assemble(hub: Hub, router: Router) -> tuple[Dispatch, list[Feature]]:
+def assemble(
+    hub: Hub, router: Router, planner: SplitPlanner | None = None
+) -> tuple[Dispatch, list[Feature]]:
     """The hub's dispatch (also the first feature: the hand-off's messages) and every
-    feature, in calling order."""
+    feature, in calling order. `planner`: what the `distserve` flip policy asks
+    (planner/replan.py; the entry point builds it)."""
     rates = RecoveryCost()  # the measured prefill rate and KV copy bandwidth, shared
     block_size = hub.engine.cache.block_size
 
@@ -44,5 +50,21 @@ def assemble(hub: Hub, router: Router) -> tuple[Dispatch, list[Feature]]:
         Replication(hub),
         recovery,
         flip,
-        Watcher(hub, flip, make_policy(config), config.replan_interval_s, config.flip_idle_s),
+        Watcher(hub, flip, make_policy(config, planner), config.replan_interval_s),
     ]
+
+
+def make_policy(config: ClusterConfig, planner: SplitPlanner | None) -> FlipPolicy:
+    """The flip policy `config.flip_policy` names (one of FLIP_POLICIES, checked there)."""
+    if config.flip_policy == "tetriinfer":
+        return TetriInferPolicy(config.flip_idle_load, config.flip_idle_s, config.flip_busy_load)
+    if config.flip_policy == "distserve":
+        if planner is None:
+            raise ValueError(
+                "the distserve flip policy needs a planner: --flip-profile, --slo-ttft and "
+                "--slo-tpot"
+            )
+        return DistServePolicy(
+            planner, config.replan_window_s, config.replan_gain, config.replan_min_requests
+        )
+    return NoFlips()

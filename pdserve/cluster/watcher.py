@@ -9,8 +9,10 @@ time its step loop spent in steps over the time between two of its load reports,
 means it is inside a long step: busy) and its queue. A `LoadHistory` keeps the
 snapshots of the last window; a policy, chosen by name (`--flip-policy`), reads it and
 may return one `FlipDecision`, which the watcher carries out through the flip feature
-(cluster/flip.py). Every decision is logged with its reason and the numbers behind it
-and kept (`decisions`: /debug/cluster).
+(cluster/flip.py), or a `Keep` saying why it keeps the placement. The history also holds
+the requests finished over the window (`Served`: the workload the `distserve` policy
+replans for). Every decision is logged with its reason and the numbers behind it and
+kept (`decisions`, `last_keep`: /debug/cluster and Prometheus).
 
 Policies:
 
@@ -22,9 +24,13 @@ Policies:
   its last one. After a flip the history starts again, so the next decision needs a
   whole new window of evidence: a steady workload never flips, and a shift is followed
   one flip per window, never back and forth within one.
+- `distserve`: the planner's search on the window's workload and this machine's
+  profile; a flip toward its best prefill:decode split when that gains enough
+  (cluster/replanning.py).
 
-The decision logic is pure (a policy reads a history; tests build histories by hand).
-Single-threaded: the controller's event loop runs every method.
+The decision logic is pure (a policy reads a history; tests build histories by hand). A
+policy decides on a worker thread (the planner simulates), on a copy of the history; the
+controller's event loop runs every method of the watcher itself.
 """
 
 from __future__ import annotations
@@ -32,15 +38,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
-from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.evidence import (
+    FlipDecision,
+    FlipPolicy,
+    InstanceLoad,
+    Keep,
+    LoadHistory,
+    Served,
+    Snapshot,
+)
 from pdserve.cluster.flip import Flip
 from pdserve.cluster.hub import Feature, Hub
 from pdserve.cluster.instance import Instance
+from pdserve.cluster.table import Record
 from pdserve.config import Role
 from pdserve.errors import PdserveError
 from pdserve.protocol.core import LoadReport
@@ -49,70 +62,11 @@ log = logging.getLogger("pdserve.watcher")
 
 
 @dataclass(frozen=True)
-class InstanceLoad:
-    """One instance in one snapshot."""
-
-    role: Role
-    utilisation: float  # fraction of the interval its step loop spent in steps
-    waiting: int  # requests queued there at the end of the interval
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    at: float  # monotonic
-    loads: dict[str, InstanceLoad]  # by instance name
-
-    def of_role(self, role: Role) -> dict[str, InstanceLoad]:
-        return {name: load for name, load in self.loads.items() if load.role is role}
-
-
-class LoadHistory:
-    """The snapshots of the last `window_s` seconds, oldest first, and the last one
-    before them (so that, snapshots being taken at jittered intervals, the evidence can
-    span a whole window)."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self.snapshots: deque[Snapshot] = deque()
-
-    def add(self, snapshot: Snapshot) -> None:
-        self.snapshots.append(snapshot)
-        start = snapshot.at - self.window_s
-        while len(self.snapshots) > 1 and self.snapshots[1].at <= start:
-            self.snapshots.popleft()
-
-    def clear(self) -> None:
-        self.snapshots.clear()
-
-    def covers(self, seconds: float) -> bool:
-        """The snapshots span at least `seconds` (a whole window of evidence)."""
-        return bool(self.snapshots) and (
-            self.snapshots[-1].at - self.snapshots[0].at >= seconds - 1e-9
-        )
-
-
-@dataclass(frozen=True)
-class FlipDecision:
-    instance: str
-    role: Role  # the role it flips to
-    reason: str  # why, with the numbers
-    numbers: dict[str, float] = field(default_factory=dict)
-
-
-class FlipPolicy(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    def decide(self, history: LoadHistory) -> FlipDecision | None:
-        """At most one flip, from what the history shows (None: keep the placement)."""
-        ...
-
-
-@dataclass(frozen=True)
 class NoFlips:
     name: str = "none"
+    window_s: float = 60.0
 
-    def decide(self, history: LoadHistory) -> FlipDecision | None:
+    def decide(self, history: LoadHistory) -> FlipDecision | Keep | None:
         return None
 
 
@@ -124,6 +78,10 @@ class TetriInferPolicy:
     idle_s: float = 60.0
     busy_load: float = 0.8
     name: str = "tetriinfer"
+
+    @property
+    def window_s(self) -> float:
+        return self.idle_s
 
     def decide(self, history: LoadHistory) -> FlipDecision | None:
         if not history.covers(self.idle_s):
@@ -162,13 +120,6 @@ class TetriInferPolicy:
         return FlipDecision(name, other, reason, numbers)
 
 
-def make_policy(config: ClusterConfig) -> FlipPolicy:
-    """The policy `config.flip_policy` names (one of FLIP_POLICIES, checked there)."""
-    if config.flip_policy == "tetriinfer":
-        return TetriInferPolicy(config.flip_idle_load, config.flip_idle_s, config.flip_busy_load)
-    return NoFlips()
-
-
 @dataclass(frozen=True)
 class Decided:
     """A decision the watcher carried out, and how it went."""
@@ -188,14 +139,17 @@ class Watcher(Feature):
         flip: Flip,
         policy: FlipPolicy,
         interval_s: float,
-        window_s: float,
     ) -> None:
         self.hub = hub
         self.flip = flip
         self.policy = policy
         self.interval_s = interval_s
-        self.history = LoadHistory(window_s)
+        self.history = LoadHistory(policy.window_s)
         self.decisions: list[Decided] = []
+        self.last_keep: tuple[float, Keep] | None = None  # (time.time(), the verdict)
+        self.kept = 0  # Keep verdicts so far
+        self.last_numbers: dict[str, float] = {}  # the latest verdict's, flip or keep
+        self._deaths = 0  # instances seen to die: a verdict judged before one is void
         self._next = time.monotonic() + interval_s
         self._seen: dict[str, tuple[float, float]] = {}  # name -> (sent_at, busy_s)
         self._acting: asyncio.Task[None] | None = None
@@ -208,10 +162,24 @@ class Watcher(Feature):
         if self._acting is not None or not snapshot.loads:
             return  # a flip in flight (it clears the history when done), or nothing heard
         self.history.add(snapshot)
-        decision = self.policy.decide(self.history)
-        if decision is not None:
-            log.info("flip: %s -> %s: %s", decision.instance, decision.role, decision.reason)
-            self._acting = asyncio.create_task(self._carry_out(decision))
+        self._acting = asyncio.create_task(self._decide(self.history.copy(), self._deaths))
+
+    def finished(self, rec: Record, inst: Instance, clean: bool) -> None:
+        times = rec.times
+        if times.first_token_seen is None:
+            return
+        now = time.monotonic()
+        tokens = len(rec.streamed)
+        tpot = (now - times.first_token_seen) / (tokens - 1) if tokens > 1 else 0.0
+        served = Served(
+            rec.arrival,
+            now,
+            len(rec.prompt),
+            max(tokens, 1),
+            times.first_token_seen - rec.arrival,
+            tpot,
+        )
+        self.history.add_served(served)
 
     def summary(self) -> dict[str, object]:
         """/debug/cluster's `elastic`: the policy, every flip done (by hand or decided)
@@ -219,6 +187,13 @@ class Watcher(Feature):
         return {
             "policy": self.policy.name,
             "flips": [r.as_dict() for r in self.flip.reports],
+            "last_keep": None
+            if self.last_keep is None
+            else {
+                "at": self.last_keep[0],
+                "reason": self.last_keep[1].reason,
+                "numbers": self.last_keep[1].numbers,
+            },
             "decisions": [
                 {
                     "at": d.at,
@@ -235,6 +210,7 @@ class Watcher(Feature):
 
     def instance_dead(self, inst: Instance) -> None:
         """A plan that counted it is void: the evidence starts again."""
+        self._deaths += 1
         self.history.clear()
         self._seen.pop(inst.name, None)
 
@@ -253,6 +229,27 @@ class Watcher(Feature):
             if load is not None:
                 loads[inst.name] = InstanceLoad(inst.role, load, report.num_waiting)
         return Snapshot(now, loads)
+
+    async def _decide(self, history: LoadHistory, deaths: int) -> None:
+        try:
+            verdict = await asyncio.to_thread(self.policy.decide, history)
+        except Exception:
+            log.exception("the %s policy failed; the placement stays", self.policy.name)
+            verdict = None
+        if deaths != self._deaths:
+            verdict = None  # it counted an instance that has died since
+        if verdict is not None:
+            self.last_numbers = verdict.numbers
+        if isinstance(verdict, FlipDecision):
+            log.info("flip: %s -> %s: %s", verdict.instance, verdict.role, verdict.reason)
+            await self._carry_out(verdict)
+            return
+        if isinstance(verdict, Keep):
+            if self.last_keep is None or self.last_keep[1].reason != verdict.reason:
+                log.info("placement kept: %s", verdict.reason)
+            self.last_keep = (time.time(), verdict)
+            self.kept += 1
+        self._acting = None
 
     async def _carry_out(self, decision: FlipDecision) -> None:
         try:

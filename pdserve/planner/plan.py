@@ -29,6 +29,7 @@ class PlanResult:
     rate: float | None
     sizing: dict[str, int] | None  # chosen placement's instances for `rate`
     colocated_sizing: dict[str, int] | None
+    disaggregated_sizing: dict[str, int] | None  # the best disaggregated one's, for `rate`
     verified_attainment: float | None  # whole sized cluster simulated at `rate`
 
     chosen: Placement  # best per-device goodput (that serves `rate` on the cluster)
@@ -70,6 +71,7 @@ class PlanResult:
             "rate": self.rate,
             "instances": self.sizing,
             "colocated_instances": self.colocated_sizing,
+            "disaggregated_instances": self.disaggregated_sizing,
             "verified_attainment": self.verified_attainment,
             "tasks": self.outcome.tasks,
             **self.placement(),
@@ -102,17 +104,21 @@ def make_plan(
     if not ranked:
         raise PlanInputError(explain_unmeetable(ctx))
     if rate is None:
-        return PlanResult(ctx, outcome, None, None, None, None, ranked[0])
+        return PlanResult(ctx, outcome, None, None, None, None, None, ranked[0])
     fitting = [p for p in ranked if _devices(p, rate) <= ctx.cluster.num_devices]
     if not fitting:
         raise PlanInputError(explain_rate(ctx, ranked[0], rate, _devices(ranked[0], rate)))
     chosen = fitting[0]  # the best placement that serves `rate` on this cluster
     colo = outcome.best_colocated
     colo_sizing = colo.instances_for(rate) if colo is not None else None
+    dis = outcome.best_disaggregated
+    dis_sizing = dis.instances_for(rate) if dis is not None else None
     verified = simulate(build_system(ctx, chosen, rate), ctx.workload.with_rate(rate)).attainment(
         ctx.slo.ttft, ctx.slo.tpot
     )
-    return PlanResult(ctx, outcome, rate, chosen.instances_for(rate), colo_sizing, verified, chosen)
+    return PlanResult(
+        ctx, outcome, rate, chosen.instances_for(rate), colo_sizing, dis_sizing, verified, chosen
+    )
 
 
 def _no_placement(why: str) -> dict[str, Any]:

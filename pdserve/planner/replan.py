@@ -1,29 +1,123 @@
-"""Replanning hook (DistServe §4.3 "Replanning"; TetriInfer's instance flip uses it).
+"""Replanning (DistServe §4.4 "Replanning"; the `distserve` flip policy acts on it).
 
-A running cluster reports what it has recently seen (arrival rate, mean prompt and
-output lengths). `advise_replan` reshapes the planning workload to those means,
-re-measures the current placement on it, reruns the search, and says whether the
-current placement is still within `tolerance` of the best per-device goodput and,
-if not, what the new placement and its instance counts for the observed rate are.
+Two entries:
+
+- `ProfileSplitPlanner`: the running cluster's window of finished requests
+  (cluster/evidence.py `ObservedWindow`) is fitted as a trace - its (prompt, output)
+  pairs resampled, its rate - exactly as `pdserve plan --workload window.jsonl` fits the
+  same rows, and the planner's high-affinity search on this machine's measured profile
+  says what one prefill and one decode instance serve within the SLOs and how many of
+  each the rate needs (`SplitAdvice`; cluster/replanning.py decides from it). The
+  cluster is one node of `instances` devices: a pdserve instance on a CPU profile is one
+  process (TP and PP 1).
+- `advise_replan`: a placement search's view - the planning workload reshaped to
+  observed means, the current placement re-measured on it, whether it is within
+  `tolerance` of the best per-device goodput.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pdserve.planner.model_spec import PlanInputError
+from pdserve.cluster.evidence import ObservedWindow
+from pdserve.cluster.replanning import SplitAdvice
+from pdserve.planner.candidates import InstanceKnobs, make_instance
+from pdserve.planner.hardware import GB, ClusterSpec, HardwareProfile
+from pdserve.planner.model_spec import ModelSpec, PlanInputError
+from pdserve.planner.plan import explain_unmeetable
 from pdserve.planner.search import (
     Placement,
     SearchContext,
+    SLOTarget,
     high_affinity_placements,
     run_tasks,
     search,
 )
-from pdserve.planner.workload import SimWorkload
+from pdserve.planner.simulator import DisaggSystem, simulate
+from pdserve.planner.workload import SimWorkload, TraceFit
+
+# `pdserve plan`'s defaults for what a one-node cluster description leaves out.
+INTER_NODE_GBPS = 3.125
+MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class ProfileSplitPlanner:
+    """The `distserve` policy's planner (module doc): `pdserve plan` on the window."""
+
+    spec: ModelSpec
+    hw: HardwareProfile
+    slo: SLOTarget
+    knobs: InstanceKnobs = field(default_factory=InstanceKnobs)
+    num_requests: int = 200  # simulated per trial (`--num-requests`)
+    seed: int = 0
+
+    def advise(self, window: ObservedWindow, instances: int) -> SplitAdvice:
+        if not window.requests:
+            raise PlanInputError("no finished requests in the window")
+        ctx = self.context(window, instances)
+        best = search(ctx, "high", workers=1, colocated=False).best_disaggregated
+        if best is None:
+            raise PlanInputError(explain_unmeetable(ctx))
+        pre, dec = best.results
+        sizing = best.instances_for(window.rate)
+        predicted = {
+            p: self.attainment(ctx, best, p, instances - p, window.rate)
+            for p in range(1, instances)
+        }
+        return SplitAdvice(
+            pre.goodput,
+            dec.goodput,
+            sizing["prefill"],
+            sizing["decode"],
+            predicted,
+            self.slo.ttft,
+            self.slo.tpot,
+        )
+
+    def context(self, window: ObservedWindow, instances: int) -> SearchContext:
+        """What `pdserve plan --workload W --nodes 1 --devices-per-node N` searches, W
+        being `window.trace_rows()` written as JSONL."""
+        fit = TraceFit(
+            "observed window",
+            np.asarray([r.prompt_len for r in window.requests], dtype=np.int64),
+            np.asarray([r.output_len for r in window.requests], dtype=np.int64),
+            window.rate,
+        )
+        workload = fit.sample(self.num_requests, self.seed, 1.0)
+        cluster = local_cluster(self.hw, instances)
+        return SearchContext(self.spec, self.hw, cluster, self.knobs, self.slo, workload)
+
+    def attainment(
+        self, ctx: SearchContext, best: Placement, prefill: int, decode: int, rate: float
+    ) -> float:
+        """The simulated attainment of `prefill` + `decode` instances at `rate`."""
+        pre, dec = (r.task.par for r in best.results)
+        spec, hw, cluster, knobs = ctx.spec, ctx.hw, ctx.cluster, ctx.knobs
+        system = DisaggSystem(
+            (make_instance(spec, hw, pre, cluster, knobs, chunked=False),) * prefill,
+            (make_instance(spec, hw, dec, cluster, knobs),) * decode,
+            spec.kv_bytes_per_token,
+            cluster.intra_node_bandwidth,
+        )
+        return simulate(system, ctx.workload.with_rate(rate)).attainment(ctx.slo.ttft, ctx.slo.tpot)
+
+
+def local_cluster(hw: HardwareProfile, devices: int) -> ClusterSpec:
+    """One node of `devices` devices, as `pdserve plan --nodes 1 --devices-per-node
+    DEVICES` describes it from the profile alone."""
+    return ClusterSpec(
+        nodes=1,
+        devices_per_node=devices,
+        device_memory_bytes=hw.device_memory_bytes,
+        intra_node_bandwidth=hw.tp_bandwidth or 1.0 / max(hw.coefficients.c4, 1e-30),
+        inter_node_bandwidth=INTER_NODE_GBPS * GB,
+        memory_utilization=MEMORY_UTILIZATION,
+    )
 
 
 @dataclass(frozen=True)

@@ -400,8 +400,10 @@ def search(
     affinity: str = "high",
     workers: int | None = None,
     progress_factory: Callable[[int], Callable[[int], None]] | None = None,
+    colocated: bool = True,
 ) -> SearchOutcome:
-    """Run Alg. 1 (`high`), Alg. 2 (`low`) or both, and the colocated search."""
+    """Run Alg. 1 (`high`), Alg. 2 (`low`) or both, and the colocated search (unless
+    `colocated` is False: a disaggregated cluster replanning its split)."""
     if affinity not in ("high", "low", "both"):
         raise PlanInputError(f"affinity must be high, low or both, got {affinity!r}")
     tasks: list[Task] = []
@@ -415,7 +417,8 @@ def search(
             if affinity == "low":
                 raise
             notes.append(str(e))
-    tasks += colocated_tasks(ctx.spec, ctx.cluster, ctx.max_tp, ctx.max_pp)
+    if colocated:
+        tasks += colocated_tasks(ctx.spec, ctx.cluster, ctx.max_tp, ctx.max_pp)
     progress = progress_factory(len(tasks)) if progress_factory else None
     results = run_tasks(ctx, tasks, workers, progress)
     high = high_affinity_placements(results, ctx.cluster.num_devices)

@@ -24,6 +24,7 @@ import uvicorn
 from pdserve.cluster.config import ClusterConfig, instance_configs
 from pdserve.cluster.controller import Cluster
 from pdserve.cluster.instance import Launcher
+from pdserve.cluster.replanning import SplitPlanner
 from pdserve.config import EngineConfig
 from pdserve.errors import RequestCancelledError
 from pdserve.model.loader import resolve_model, resolve_quantization
@@ -70,7 +71,10 @@ def predictor_line(config: EngineConfig, cluster: ClusterConfig) -> str:
 
 
 async def start_backend(
-    args: argparse.Namespace, config: EngineConfig, cluster: ClusterConfig
+    args: argparse.Namespace,
+    config: EngineConfig,
+    cluster: ClusterConfig,
+    planner: SplitPlanner | None = None,
 ) -> ServingBackend:
     print(predictor_line(config, cluster), file=sys.stderr)
     if cluster.num_instances > 1:
@@ -80,7 +84,7 @@ async def start_backend(
                 file=sys.stderr,
             )
     launcher = await asyncio.to_thread(ray_launcher, args, cluster, config) if args.ray else None
-    backend = await Cluster.start(config, cluster, launcher=launcher)
+    backend = await Cluster.start(config, cluster, launcher=launcher, planner=planner)
     print(weights_line(backend.weights), file=sys.stderr)
     if launcher is not None:
         for inst in backend.instances:
@@ -126,15 +130,20 @@ def _log_to_stderr() -> None:
 
 
 async def serve(
-    args: argparse.Namespace, flags: EngineConfig, cluster: ClusterConfig, listener: socket.socket
+    args: argparse.Namespace,
+    flags: EngineConfig,
+    cluster: ClusterConfig,
+    listener: socket.socket,
+    planner: SplitPlanner | None = None,
 ) -> int:
     """Serve on `listener` (`flags.listen`: bound already) until a signal (0) or an engine's
     death (1). `flags` and `cluster` are `check_serve_flags(args)`'s: the flags were
-    checked before this module was imported."""
+    checked before this module was imported. `planner`: the distserve flip policy's
+    (the entry point builds it from the planner, a layer above this one)."""
     config = engine_config(args, flags)
     name = args.served_model_name or served_name(args.model)
     _log_to_stderr()
-    client = await start_backend(args, config, cluster)
+    client = await start_backend(args, config, cluster, planner)
     watch: asyncio.Task[None] | None = None
     try:
         admission = Admission(args.max_body_bytes, args.api_key, args.body_timeout)

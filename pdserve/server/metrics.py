@@ -224,12 +224,24 @@ class _ElasticCollector(Collector):
             "The transition watcher's decisions, by outcome",
             labels=["policy", "outcome"],
         )
-        outcomes = {"flipped": 0, "refused": 0}
+        outcomes = {"flipped": 0, "refused": 0, "kept": self.watcher.kept}
         for d in self.watcher.decisions:
             outcomes["flipped" if d.flipped else "refused"] += 1
         for outcome, count in outcomes.items():
             decisions.add_metric([self.watcher.policy.name, outcome], count)
         yield decisions
+        attainment = GaugeMetricFamily(
+            "pdserve_replan_attainment",
+            "The distserve policy's last look: the running split's SLO attainment as the "
+            "planner predicts it for the window's workload, and as the window observed it",
+            labels=["kind"],
+        )
+        numbers = self.watcher.last_numbers
+        for kind in ("predicted", "observed"):
+            share = numbers.get(f"{kind}_attainment")
+            if share is not None and share == share:  # not NaN
+                attainment.add_metric([kind], share)
+        yield attainment
         roles = GaugeMetricFamily(
             "pdserve_instance_role",
             "1 for the role each instance holds now",
