@@ -247,6 +247,7 @@ class DeadWatcher:
         self.url, self.name = url, name
         self.dead_sent: float | None = None
         self.dead_seen: float | None = None
+        self.answers: list[float] = []  # seconds each poll took to be answered
         self._go = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -266,6 +267,7 @@ class DeadWatcher:
                     rows = client.get(self.url + "/debug/cluster").json()["instances"]
                 except (httpx.HTTPError, ValueError, KeyError):
                     rows = []
+                self.answers.append(time.monotonic() - sent)
                 if any(r["name"] == self.name and not r["alive"] for r in rows):
                     self.dead_sent, self.dead_seen = sent, time.monotonic()
                     return
@@ -625,7 +627,15 @@ def print_fig10(rows: list[dict[str, Any]]) -> None:
 
 # ---- part 2: stall -------------------------------------------------------------------
 
-STALL_CONFIGS: dict[str, list[str]] = {"recompute": [], "replication": ["--kv-replication"]}
+# config -> (the server's flags, the signal the busiest decode instance gets): SIGKILL
+# (the process is gone: its exit is seen) or SIGSTOP (a hung instance: only its silence
+# tells, past --instance-timeout).
+STALL_CONFIGS: dict[str, tuple[list[str], signal.Signals]] = {
+    "recompute": ([], signal.SIGKILL),
+    "replication": (["--kv-replication"], signal.SIGKILL),
+    "hang": ([], signal.SIGSTOP),
+    "hang-replication": (["--kv-replication"], signal.SIGSTOP),
+}
 
 
 @dataclass
@@ -641,6 +651,7 @@ class StallRun:
     on_victim: list[bool]  # the heuristic: kill gap > factor x normal gap
     detection_s: float | None  # kill -> the first poll showing it dead was sent
     detection_seen_s: float | None  # kill -> that poll's reply (upper bound)
+    debug_worst_s: float | None  # the slowest /debug/cluster answer after the kill
     texts_equal: int
     streams_ok: int
 
@@ -688,7 +699,7 @@ def stall_once(
         raise RuntimeError(f"stall {config}: no decode instance holds a request")
     watcher = DeadWatcher(url, victim["name"])
     try:
-        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(victim["pid"], STALL_CONFIGS[config][1])
         t_kill = time.monotonic()
         watcher.arm()
         records = streams.results()
@@ -708,6 +719,7 @@ def stall_once(
         on_victim=on_victim,
         detection_s=_since(dead, t_kill),
         detection_seen_s=_since(watcher.dead_seen, t_kill),
+        debug_worst_s=max(watcher.answers, default=None),
         texts_equal=sum(r.text == ref.text for r, ref in zip(records, reference, strict=True)),
         streams_ok=sum(r.ok for r in records),
     )
@@ -718,7 +730,8 @@ def run_stall(args: argparse.Namespace, prompt_ids: Callable[[str], list[int]]) 
     runs: list[StallRun] = []
     for repeat in range(args.repeats):
         for config in rotated(args.stall_configs, repeat):
-            server = start_server(f"stall-{config}", STALL_CONFIGS[config], args.start_timeout)
+            flags = STALL_CONFIGS[config][0]
+            server = start_server(f"stall-{config}", flags, args.start_timeout)
             try:
                 run = stall_once(server.url, config, repeat, requests, args)
             finally:
@@ -755,6 +768,7 @@ def summarize_stall(runs: list[dict[str, Any]], streams: int) -> list[dict[str, 
                     "victim_requests": r["victim_requests"],
                     "recovery_s": med_rec,
                     "detection_s": r["detection_s"],
+                    "debug_worst_s": r.get("debug_worst_s"),
                     "rest_s": med_rec - r["detection_s"]
                     if med_rec is not None and r["detection_s"] is not None
                     else None,
@@ -774,16 +788,17 @@ def print_stall(rows: list[dict[str, Any]]) -> None:
     print("\nstall (medians over repeats; victim streams by the gap heuristic)")
     print(
         "| config | normal gap | kill gap median | kill gap worst | worst gap after |"
-        " victim streams / requests | recovery | detection | rest | texts equal |"
+        " victim streams / requests | recovery | detection | rest | slowest /debug/cluster |"
+        " texts equal |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['config']} | {fmt(r['normal_gap_s'], ' s')} | {fmt(r['stall_median_s'], ' s')}"
             f" | {fmt(r['stall_worst_s'], ' s')} | {fmt(r['after_worst_s'], ' s')}"
             f" | {fmt(r['victim_streams'], '', 0)} / {fmt(r['victim_requests'], '', 0)}"
             f" | {fmt(r['recovery_s'], ' s')} | {fmt(r['detection_s'], ' s')}"
-            f" | {fmt(r['rest_s'], ' s')} | {r['all_equal']} |"
+            f" | {fmt(r['rest_s'], ' s')} | {fmt(r['debug_worst_s'], ' s')} | {r['all_equal']} |"
         )
 
 

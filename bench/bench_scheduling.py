@@ -89,7 +89,7 @@ class Run:
 
 def stats_of(url: str) -> dict[str, dict[str, int]]:
     """Per live instance name: busy_ms, num_preemptions, num_admission_waits."""
-    rows = httpx.get(url + "/debug/cluster", timeout=60).json()["instances"]
+    rows = httpx.get(url + "/debug/cluster?stats_timeout=30", timeout=60).json()["instances"]
     keys = ("busy_ms", "num_preemptions", "num_admission_waits")
     return {r["name"]: {k: r["stats"][k] for k in keys} for r in rows if r.get("stats")}
 

@@ -373,8 +373,9 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--instance-timeout",
         type=float,
-        default=10.0,
-        help="mark an instance dead after this many seconds without a report",
+        default=1.0,
+        help="mark an instance dead after this many seconds without a message (its "
+        "heartbeats come every 0.1 s whatever it computes)",
     )
     g.add_argument(
         "--kv-wait",

@@ -273,7 +273,7 @@ def freeze_holding(server: Server, victim: str, timeout: float = 120.0) -> dict:
             time.sleep(0.05)
             continue
         os.kill(pid, signal.SIGSTOP)
-        row = row_of(server, victim)
+        row = row_of(server, victim, stats_timeout=0.1)  # its counters will not come
         if holds(row) > 0:
             return row
         os.kill(pid, signal.SIGCONT)  # it finished them meanwhile: again

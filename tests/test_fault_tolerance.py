@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -102,7 +103,7 @@ def test_a_killed_prefill_instance_loses_no_stream(
     os.kill(pid, signal.SIGSTOP)
     try:
         streams = Streams(server.url, bodies(), stagger_s=0.05)
-        wait_for(lambda: row_of(server, "prefill-0")["assigned_prefill_tokens"] > 0)
+        wait_for(lambda: row_of(server, "prefill-0", 0.1)["assigned_prefill_tokens"] > 0)
     finally:
         os.kill(pid, signal.SIGKILL)
     assert wait_dead(server, "prefill-0") == "process exited (exit code -9)"
@@ -131,17 +132,19 @@ def test_decode_instances_killed_and_stopped_lose_no_stream(
     leaving.wait_tokens(8)
     pid = row_of(server, "decode-0")["pid"]
     os.kill(pid, signal.SIGSTOP)
-    try:  # stopped, it ends nothing it holds
-        first = row_of(server, "decode-0")
+    try:  # stopped, it ends nothing it holds (its counters not waited for)
+        first = row_of(server, "decode-0", stats_timeout=0.1)
     finally:
         os.kill(pid, signal.SIGKILL)
     leaving.disconnect()
     assert first["alive"] and first["assigned_requests"] > 0, first
     assert wait_dead(server, "decode-0") == "process exited (exit code -9)"
     once = cluster(server)["controller"]
-    # Every request the victim held moved once; none failed.
+    # Every request the victim held moved once (at its death); none failed.
     assert once["migrations"] == first["assigned_requests"], (first, once)
-    assert once["recomputed_tokens"] > 0 and once["failed"] == 0
+    assert once["failed"] == 0, once
+    # what they recomputed counts at each one's first output after the move
+    wait_for(lambda: cluster(server)["controller"]["recomputed_tokens"] > 0)
 
     streams.wait_tokens(MAX_TOKENS // 2)
     second = row_of(server, "decode-1")
@@ -165,6 +168,33 @@ def test_decode_instances_killed_and_stopped_lose_no_stream(
     wait_clean(server, every_role=False)
     alive = [r["name"] for r in cluster(server)["instances"] if r["alive"]]
     assert alive == ["prefill-0", "prefill-1"]
+
+
+def test_a_stopped_decode_instance_is_dead_at_the_default_timeout_and_nothing_else_is(
+    start: Callable[..., Server], reference: list[Expected]
+) -> None:
+    """The default --instance-timeout (1 s) under the workload: decode-0 SIGSTOPped once
+    every stream has 8 tokens is marked dead as a stopped process (the controller reads
+    its state: a late heartbeat of a live instance is not a death), its requests move -
+    their recompute spread over prefill-0 and decode-1 (pull mode) - and every text is
+    the reference's. No other instance is taken for dead meanwhile, though the machine's
+    two cores are shared by the front end, three instances and this client."""
+    server = start("--prefill", "1", "--decode", "2")
+    streams = Streams(server.url, bodies())
+    streams.wait_tokens(8)
+    victim = row_of(server, "decode-0")
+    os.kill(victim["pid"], signal.SIGSTOP)
+    reason = wait_dead(server, "decode-0")
+    assert reason is not None
+    assert re.fullmatch(r"sent nothing for \d+\.\d s: its process is stopped", reason), reason
+    assert_identical(streams.results(), reference)
+    after = cluster(server)["controller"]
+    assert after["instance_failures"] == {"decode": 1}, after
+    assert after["failed"] == 0 and after["migrations"] > 0, after
+    # the moved requests' recompute went to both: some handed off by prefill-0
+    assert 0 < after["recomputed_on_prefill"] < after["migrations"], after
+    assert after["recomputed_tokens"] > 0
+    wait_clean(server)
 
 
 # ---- KV replication ---------------------------------------------------------------------

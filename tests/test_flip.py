@@ -199,6 +199,18 @@ def test_refused_flips_change_nothing_and_a_stuck_one_is_given_up(
     pid = row_of(server, "decode-1")["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
+        # /debug/cluster answers within its deadline whatever an instance does: the
+        # stopped one's counters are missing, and say why
+        status, reply = server.get("/debug/cluster", key=KEY)
+        assert status == 200, reply
+        stopped = next(r for r in reply["instances"] if r["name"] == "decode-1")
+        assert stopped["alive"] and "stats" not in stopped, stopped
+        assert stopped["stats_error"] == "no answer within 0.08 s"
+        for bad in ("0", "31", "nan"):
+            assert server.get(f"/debug/cluster?stats_timeout={bad}", key=KEY) == (
+                400,
+                error(400, f"stats_timeout must be in (0, 30] seconds, got {bad}", "stats_timeout"),
+            )
         answer: list[tuple[int, dict]] = []
         waiter = threading.Thread(target=lambda: answer.append(flip(server, "decode-1", "prefill")))
         waiter.start()

@@ -123,7 +123,7 @@ def status(server: Server) -> dict:
 
 def routes(server: Server) -> dict[str, tuple[int, int]]:
     """Per live instance: (KV transfers it sent through shm, over tcp)."""
-    code, reply = server.get("/debug/cluster")
+    code, reply = server.get("/debug/cluster?stats_timeout=10")
     assert code == 200, reply
     return {
         r["name"]: (r["stats"]["kv_routes_shm"], r["stats"]["kv_routes_tcp"])

@@ -463,7 +463,7 @@ def prefill_lost() -> Iterator[Lost]:
             with ThreadPoolExecutor(1) as pool:
                 body = {"prompt": "A request on the prefill instance", "max_tokens": 8}
                 sent = pool.submit(completion, server, body)
-                wait_for(lambda: row_of(server, "prefill-0")["assigned_prefill_tokens"] > 0)
+                wait_for(lambda: row_of(server, "prefill-0", 0.1)["assigned_prefill_tokens"] > 0)
                 os.kill(pid, signal.SIGKILL)
                 killed = True
                 outcome = sent.result(120)

@@ -42,9 +42,11 @@ class ClusterConfig:
     num_decode: int = 0
     num_colocated: int = 0
     decode_policy: DecodePolicy = DecodePolicy.LEAST_LOADED
-    # An instance that has sent nothing (outputs or load reports) for this long is marked
-    # dead: new requests avoid it and its requests are retried or failed.
-    instance_timeout_s: float = 10.0
+    # An instance that has sent nothing (outputs, load reports, heartbeats) for this long
+    # is marked dead: new requests avoid it and its requests are moved or failed. A
+    # thread of every instance sends a heartbeat each `report_interval_s` (0.1 s) whatever
+    # its step loop does, so 1 s is ten missed in a row (docs/fault-tolerance.md).
+    instance_timeout_s: float = 1.0
     # A request whose KV hand-off failed (both instances alive) is run again at most this
     # often: from its prompt, or after its streamed tokens (cluster/recovery.py).
     max_retries: int = 1

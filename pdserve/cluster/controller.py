@@ -339,7 +339,8 @@ class Cluster:
         return reporting.status(self.instances, self.launcher)
 
     async def instance_stats(self, timeout: float = 5.0) -> list[dict[str, object]]:
-        """Per instance: role, liveness, assigned load, last report and counters."""
+        """Per instance: role, liveness, assigned load, last report and counters (those
+        of an instance that does not answer within `timeout`: `stats_error`)."""
         return await reporting.instance_rows(self.instances, self.features, timeout)
 
 

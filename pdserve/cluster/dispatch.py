@@ -130,6 +130,32 @@ class Dispatch(Feature):
             rec.phase = Phase.PREFILL
             inst.send(request)
 
+    @property
+    def continues_through_prefill(self) -> bool:
+        """A moved request may be recomputed on a prefill instance and handed off as
+        usual: pull mode (a push reservation is sized for the prompt alone)."""
+        return self.hub.config.disaggregated and not self.transfer.push
+
+    def continue_through(self, rec: Record, inst: Instance) -> None:
+        """A moved request's tokens so far recomputed on prefill instance `inst`, which
+        samples its next token and hands the KV off to a decode instance as for any
+        prompt (cluster/recovery.py spreads a dead instance's requests this way)."""
+        rec.phase, rec.return_to = Phase.PREFILL, None
+        recompute = len(rec.prompt) + len(rec.streamed) - 1
+        rec.credit_prefill_to(inst, recompute)
+        rec.predicted_cached = 0
+        inst.send(
+            AddRequest(
+                rec.key,
+                rec.prompt,
+                rec.params,
+                rec.arrival,
+                self.transfer.handoff(),
+                output_token_ids=rec.streamed,
+                prediction=rec.prediction,
+            )
+        )
+
     def send_waiting(self, key: str, inst: Instance, request: AddRequest) -> None:
         """A parked request goes to its instance: the copy it waited for ended, or its
         wait did. Its prefill instance; or, for a request moved off an instance that flips
@@ -212,7 +238,8 @@ class Dispatch(Feature):
         if msg.first_token is not None:
             rec.times.first_token = msg.first_token
         if msg.first_scheduled is not None and msg.first_token is not None:
-            self.rates.prefill.observe(len(rec.prompt), msg.first_token - msg.first_scheduled)
+            computed = len(rec.prompt) + max(len(rec.streamed) - 1, 0)  # a continuation's too
+            self.rates.prefill.observe(computed, msg.first_token - msg.first_scheduled)
         rec.times.handed_off = time.monotonic()
         decode = rec.decode if msg.source is None else self.choose_decode(rec)
         if decode is None:

@@ -13,6 +13,8 @@ class FaultCounters:
     retries: int = 0  # hand-off failures sent back to the start or resumed elsewhere
     migrations: int = 0  # requests moved off a failed instance
     resumed_from_replica: int = 0  # migrations that continued from replicated KV
+    # moves whose tokens a prefill instance recomputed and handed off (a spread recompute)
+    recomputed_on_prefill: int = 0
     recomputed_tokens: int = 0  # tokens whose KV a move computed again (cache hits excluded)
     failed: int = 0  # requests ended by an instance or transfer failure
     instance_failures: dict[str, int] = field(default_factory=dict)  # by role
@@ -29,6 +31,7 @@ class FaultCounters:
             "retries": self.retries,
             "migrations": self.migrations,
             "resumed_from_replica": self.resumed_from_replica,
+            "recomputed_on_prefill": self.recomputed_on_prefill,
             "recomputed_tokens": self.recomputed_tokens,
             "failed": self.failed,
             "instance_failures": dict(self.instance_failures),

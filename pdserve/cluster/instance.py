@@ -15,6 +15,14 @@ imported, cluster/forkserver.py, else spawned), or a Ray actor on any node of a 
 cluster with TCP sockets (cluster/ray_launch.py). Everything above - handshake,
 liveness, fencing, messages - is the same for both.
 
+Silence is judged with what can be read of the process (a local one: /proc): past
+`timeout_s` without a message, a stopped process (SIGSTOP) is dead; one that computed
+nothing meanwhile (blocked - or idle, its heartbeats late on a machine whose cores are
+shared) is given `_IDLE_SILENCE_FACTOR` times as long, and one that kept computing
+`_BUSY_SILENCE_FACTOR` times. A process on another node (Ray) counts as computing
+nothing. Messages waiting unread on the socket are never silence, nor is time the front
+end itself did not run its checks: it was slow, not the instance.
+
 Fencing: a dead instance that is still running (silent, e.g. SIGSTOPped) is killed when it
 is marked dead, `fence` waits until its process is gone, and nothing it sent after its
 death is read. The front end moves its requests only after `fence`, so a request is never
@@ -55,6 +63,15 @@ from pdserve.protocol.core import (
 from pdserve.protocol.wire import EngineInput, EngineMessage, Handlers, encode_input
 
 _POLL_MS = 200  # while waiting for the handshake: how often to check the process
+# Silence (module doc): a stopped process is dead past `timeout_s`; one that computes
+# nothing (blocked; or a process whose CPU time cannot be read) past this many times it;
+# one that keeps computing past `_BUSY_SILENCE_FACTOR` times it.
+_IDLE_SILENCE_FACTOR = 3.0
+_BUSY_SILENCE_FACTOR = 10.0
+# Under this share of one core used over a silence, the instance computed nothing.
+_IDLE_CPU_SHARE = 0.05
+# A gap this long between two of the watchdog's checks: the front end itself stalled.
+_FRONT_END_STALL_S = 0.5
 _ids = itertools.count()
 # The node name of instances started by `LocalLauncher`: the one node of their transfers.
 LOCAL_NODE = TransferConfig.node
@@ -84,6 +101,15 @@ class EngineProcess(Protocol):
 
     def exit_reason(self) -> str:
         """Why it is no longer alive (it exited with a code; Ray: its actor or node died)."""
+        ...
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time it has used (user + system); None where it cannot be read (a
+        process on another node)."""
+        ...
+
+    def stopped(self) -> bool:
+        """It is stopped (SIGSTOP, a debugger); False where that cannot be read."""
         ...
 
 
@@ -137,6 +163,29 @@ class LocalProcess:
 
     def exit_reason(self) -> str:
         return f"process exited (exit code {self.exitcode})"
+
+    def cpu_seconds(self) -> float | None:
+        fields = _proc_stat(self.pid)
+        return None if fields is None else (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+    def stopped(self) -> bool:
+        fields = _proc_stat(self.pid)
+        return fields is not None and fields[0] in (b"T", b"t")
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_stat(pid: int | None) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (state first, then ppid, ...:
+    utime and stime are [11] and [12]); None when it cannot be read (gone, no /proc)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 class LocalLauncher:
@@ -194,6 +243,9 @@ class Instance:
         self.dead: str | None = None  # why, once dead
         self.exit_code: int | None = None  # set when the death was the process exiting
         self._announced = False  # `check` has returned the reason
+        # (time, its CPU seconds) once it has been silent half of `timeout_s`
+        self._silence_mark: tuple[float, float | None] | None = None
+        self._last_check = time.monotonic()  # the watchdog's last look (`check`)
         # Front-end-side load (what it assigned and has not seen finish).
         self.assigned_prefill_tokens = 0
         self.assigned_requests = 0
@@ -264,12 +316,50 @@ class Instance:
             if not self.process.is_alive():
                 self.exit_code = self.process.exitcode
                 self.mark_dead(self.process.exit_reason())
-            elif self.timeout_s is not None and (silent := now - self.last_heard) > self.timeout_s:
-                self.mark_dead(f"sent nothing for {silent:.1f} s")
+            elif self.timeout_s is not None and (why := self._silence(now, self.timeout_s)):
+                self.mark_dead(why)
         if self.dead is None or self._announced:
             return None
         self._announced = True
         return self.dead
+
+    def _silence(self, now: float, timeout_s: float) -> str | None:
+        """Why its silence is a death, or None (module doc)."""
+        if now - self._last_check > _FRONT_END_STALL_S:
+            # this process did not run its checks (its own event loop, or the machine,
+            # stalled): it could not hear the instance either, so the silence restarts
+            self.last_heard = max(self.last_heard, now - timeout_s / 2)
+        self._last_check = now
+        silent = now - self.last_heard
+        if silent < timeout_s / 2:
+            self._silence_mark = None
+            return None
+        if self._silence_mark is None:
+            self._silence_mark = (now, self.process.cpu_seconds())
+        if silent <= timeout_s or self._unread():
+            return None
+        if self.process.stopped():
+            return f"sent nothing for {silent:.1f} s: its process is stopped"
+        since, cpu_then = self._silence_mark
+        cpu_now = self.process.cpu_seconds()
+        computing = (
+            cpu_then is not None
+            and cpu_now is not None
+            and cpu_now - cpu_then >= _IDLE_CPU_SHARE * (now - since)
+        )
+        if not computing and silent > _IDLE_SILENCE_FACTOR * timeout_s:
+            return f"sent nothing for {silent:.1f} s"
+        if silent > _BUSY_SILENCE_FACTOR * timeout_s:
+            return f"sent nothing for {silent:.1f} s while computing"
+        return None
+
+    def _unread(self) -> bool:
+        """Messages wait on the socket that the reader has not taken yet: the front end
+        was slow (a long callback on its event loop), not the instance silent."""
+        try:
+            return bool(int(self._from.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return False
 
     def mark_dead(self, reason: str) -> str:
         self.dead = reason

@@ -320,6 +320,13 @@ class RayEngineProcess:
             if self._done():
                 self.kill()  # the engine returned; the idle actor would hold its resources
 
+    def cpu_seconds(self) -> float | None:
+        """Not read across nodes: silence alone decides (cluster/instance.py)."""
+        return None
+
+    def stopped(self) -> bool:
+        return False
+
     def exit_reason(self) -> str:
         return self._ended()[1]
 

@@ -145,16 +145,40 @@ class Recovery(Feature):
         return True
 
     def _resume(self, rec: Record) -> None:
-        """Continue `rec` after its last streamed token: the instance computes the KV of
+        """Continue `rec` after its last streamed token: an instance computes the KV of
         prompt + streamed tokens again (prefix-cache hits excepted) and samples the next
-        token."""
+        token - the decode instance it continues on, or a prefill instance that hands it
+        off to one, whichever has the fewest tokens to recompute before it
+        (`recompute_on`): a dead instance's requests are spread over every instance
+        that can take a share."""
         inst = self.continuation_instance(rec)
         if inst is None:
             error = InstanceFailedError("no live instance to continue the request on")
             self.hub.fail(rec, error)
             return
-        rec.recompute = len(rec.prompt) + len(rec.streamed) - 1
+        recompute = len(rec.prompt) + len(rec.streamed) - 1
+        inst = self.recompute_on(rec, inst)
+        rec.recompute = recompute
+        if inst.role is Role.PREFILL and self.dispatch.continues_through_prefill:
+            self.hub.faults.recomputed_on_prefill += 1
+            self.dispatch.continue_through(rec, inst)
+            return
         inst.send(self.continue_on(rec, inst))
+
+    def recompute_on(self, rec: Record, decode: Instance) -> Instance:
+        """Where `rec`'s tokens are recomputed: `decode` (the instance it continues on)
+        or a live prefill instance (pull mode, with a decode instance to hand off to),
+        the one with the fewest tokens queued to compute - a prefill instance's prompt
+        tokens assigned, a decode instance's continuations not yet computed - ties to a
+        prefill instance (it computes without decode steps beside)."""
+        if decode.role is not Role.DECODE or not self.dispatch.continues_through_prefill:
+            return decode
+        queued = sum(r.recompute for r in self.hub.table.holding(decode) if r.recompute)
+        options = [(i.assigned_prefill_tokens, 0, i.name) for i in self.hub.live(Role.PREFILL)]
+        options.append((queued, 1, decode.name))
+        _, _, name = min(options)
+        inst = self.hub.instance(name)
+        return decode if inst is None else inst
 
     def continue_on(self, rec: Record, inst: Instance) -> AddRequest:
         """Make `inst` the instance `rec` decodes on (its load credited) and return the

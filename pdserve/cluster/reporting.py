@@ -5,7 +5,6 @@ status`). Read-only: nothing here changes an instance or a request."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 
 from pdserve.cluster.hub import Feature
@@ -67,18 +66,30 @@ async def instance_rows(
     instances: Sequence[Instance], features: Sequence[Feature], timeout: float
 ) -> list[dict[str, object]]:
     """Per instance: role, liveness, assigned load, what each feature knows of it
-    (`Feature.describe`), its counters."""
+    (`Feature.describe`), its counters. Every live instance is asked for its counters at
+    once and the rows are answered within `timeout` whatever an instance does: one that
+    has not answered by then (inside a long step, stopped, dying) gets `stats_error`
+    instead of `stats`."""
     rows: list[dict[str, object]] = []
     for inst in instances:
         row: dict[str, object] = _identity(inst)
         for feature in features:
             row.update(feature.describe(inst))
-        if inst.alive:
-            with contextlib.suppress(Exception):
-                stats = await inst.stats(True, timeout)
-                fields = [f for f in stats.__struct_fields__ if f != "request_id"]
-                row["stats"] = {f: getattr(stats, f) for f in fields}
         rows.append(row)
+    live = [(row, inst) for row, inst in zip(rows, instances, strict=True) if inst.alive]
+    asks = [asyncio.ensure_future(inst.stats(True, timeout)) for _, inst in live]
+    if asks:
+        await asyncio.wait(asks, timeout=timeout)
+    for (row, _), ask in zip(live, asks, strict=True):
+        if not ask.done():
+            ask.cancel()
+            row["stats_error"] = f"no answer within {timeout:g} s"
+        elif ask.exception() is not None:
+            row["stats_error"] = str(ask.exception())
+        else:
+            stats = ask.result()
+            fields = [f for f in stats.__struct_fields__ if f != "request_id"]
+            row["stats"] = {f: getattr(stats, f) for f in fields}
     return rows
 
 

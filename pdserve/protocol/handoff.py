@@ -45,7 +45,7 @@ class KVSource(msgspec.Struct, frozen=True):
 
     region: RegionHandle  # the prefill instance's pool
     blocks: list[int]  # its block table for the prompt
-    num_tokens: int  # prompt tokens with KV
+    num_tokens: int  # tokens with KV: the prompt (and a continuation's earlier tokens)
     lease_deadline: float  # monotonic time after which the prefill side may free it
 
 

@@ -94,6 +94,9 @@ def build_app(
     return app
 
 
+_MAX_STATS_TIMEOUT_S = 30.0  # /debug/cluster?stats_timeout=
+
+
 class _Api:
     def __init__(self, client: ServingBackend, config: ServerConfig, admission: Admission) -> None:
         self.client = client
@@ -132,15 +135,25 @@ class _Api:
             raise APIError(500, f"the engine is not available: {e}") from None
         return msgspec.to_builtins(stats)
 
-    async def debug_cluster(self) -> dict[str, Any]:
+    async def debug_cluster(self, stats_timeout: float = 0.08) -> dict[str, Any]:
         """Per instance (role, pid, liveness, load, counters, integrity); one row for a
-        single-engine server."""
+        single-engine server. Answered within `stats_timeout` seconds (?stats_timeout=S,
+        at most 30) whatever an instance does: an instance whose counters have not come
+        by then (inside a long step, hung) gets `stats_error` instead of `stats`."""
+        if not 0 < stats_timeout <= _MAX_STATS_TIMEOUT_S:
+            raise APIError(
+                400,
+                f"stats_timeout must be in (0, {_MAX_STATS_TIMEOUT_S:g}] seconds, "
+                f"got {stats_timeout:g}",
+                "stats_timeout",
+            )
         counters: dict[str, Any] = dict(self.client.faults.as_dict())
         counters["caching"] = self.client.router.summary()
         counters["length_prediction"] = self.client.predictions.summary()
         if self.watcher is not None:
             counters["elastic"] = self.watcher.summary()
-        return {"instances": await self.client.instance_stats(), "controller": counters}
+        rows = await self.client.instance_stats(stats_timeout)
+        return {"instances": rows, "controller": counters}
 
     async def flip(self, name: str, body: RoleChange) -> dict[str, Any]:
         """Instance flip by hand: answers once `name` serves in its new role (its report),

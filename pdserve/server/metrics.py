@@ -157,6 +157,11 @@ class _FaultCollector(Collector):
                 f.resumed_from_replica,
             ),
             (
+                "pdserve_recomputed_on_prefill",
+                "Moves whose tokens a prefill instance recomputed and handed off",
+                f.recomputed_on_prefill,
+            ),
+            (
                 "pdserve_recomputed_tokens",
                 "Tokens whose KV a migration or retry computed again",
                 f.recomputed_tokens,

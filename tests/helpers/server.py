@@ -158,18 +158,21 @@ def _ours(segment: str, mine: set[int]) -> bool:
     return not pid.isdigit() or int(pid) in mine or not psutil.pid_exists(int(pid))
 
 
-def cluster(server: Server) -> dict:
-    status, reply = server.get("/debug/cluster", key=KEY)
+def cluster(server: Server, stats_timeout: float = 5.0) -> dict:
+    """/debug/cluster, every live instance's counters waited for up to `stats_timeout`
+    seconds (5, not the server's 0.08: the tests compare them exactly; a test that holds
+    an instance stopped asks for less)."""
+    status, reply = server.get(f"/debug/cluster?stats_timeout={stats_timeout}", key=KEY)
     assert status == 200, reply
     return reply
 
 
-def cluster_rows(server: Server) -> list[dict]:
-    return cluster(server)["instances"]
+def cluster_rows(server: Server, stats_timeout: float = 5.0) -> list[dict]:
+    return cluster(server, stats_timeout)["instances"]
 
 
-def row_of(server: Server, name: str) -> dict:
-    return next(r for r in cluster_rows(server) if r["name"] == name)
+def row_of(server: Server, name: str, stats_timeout: float = 5.0) -> dict:
+    return next(r for r in cluster_rows(server, stats_timeout) if r["name"] == name)
 
 
 CLEAN_FIELDS = (
@@ -204,10 +207,10 @@ def assert_pools_clean(server: Server, every_role: bool = True) -> None:
 
 def wait_dead(server: Server, name: str, timeout: float = 60.0) -> str | None:
     """The dead reason of instance `name` once the controller marks it dead; None if it
-    is still alive after `timeout` seconds."""
+    is still alive after `timeout` seconds. (Liveness only: counters not waited for.)"""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        row = row_of(server, name)
+        row = row_of(server, name, stats_timeout=0.1)
         if not row["alive"]:
             return str(row["dead_reason"])
         time.sleep(0.1)

@@ -181,7 +181,7 @@ class DecodeRole(TransferRole):
             on_the_way = [*ready, *(i.request for i in self.fetching.values())]
             if not admissible(incoming.request, on_the_way):
                 break
-            if not self._allocate(incoming.request.request_id, incoming.msg.prompt_token_ids):
+            if not self._allocate(incoming.request.request_id, kv_tokens(incoming.msg)):
                 break
             self.queue.popleft()
             self._start_fetch(incoming)
@@ -245,11 +245,20 @@ class DecodeRole(TransferRole):
         self.fetching[rid] = incoming
 
     def _commit(self, req: Request) -> None:
-        prompt = req.prompt_token_ids
-        self.kv.commit(req.request_id, prompt, len(prompt))
-        req.num_computed_tokens = len(prompt)
+        """The KV of every token but the last sampled one is in place (a pushed request:
+        the prompt's; a pulled one: also the tokens a continuation streamed before)."""
+        tokens = [*req.prompt_token_ids, *req.output_token_ids[:-1]]
+        self.kv.commit(req.request_id, tokens, len(tokens))
+        req.num_computed_tokens = len(tokens)
 
     def _fail(self, request_id: str, message: str) -> None:
         if request_id in self.kv:
             self.kv.free(request_id)
         self.send(HandoffFailed(request_id, message))
+
+
+def kv_tokens(msg: AddPrefilled) -> list[int]:
+    """The tokens whose KV the prefill instance computed: the prompt and, for a moved
+    request continued through a prefill instance (cluster/recovery.py), the tokens it
+    streamed before - every token but the last sampled one."""
+    return [*msg.prompt_token_ids, *msg.output_token_ids[:-1]]

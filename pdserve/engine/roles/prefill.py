@@ -290,10 +290,13 @@ class _Pull(_Mode):
     def hand_off(self, role: PrefillRole, entry: _Outgoing) -> None:
         req = entry.request
         entry.lease_deadline = time.monotonic() + role.config.lease_s
+        # every token but the one just sampled: the prompt, and for a continuation
+        # (output_token_ids given: a moved request) the tokens streamed before it
+        computed = len(req.prompt_token_ids) + len(req.output_token_ids) - 1
         source = KVSource(
             role.region.handle,
             role.kv.block_table(req.request_id),
-            len(req.prompt_token_ids),
+            computed,
             entry.lease_deadline,
         )
         role.send(role._handed_off(entry, source))
