@@ -1,7 +1,7 @@
 """The shift experiment (issue 53): SLO attainment over time through a workload shift,
 static placements against the flip policies.
 
-    .venv/bin/python bench/bench_shift.py [--phase-seconds 90] [--configs ...]
+    .venv/bin/python bench/bench_shift.py [--phase-seconds 60] [--configs ...]
         [--profile profile.json] [--out shift.json] [--plot docs/figures/shift.png]
 
 Each configuration is a server started alone (`pdserve serve` on 127.0.0.1, three
@@ -261,14 +261,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--phase-seconds", type=float, default=90.0)
-    p.add_argument("--rate-a", type=float, default=1.5)
-    p.add_argument("--prompt-a", type=int, default=400)
+    p.add_argument("--phase-seconds", type=float, default=60.0)
+    p.add_argument("--rate-a", type=float, default=1.2)
+    p.add_argument("--prompt-a", type=int, default=300)
     p.add_argument("--output-a", type=int, default=8)
-    p.add_argument("--rate-b", type=float, default=1.5)
+    p.add_argument("--rate-b", type=float, default=2.0)
     p.add_argument("--prompt-b", type=int, default=16)
-    p.add_argument("--output-b", type=int, default=64)
-    p.add_argument("--slo-ttft", type=float, default=1.5)
+    p.add_argument("--output-b", type=int, default=96)
+    p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
     p.add_argument("--replan-interval", type=float, default=2.0)
     p.add_argument("--window", type=float, default=15.0, help="replan window / idle seconds")
