@@ -148,7 +148,8 @@ def test_decisions_are_what_pdserve_plan_says(
     best = plan["best_disaggregated"]["configs"]
     gp, gd = best[0]["goodput"], best[1]["goodput"]
     need = plan["disaggregated_instances"]
-    advice = planner.advise(ObservedWindow(WINDOW_S, tuple(served)), len(split))
+    running = sum(1 for r in split.values() if r is P)
+    advice = planner.advise(ObservedWindow(WINDOW_S, tuple(served)), running, len(split) - running)
     # the policy's planner and `pdserve plan` ran the same search on the same requests
     assert (advice.prefill_goodput, advice.decode_goodput) == (gp, gd)
     assert (advice.needed_prefill, advice.needed_decode) == (need["prefill"], need["decode"])
@@ -157,7 +158,6 @@ def test_decisions_are_what_pdserve_plan_says(
     n = len(split)
     fits = [p for p in range(1, n) if p >= need["prefill"] and n - p >= need["decode"]]
     target = max(fits, key=lambda p: (min(p * gp, (n - p) * gd), -p))
-    running = sum(1 for r in split.values() if r is P)
     verdict = policy.decide(history(split, served))
     if expect is None:
         assert target == running
@@ -192,7 +192,7 @@ def test_a_workload_no_split_serves_is_kept_with_the_planners_reason(
     policy = DistServePolicy(planner, WINDOW_S, gain=0.2, min_requests=20)
     # long answers at 2 req/s: the plan needs more decode instances than 3 leave
     served = window(30, 200, 2.0)
-    advice = planner.advise(ObservedWindow(WINDOW_S, tuple(served)), 3)
+    advice = planner.advise(ObservedWindow(WINDOW_S, tuple(served)), 1, 2)
     assert advice.needed_prefill + advice.needed_decode > 3
     verdict = policy.decide(history(ONE_PREFILL, served))
     assert isinstance(verdict, Keep)
@@ -228,18 +228,18 @@ def test_too_little_evidence_is_not_judged(planner: ProfileSplitPlanner) -> None
 
 
 def test_the_gain_threshold_and_the_least_loaded_instance() -> None:
-    advice = SplitAdvice(1.0, 1.0, 1, 1, {1: 0.5, 2: 0.9, 3: 0.5}, TTFT, TPOT)
+    advice = SplitAdvice(1.0, 1.0, 1, 1, 0.5, TTFT, TPOT)
     assert best_split(advice, 4) == 2  # min(2, 2) = 2 beats min(1, 3) = min(3, 1) = 1
     assert split_goodput(advice, 1, 3) == 1.0
-    lopsided = SplitAdvice(3.0, 1.0, 1, 2, {}, TTFT, TPOT)
+    lopsided = SplitAdvice(3.0, 1.0, 1, 2, 0.5, TTFT, TPOT)
     assert best_split(lopsided, 4) == 1  # min(3, 3) = 3; 2P:2D gives min(6, 2) = 2
-    assert best_split(SplitAdvice(1.0, 1.0, 3, 2, {}, TTFT, TPOT), 4) is None
+    assert best_split(SplitAdvice(1.0, 1.0, 3, 2, 0.5, TTFT, TPOT), 4) is None
 
     class Fixed:
         def __init__(self, advice: SplitAdvice) -> None:
             self.advice = advice
 
-        def advise(self, window: ObservedWindow, instances: int) -> SplitAdvice:
+        def advise(self, window: ObservedWindow, prefill: int, decode: int) -> SplitAdvice:
             return self.advice
 
     served = window(30, 200, 0.5)

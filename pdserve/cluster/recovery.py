@@ -174,11 +174,11 @@ class Recovery(Feature):
         if decode.role is not Role.DECODE or not self.dispatch.continues_through_prefill:
             return decode
         queued = sum(r.recompute for r in self.hub.table.holding(decode) if r.recompute)
-        options = [(i.assigned_prefill_tokens, 0, i.name) for i in self.hub.live(Role.PREFILL)]
-        options.append((queued, 1, decode.name))
-        _, _, name = min(options)
-        inst = self.hub.instance(name)
-        return decode if inst is None else inst
+        prefills = self.hub.live(Role.PREFILL)
+        least = min(prefills, key=lambda i: i.assigned_prefill_tokens, default=None)
+        if least is None or least.assigned_prefill_tokens > queued:
+            return decode
+        return least
 
     def continue_on(self, rec: Record, inst: Instance) -> AddRequest:
         """Make `inst` the instance `rec` decodes on (its load credited) and return the

@@ -43,16 +43,17 @@ class SplitAdvice:
     decode_goodput: float
     needed_prefill: int  # instances the observed rate needs (`pdserve plan`'s sizing)
     needed_decode: int
-    predicted: dict[int, float]  # prefill instances p -> simulated attainment of the split
+    running_attainment: float  # the running split's, simulated on the window's workload
     slo_ttft: float
     slo_tpot: float
 
 
 class SplitPlanner(Protocol):
-    def advise(self, window: ObservedWindow, instances: int) -> SplitAdvice:
+    def advise(self, window: ObservedWindow, prefill: int, decode: int) -> SplitAdvice:
         """The per-instance goodputs and the sizing for `window`'s workload and rate on
-        `instances` instances; ValueError naming why when no placement meets the SLOs.
-        Runs on a worker thread (it simulates; ~tens of ms)."""
+        the running split's `prefill + decode` instances, and that split's simulated
+        attainment; ValueError naming why when no placement meets the SLOs. Runs on a
+        worker thread (it simulates; ~10 ms for 3 instances)."""
         ...
 
 
@@ -98,7 +99,7 @@ class DistServePolicy:
                 {"requests": len(window.requests)},
             )
         try:
-            advice = self.planner.advise(window, n)
+            advice = self.planner.advise(window, p, d)
         except ValueError as e:
             return Keep(f"the planner finds no placement: {e}", {"rate": window.rate})
         numbers = self._numbers(window, advice, p, d)
@@ -144,6 +145,6 @@ class DistServePolicy:
             "needed_prefill": advice.needed_prefill,
             "needed_decode": advice.needed_decode,
             "running_goodput": split_goodput(advice, p, d),
-            "predicted_attainment": advice.predicted.get(p, float("nan")),
+            "predicted_attainment": advice.running_attainment,
             "observed_attainment": window.attainment(advice.slo_ttft, advice.slo_tpot),
         }

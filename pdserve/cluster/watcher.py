@@ -244,9 +244,8 @@ class Watcher(Feature):
             log.info("flip: %s -> %s: %s", verdict.instance, verdict.role, verdict.reason)
             await self._carry_out(verdict)
             return
-        if isinstance(verdict, Keep):
-            if self.last_keep is None or self.last_keep[1].reason != verdict.reason:
-                log.info("placement kept: %s", verdict.reason)
+        if isinstance(verdict, Keep):  # every look: shown, counted, not logged at INFO
+            log.debug("placement kept: %s", verdict.reason)
             self.last_keep = (time.time(), verdict)
             self.kept += 1
         self._acting = None

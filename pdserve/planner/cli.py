@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pdserve.planner.hardware import INTER_NODE_GBPS, MEMORY_UTILIZATION
 from pdserve.planner.model_spec import PlanInputError
 
 GB = 1e9
@@ -37,8 +38,10 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--cluster", default=None, help="cluster JSON (nodes, devices_per_node, ...)")
     p.add_argument("--device-memory", type=float, default=None, help="GB per device")
     p.add_argument("--intra-node-bandwidth", type=float, default=None, help="GB/s (NVLink)")
-    p.add_argument("--inter-node-bandwidth", type=float, default=3.125, help="GB/s (25 Gbps)")
-    p.add_argument("--memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--inter-node-bandwidth", type=float, default=INTER_NODE_GBPS, help="GB/s (25 Gbps)"
+    )
+    p.add_argument("--memory-utilization", type=float, default=MEMORY_UTILIZATION)
     p.add_argument("--dtype-bytes", type=int, default=None, help="override weight/KV width")
     p.add_argument("--workload", default="chatbot", help="bench workload name or trace file")
     p.add_argument("--num-requests", type=int, default=1000, help="simulated per trial")
@@ -120,7 +123,6 @@ def _cluster(args: argparse.Namespace, hw: Any) -> Any:
     memory = args.device_memory if args.device_memory is not None else d.get("device_memory_gb")
     intra = args.intra_node_bandwidth or d.get("intra_node_bandwidth_gbps")
     inter = d.get("inter_node_bandwidth_gbps", args.inter_node_bandwidth)
-    default_intra = hw.tp_bandwidth or 1.0 / max(hw.coefficients.c4, 1e-30)
     try:
         return ClusterSpec(
             nodes=int(nodes),
@@ -128,7 +130,7 @@ def _cluster(args: argparse.Namespace, hw: Any) -> Any:
             device_memory_bytes=float(memory) * GB
             if memory is not None
             else hw.device_memory_bytes,
-            intra_node_bandwidth=float(intra) * GB if intra else default_intra,
+            intra_node_bandwidth=float(intra) * GB if intra else hw.node_link,
             inter_node_bandwidth=float(inter) * GB,
             memory_utilization=float(d.get("memory_utilization", args.memory_utilization)),
         )

@@ -80,6 +80,12 @@ class HardwareProfile:
     def label(self) -> str:
         return f"{self.name} ({'datasheet estimate' if self.is_estimate else 'measured'})"
 
+    @property
+    def node_link(self) -> float:
+        """Bytes/s between the devices of a node when a cluster description gives none:
+        the profile's all-reduce link, else its memory bandwidth (1 / c4: one host)."""
+        return self.tp_bandwidth or 1.0 / max(self.coefficients.c4, 1e-30)
+
     def interconnect(self, pp_bandwidth: float) -> Interconnect:
         return Interconnect(self.tp_bandwidth, self.tp_latency_s, pp_bandwidth)
 
@@ -170,6 +176,11 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     return datasheet_profile(name_or_path)
 
 
+# What a cluster description may leave out (`pdserve plan`'s defaults).
+INTER_NODE_GBPS = 3.125  # 25 Gbps
+MEMORY_UTILIZATION = 0.9
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Where instances can be placed (DistServe §4: nodes of M devices)."""
@@ -179,7 +190,7 @@ class ClusterSpec:
     device_memory_bytes: float
     intra_node_bandwidth: float  # bytes/s between devices of a node (NVLink)
     inter_node_bandwidth: float  # bytes/s between nodes
-    memory_utilization: float = 0.9  # share of device memory the engine may use
+    memory_utilization: float = MEMORY_UTILIZATION  # share of device memory the engine may use
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -191,6 +202,12 @@ class ClusterSpec:
             raise PlanInputError("memory utilisation must be in (0, 1]")
         if self.intra_node_bandwidth <= 0 or self.inter_node_bandwidth <= 0:
             raise PlanInputError("link bandwidths must be > 0")
+
+    @classmethod
+    def one_node(cls, hw: HardwareProfile, devices: int) -> ClusterSpec:
+        """One node of `devices` devices described from the profile alone, as `pdserve
+        plan --nodes 1 --devices-per-node DEVICES` describes it."""
+        return cls(1, devices, hw.device_memory_bytes, hw.node_link, INTER_NODE_GBPS * GB)
 
     @property
     def num_devices(self) -> int:

@@ -182,11 +182,23 @@ def build_system(
         assert r.task.decode_par is not None
         pre_par, dec_par = r.task.par, r.task.decode_par
         bandwidth = cluster.intra_node_bandwidth
+    return disagg_system(ctx, pre_par, dec_par, n["prefill"], n["decode"], bandwidth)
+
+
+def disagg_system(
+    ctx: SearchContext,
+    pre_par: Parallelism,
+    dec_par: Parallelism,
+    prefill: int,
+    decode: int,
+    bandwidth: float,
+) -> DisaggSystem:
+    """`prefill` instances of `pre_par` and `decode` of `dec_par`, KV moved at
+    `bandwidth`, as the simulator takes them."""
+    spec, hw, cluster, knobs = ctx.spec, ctx.hw, ctx.cluster, ctx.knobs
     pre = make_instance(spec, hw, pre_par, cluster, knobs, chunked=False)
     dec = make_instance(spec, hw, dec_par, cluster, knobs)
-    return DisaggSystem(
-        (pre,) * n["prefill"], (dec,) * n["decode"], spec.kv_bytes_per_token, bandwidth
-    )
+    return DisaggSystem((pre,) * prefill, (dec,) * decode, spec.kv_bytes_per_token, bandwidth)
 
 
 def attainment_curve(

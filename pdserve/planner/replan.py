@@ -25,10 +25,10 @@ import numpy as np
 
 from pdserve.cluster.evidence import ObservedWindow
 from pdserve.cluster.replanning import SplitAdvice
-from pdserve.planner.candidates import InstanceKnobs, make_instance
-from pdserve.planner.hardware import GB, ClusterSpec, HardwareProfile
+from pdserve.planner.candidates import InstanceKnobs
+from pdserve.planner.hardware import ClusterSpec, HardwareProfile
 from pdserve.planner.model_spec import ModelSpec, PlanInputError
-from pdserve.planner.plan import explain_unmeetable
+from pdserve.planner.plan import disagg_system, explain_unmeetable
 from pdserve.planner.search import (
     Placement,
     SearchContext,
@@ -37,12 +37,8 @@ from pdserve.planner.search import (
     run_tasks,
     search,
 )
-from pdserve.planner.simulator import DisaggSystem, simulate
+from pdserve.planner.simulator import simulate
 from pdserve.planner.workload import SimWorkload, TraceFit
-
-# `pdserve plan`'s defaults for what a one-node cluster description leaves out.
-INTER_NODE_GBPS = 3.125
-MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -56,25 +52,26 @@ class ProfileSplitPlanner:
     num_requests: int = 200  # simulated per trial (`--num-requests`)
     seed: int = 0
 
-    def advise(self, window: ObservedWindow, instances: int) -> SplitAdvice:
+    def advise(self, window: ObservedWindow, prefill: int, decode: int) -> SplitAdvice:
         if not window.requests:
             raise PlanInputError("no finished requests in the window")
-        ctx = self.context(window, instances)
+        ctx = self.context(window, prefill + decode)
         best = search(ctx, "high", workers=1, colocated=False).best_disaggregated
         if best is None:
             raise PlanInputError(explain_unmeetable(ctx))
         pre, dec = best.results
         sizing = best.instances_for(window.rate)
-        predicted = {
-            p: self.attainment(ctx, best, p, instances - p, window.rate)
-            for p in range(1, instances)
-        }
+        # the running split simulated whole on one node (KV over the node's link)
+        system = disagg_system(
+            ctx, pre.task.par, dec.task.par, prefill, decode, ctx.cluster.intra_node_bandwidth
+        )
+        running = simulate(system, ctx.workload.with_rate(window.rate))
         return SplitAdvice(
             pre.goodput,
             dec.goodput,
             sizing["prefill"],
             sizing["decode"],
-            predicted,
+            running.attainment(self.slo.ttft, self.slo.tpot),
             self.slo.ttft,
             self.slo.tpot,
         )
@@ -89,35 +86,8 @@ class ProfileSplitPlanner:
             window.rate,
         )
         workload = fit.sample(self.num_requests, self.seed, 1.0)
-        cluster = local_cluster(self.hw, instances)
+        cluster = ClusterSpec.one_node(self.hw, instances)
         return SearchContext(self.spec, self.hw, cluster, self.knobs, self.slo, workload)
-
-    def attainment(
-        self, ctx: SearchContext, best: Placement, prefill: int, decode: int, rate: float
-    ) -> float:
-        """The simulated attainment of `prefill` + `decode` instances at `rate`."""
-        pre, dec = (r.task.par for r in best.results)
-        spec, hw, cluster, knobs = ctx.spec, ctx.hw, ctx.cluster, ctx.knobs
-        system = DisaggSystem(
-            (make_instance(spec, hw, pre, cluster, knobs, chunked=False),) * prefill,
-            (make_instance(spec, hw, dec, cluster, knobs),) * decode,
-            spec.kv_bytes_per_token,
-            cluster.intra_node_bandwidth,
-        )
-        return simulate(system, ctx.workload.with_rate(rate)).attainment(ctx.slo.ttft, ctx.slo.tpot)
-
-
-def local_cluster(hw: HardwareProfile, devices: int) -> ClusterSpec:
-    """One node of `devices` devices, as `pdserve plan --nodes 1 --devices-per-node
-    DEVICES` describes it from the profile alone."""
-    return ClusterSpec(
-        nodes=1,
-        devices_per_node=devices,
-        device_memory_bytes=hw.device_memory_bytes,
-        intra_node_bandwidth=hw.tp_bandwidth or 1.0 / max(hw.coefficients.c4, 1e-30),
-        inter_node_bandwidth=INTER_NODE_GBPS * GB,
-        memory_utilization=MEMORY_UTILIZATION,
-    )
 
 
 @dataclass(frozen=True)
