@@ -5,7 +5,8 @@
 
 Starts `pdserve serve --prefill 1 --decode 2` (plus SERVER ARGS) and, each round:
 
-1. **Idle flips**: decode-1 -> prefill -> decode with nothing running. The reports'
+1. **Idle flips**: decode-1 (from round 2 on, the decode instance step 4 added) ->
+   prefill -> decode with nothing running. The reports'
    `switch_s` is the instance replacing its role object (TetriInfer §3.5: 5-7 ms; target
    under 10 ms); `total_s` is the whole call seen from the front end.
 2. **Baseline**: `--streams` greedy streams of `--tokens` tokens (ignore_eos); from the
@@ -15,6 +16,11 @@ Starts `pdserve serve --prefill 1 --decode 2` (plus SERVER ARGS) and, each round
    requests moving to decode-0 with their KV. Its `drain_s` (front end), `waited_s` (the
    instance waiting for the copies to let go of its blocks) and `total_s`; `moved`, `copied`.
    After the streams end, decode-1 flips back (idle).
+4. **Scale-in under load, then scale-out**: the same streams; at the same moment the
+   newest decode instance is removed (`DELETE /admin/instances/NAME`, cluster/scaling.py):
+   its `drain_s` and `seconds` (until its process is gone), `moved`. Then a decode
+   instance is added in its room (`POST /admin/instances`): `seconds` until it serves (a
+   new process, the model loaded, the handshake).
 
 Printed: medians over the rounds, and the ratio of the loaded flip's total to the
 baseline's remaining time within each round (median). Greedy texts of the flipped
@@ -68,6 +74,12 @@ class Cluster:
         r = httpx.post(f"{self.url}/admin/instances/{name}/role", json={"role": role}, timeout=120)
         if r.status_code != 200:
             raise RuntimeError(f"flip {name} -> {role}: {r.status_code} {r.text}")
+        return dict(r.json())
+
+    def scale(self, method: str, path: str, body: dict | None = None) -> dict:
+        r = httpx.request(method, f"{self.url}{path}", json=body, timeout=300)
+        if r.status_code != 200:
+            raise RuntimeError(f"{method} {path}: {r.status_code} {r.text}")
         return dict(r.json())
 
     def stop(self) -> None:
@@ -126,9 +138,10 @@ def main() -> None:
     cluster = Cluster(args.server_args)
     rows: list[dict] = []
     errors: list[str] = []
+    newest = "decode-1"  # the decode instance flipped and removed; then the one added
     try:
         for rnd in range(args.rounds):
-            there, back = cluster.flip("decode-1", "prefill"), cluster.flip("decode-1", "decode")
+            there, back = cluster.flip(newest, "prefill"), cluster.flip(newest, "decode")
             base = Streams(cluster.url, args.streams, args.tokens)
             base.wait(8)
             t0 = time.monotonic()
@@ -136,11 +149,18 @@ def main() -> None:
             remaining = max(base.ended) - t0
             loaded = Streams(cluster.url, args.streams, args.tokens)
             loaded.wait(8)
-            flip = cluster.flip("decode-1", "prefill")
+            flip = cluster.flip(newest, "prefill")
             got = loaded.join()
             if got != want:
                 errors.append(f"round {rnd}: texts differ from the baseline's")
-            cluster.flip("decode-1", "decode")
+            cluster.flip(newest, "decode")
+            leaving = Streams(cluster.url, args.streams, args.tokens)
+            leaving.wait(8)
+            removed = cluster.scale("DELETE", f"/admin/instances/{newest}")
+            if leaving.join() != want:
+                errors.append(f"round {rnd}: texts differ after a removal")
+            added = cluster.scale("POST", "/admin/instances", {"role": "decode"})
+            newest = str(added["instance"])
             row = {
                 "idle_switch_ms": 1000 * statistics.median([there["switch_s"], back["switch_s"]]),
                 "idle_total_ms": 1000 * statistics.median([there["total_s"], back["total_s"]]),
@@ -152,6 +172,10 @@ def main() -> None:
                 "total_ms": 1000 * flip["total_s"],
                 "remaining_decode_ms": 1000 * remaining,
                 "flip_over_remaining": flip["total_s"] / remaining,
+                "remove_moved": removed["moved"],
+                "remove_drain_ms": 1000 * removed["drain_s"],
+                "remove_total_ms": 1000 * removed["seconds"],
+                "add_s": added["seconds"],
             }
             rows.append(row)
             print(json.dumps({k: round(v, 3) for k, v in row.items()}), flush=True)

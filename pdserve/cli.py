@@ -284,7 +284,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         "--disable-admin-endpoints",
         action="store_true",
         help="do not serve the operator's routes (POST /admin/instances/NAME/role: "
-        "instance flip, docs/elastic.md); with --api-key they need the key",
+        "instance flip; POST /admin/instances, DELETE /admin/instances/NAME: scaling; "
+        "docs/elastic.md); with --api-key they need the key",
     )
     _add_cluster(p.add_argument_group("instances and disaggregation"))
     _add_ray(p.add_argument_group("several machines: instances placed by Ray (docs/deploy.md)"))
@@ -459,6 +460,21 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=20,
         help="distserve policy: the fewest finished requests in a window it judges on",
+    )
+    g.add_argument(
+        "--min-instances",
+        type=int,
+        default=None,
+        help="distserve policy: it may remove idle instances down to this many (drained "
+        "first; default: the number started)",
+    )
+    g.add_argument(
+        "--max-instances",
+        type=int,
+        default=None,
+        help="distserve policy: it may add instances, where the launcher has room (free "
+        "cores; with --ray, a node with the instance's resources free), up to this many "
+        "(default: the number started)",
     )
     g.add_argument(
         "--max-migrations",

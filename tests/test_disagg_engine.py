@@ -402,6 +402,22 @@ def test_switch_role_messages_wait_for_an_idle_core_and_a_later_one_replaces_the
         assert core.config.scheduler.max_num_batched_tokens == 48
         assert_idle_pool(core, cached)
         assert core.stats()["num_role_switches"] == 1 and not flip.busy()
+
+        # leave (a scale-in): waits for the idle core like a switch, changes nothing
+        core.handle(SwitchRole(4, Role.COLOCATED, 512))
+        core.poll_transfers()
+        assert [s.role for s in switches(core)] == [Role.COLOCATED]
+        core.add_request("r2", batch[0], GREEDY)
+        core.handle(SwitchRole(5, Role.COLOCATED, 512, leave=True))
+        core.step()
+        core.poll_transfers()
+        assert switches(core) == [] and flip.busy()
+        drain(core)
+        core.poll_transfers()
+        [left] = switches(core)
+        assert (left.flip_id, left.role, left.error, left.switch_s) == (5, Role.COLOCATED, None, 0)
+        assert left.waited_s > 0 and isinstance(core.role, ColocatedRole)
+        assert core.stats()["num_role_switches"] == 2 and not flip.busy()
     finally:
         core.close()
 

@@ -7,9 +7,12 @@ instance on the head and the decode instance on the worker. Its greedy outputs m
 exactly those of an undisturbed colocated engine (helpers/reference.py) and its KV must
 have crossed between the nodes over TCP (the auto transport's route counters); a
 placement written by `pdserve plan` from this machine's profile starts as written; and
-killing a worker node's raylet under 16 concurrent streams loses none of them. The
-tests share the cluster and each leaves it as it found it: the node-kill test adds a
-node of its own and kills that one, so every test runs alone and in any order.
+killing a worker node's raylet under 16 concurrent streams loses none of them. Scaling
+(cluster/scaling.py): an instance added while serving is placed by Ray and serves, one
+removed under 16 streams loses none of them, and the distserve policy adds and removes
+instances as the observed workload needs. The tests share the cluster and each leaves
+it as it found it: the node-kill test adds a node of its own and kills that one, so
+every test runs alone and in any order.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.elastic import Paced, elastic, roles
 from helpers.reference import Expected, greedy, run
-from helpers.server import Server, row_of, stop, wait_clean, wait_dead
+from helpers.server import Server, row_of, stop, wait_clean, wait_dead, wait_for
 from helpers.streams import Streams
 from ray.cluster_utils import Cluster
 from test_disagg_server import PROMPTS, complete, mixed_prompts
+from test_replan_policy import PROFILE, TPOT, TTFT
+from test_scaling import add, gone, leave_under_load
 
 from pdserve.engine.engine import Engine
 
@@ -377,3 +383,99 @@ def test_killing_a_worker_node_loses_no_stream(
     finally:
         stop(server)
         cluster.remove_node(node, allow_graceful=False)
+
+
+def test_instances_added_and_removed_through_ray_serve_and_lose_nothing(
+    ray_cluster: tuple[Cluster, str, str],
+    reference: tuple[list[str], list[Expected]],
+) -> None:
+    """Scaling by hand on a Ray cluster (cluster/scaling.py): `POST /admin/instances`
+    starts decode-1 as an actor wherever Ray has room; it serves (the streams' texts are
+    the reference's, and it pulled KV for some of them); then the original decode-0 leaves
+    while every stream is mid-way - its requests move to decode-1 with their KV, none is
+    lost - and its actor process is gone."""
+    cluster, head, worker = ray_cluster
+    server = ray_server(cluster, "--prefill", "1", "--decode", "1", "--instance-timeout", "5")
+    try:
+        status_code, report = add(server, "decode")
+        assert status_code == 200, report
+        assert (report["action"], report["instance"], report["role"]) == (
+            "add",
+            "decode-1",
+            "decode",
+        )
+        assert report["node"] in (head, worker) and report["seconds"] > 0, report
+        placed = {i["name"]: (i["role"], i["node"]) for i in status(server)["instances"]}
+        assert placed["decode-1"] == ("decode", report["node"]), placed
+        assert sorted(placed) == ["decode-0", "decode-1", "prefill-0"]
+
+        before = routes(server)
+        results = Streams(server.url, stream_bodies()).results()
+        for i, (got, want) in enumerate(zip(results, reference[1], strict=True)):
+            assert (got.status, got.error, got.text) == (200, None, want.text), (i, got)
+        took = routes(server)
+        assert sum(took["decode-1"]) > sum(before["decode-1"]), (before, took)
+
+        streams, _, pid = leave_under_load(server, "decode-0", stream_bodies())
+        for i, (got, want) in enumerate(zip(streams.results(), reference[1], strict=True)):
+            assert (got.status, got.error, got.text) == (200, None, want.text), (i, got)
+        assert sorted(i["name"] for i in status(server)["instances"]) == ["decode-1", "prefill-0"]
+        wait_for(lambda: gone(pid))
+        _, reply = server.get("/debug/cluster")
+        counters = reply["controller"]
+        assert (counters["migrations"], counters["failed"]) == (0, 0), counters
+        wait_clean(server)
+    finally:
+        stop(server)
+
+
+def test_the_distserve_policy_scales_out_and_in_through_ray(
+    ray_cluster: tuple[Cluster, str, str], tmp_path: Path
+) -> None:
+    """`--flip-policy distserve --min-instances 2 --max-instances 3` on 1P:1D with the
+    planner's test profile (tests/test_replan_policy.py: its answers depend on the
+    requests' lengths, not on this machine's speed). 200-token answers at 1 req/s need 1
+    prefill + 3 decode instances: no split of 2 serves, and a decode instance is added
+    (a Ray actor); then 64-token answers at 0.5 req/s need 1 + 1, and the least loaded
+    decode instance is drained and removed. Every request of both phases is answered."""
+    cluster, _, _ = ray_cluster
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    server = ray_server(
+        cluster, "--prefill", "1", "--decode", "1", "--instance-timeout", "5",
+        "--flip-policy", "distserve", "--flip-profile", str(profile),
+        "--slo-ttft", repr(TTFT), "--slo-tpot", repr(TPOT), "--replan-interval", "0.5",
+        "--replan-window", "8", "--replan-min-requests", "3",
+        "--min-instances", "2", "--max-instances", "3",
+    )  # fmt: skip
+    try:
+        prompt = [100 + j for j in range(20)]  # token ids: exactly 20 prompt tokens
+        long = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+        with Paced(server, long, rate=1.0):
+            wait_for(lambda: len(elastic(server)["decisions"]) == 1, timeout=150)
+        [out] = elastic(server)["decisions"]
+        assert (out["action"], out["role"], out["instance"], out["flipped"]) == (
+            "add",
+            "decode",
+            None,
+            True,
+        ), out
+        assert out["outcome"].startswith("added decode-1 in "), out
+        assert out["reason"].startswith("no split of 2 instances serves "), out
+        assert roles(server) == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+
+        short = {**long, "max_tokens": 64}
+        with Paced(server, short, rate=0.5):
+            wait_for(lambda: len(elastic(server)["decisions"]) == 2, timeout=150)
+        back = elastic(server)["decisions"][1]
+        assert (back["action"], back["role"], back["flipped"]) == ("remove", "decode", True), back
+        assert back["instance"] in ("decode-0", "decode-1"), back
+        assert back["reason"].endswith("is removed (at least 2)"), back
+        assert sorted(roles(server).values()) == ["decode", "prefill"]
+        scaled = [(r["action"], r["instance"]) for r in elastic(server)["scaling"]]
+        assert scaled == [("add", "decode-1"), ("remove", back["instance"])]
+        _, reply = server.get("/debug/cluster")
+        assert (reply["controller"]["migrations"], reply["controller"]["failed"]) == (0, 0)
+        wait_clean(server)
+    finally:
+        stop(server)

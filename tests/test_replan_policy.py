@@ -22,6 +22,7 @@ from pdserve.cluster.evidence import (
     Keep,
     LoadHistory,
     ObservedWindow,
+    ScaleDecision,
     Served,
     Snapshot,
 )
@@ -81,9 +82,14 @@ def window(prompt: int, output: int, rate: float) -> list[Served]:
 
 def history(split: dict[str, Role], served: list[Served], load: float = 0.5) -> LoadHistory:
     """Snapshots every 10 s over a whole window, each instance at `load`, and `served`."""
+    return loaded_history({n: (r, load, 0) for n, r in split.items()}, served)
+
+
+def loaded_history(loads: dict[str, tuple[Role, float, int]], served: list[Served]) -> LoadHistory:
+    """`history` with each instance's own (role, load, waiting)."""
     h = LoadHistory(WINDOW_S)
     for t in range(0, int(WINDOW_S) + 1, 10):
-        h.add(Snapshot(float(t), {n: InstanceLoad(r, load, 0) for n, r in split.items()}))
+        h.add(Snapshot(float(t), {n: InstanceLoad(*load) for n, load in loads.items()}))
         for s in served:
             if t - 10 < s.finished <= t:
                 h.add_served(s)
@@ -227,6 +233,16 @@ def test_too_little_evidence_is_not_judged(planner: ProfileSplitPlanner) -> None
     )
 
 
+class Fixed:
+    """A planner that answers `advice` whatever the window (the policy's own logic)."""
+
+    def __init__(self, advice: SplitAdvice) -> None:
+        self.advice = advice
+
+    def advise(self, window: ObservedWindow, prefill: int, decode: int) -> SplitAdvice:
+        return self.advice
+
+
 def test_the_gain_threshold_and_the_least_loaded_instance() -> None:
     advice = SplitAdvice(1.0, 1.0, 1, 1, 0.5, TTFT, TPOT)
     assert best_split(advice, 4) == 2  # min(2, 2) = 2 beats min(1, 3) = min(3, 1) = 1
@@ -234,13 +250,6 @@ def test_the_gain_threshold_and_the_least_loaded_instance() -> None:
     lopsided = SplitAdvice(3.0, 1.0, 1, 2, 0.5, TTFT, TPOT)
     assert best_split(lopsided, 4) == 1  # min(3, 3) = 3; 2P:2D gives min(6, 2) = 2
     assert best_split(SplitAdvice(1.0, 1.0, 3, 2, 0.5, TTFT, TPOT), 4) is None
-
-    class Fixed:
-        def __init__(self, advice: SplitAdvice) -> None:
-            self.advice = advice
-
-        def advise(self, window: ObservedWindow, prefill: int, decode: int) -> SplitAdvice:
-            return self.advice
 
     served = window(30, 200, 0.5)
     split = {"prefill-0": P, "decode-0": D, "decode-1": D, "decode-2": D}
@@ -251,19 +260,13 @@ def test_the_gain_threshold_and_the_least_loaded_instance() -> None:
     assert isinstance(verdict, FlipDecision)
     assert verdict.role is P
     # the least loaded decode instance gives itself up
-    loads = {"decode-0": 0.7, "decode-1": 0.2, "decode-2": 0.4}
-    h2 = LoadHistory(WINDOW_S)
-    for t in range(0, 61, 10):
-        h2.add(
-            Snapshot(
-                float(t),
-                {"prefill-0": InstanceLoad(P, 0.9, 3)}
-                | {n: InstanceLoad(D, u, 0) for n, u in loads.items()},
-            )
-        )
-        for s in served:
-            if t - 10 < s.finished <= t:
-                h2.add_served(s)
+    loads = {
+        "prefill-0": (P, 0.9, 3),
+        "decode-0": (D, 0.7, 0),
+        "decode-1": (D, 0.2, 0),
+        "decode-2": (D, 0.4, 0),
+    }
+    h2 = loaded_history(loads, served)
     verdict = DistServePolicy(Fixed(advice), WINDOW_S, 0.5, 20).decide(h2)
     assert isinstance(verdict, FlipDecision)
     assert (verdict.instance, verdict.role) == ("decode-1", P)
@@ -271,6 +274,72 @@ def test_the_gain_threshold_and_the_least_loaded_instance() -> None:
         "the planner's best split for 0.5 req/s is 2P:2D (2 req/s within the SLOs) against "
         "the running 1P:3D's 1: decode-1 moves from decode to prefill"
     )
+
+
+def test_scaling_decisions_are_what_pdserve_plan_says(
+    tmp_path: Path, profile_path: Path, planner: ProfileSplitPlanner
+) -> None:
+    """With room to scale (2 to 3 instances): 200-token answers at 0.5 req/s need the
+    planner's 1 prefill + 2 decode instances, more than 1P:1D - a decode instance is
+    added; 64-token answers at the same rate need 1 + 1, so 1P:2D gives its least loaded
+    decode instance back; and on the workload it scaled out for, 1P:2D stays (no scale-in
+    right after a scale-out: hysteresis)."""
+    policy = DistServePolicy(planner, WINDOW_S, gain=0.2, min_requests=20, bounds=(2, 3))
+    long_answers = window(20, 200, 0.5)
+    plan = planned(tmp_path, profile_path, long_answers, 8)["disaggregated_instances"]
+    assert (plan["prefill"], plan["decode"]) == (1, 2)
+    verdict = policy.decide(history({"prefill-0": P, "decode-0": D}, long_answers))
+    assert isinstance(verdict, ScaleDecision), verdict
+    assert (verdict.action, verdict.role, verdict.instance) == ("add", D, None)
+    assert verdict.reason == (
+        "no split of 2 instances serves 0.5 req/s within the SLOs: the planner needs 1 "
+        "prefill + 2 decode instances; a decode instance is added (at most 3)"
+    )
+    kept = policy.decide(history(ONE_PREFILL, long_answers))
+    assert isinstance(kept, Keep) and kept.reason == "the running split 1P:2D is the planner's best"
+    # at most 2: the old verdict, the placement kept
+    capped = DistServePolicy(planner, WINDOW_S, 0.2, 20, bounds=(2, 2))
+    verdict = capped.decide(history({"prefill-0": P, "decode-0": D}, long_answers))
+    assert isinstance(verdict, Keep) and verdict.reason.startswith("no split of 2 instances")
+
+    short_answers = window(20, 64, 0.5)
+    plan = planned(tmp_path, profile_path, short_answers, 8)["disaggregated_instances"]
+    assert (plan["prefill"], plan["decode"]) == (1, 1)
+    advice = planner.advise(ObservedWindow(WINDOW_S, tuple(short_answers)), 1, 2)
+    goodput = min(advice.prefill_goodput, advice.decode_goodput)
+    loads = {"prefill-0": (P, 0.3, 0), "decode-0": (D, 0.4, 0), "decode-1": (D, 0.1, 0)}
+    h = loaded_history(loads, short_answers)
+    verdict = policy.decide(h)
+    assert isinstance(verdict, ScaleDecision), verdict
+    assert (verdict.action, verdict.role, verdict.instance) == ("remove", D, "decode-1")
+    assert verdict.reason == (
+        f"1P:1D serves {goodput:.3g} req/s within the SLOs, at least 1.2x the observed 0.5: "
+        "decode-1 (the least loaded decode instance, 10%) is removed (at least 2)"
+    )
+    # at least 3: nothing is removed
+    floor = DistServePolicy(planner, WINDOW_S, 0.2, 20, bounds=(3, 3))
+    assert isinstance(floor.decide(h), Keep)
+
+
+def test_scaling_picks_the_shorter_role_and_never_a_roles_last() -> None:
+    served = window(30, 200, 0.5)
+    two = history({"prefill-0": P, "decode-0": D}, served)
+    # both roles short: 3/1 prefill against 2/1 decode - a prefill instance
+    both = SplitAdvice(1.0, 1.0, 3, 2, 0.5, TTFT, TPOT)
+    verdict = DistServePolicy(Fixed(both), WINDOW_S, 0.2, 20, (2, 8)).decide(two)
+    assert isinstance(verdict, ScaleDecision) and verdict.role is P
+    # one fewer would serve (1P:0D is no split), but each role has one: nothing removed
+    idle = SplitAdvice(10.0, 10.0, 1, 1, 1.0, TTFT, TPOT)
+    verdict = DistServePolicy(Fixed(idle), WINDOW_S, 0.2, 20, (1, 2)).decide(two)
+    assert isinstance(verdict, Keep) and verdict.reason.startswith("the running split 1P:1D")
+    # 1P:2D at 0.5 req/s: 1P:1D would serve 0.55, not 1.2x 0.5 - kept
+    tight = SplitAdvice(10.0, 0.55, 1, 1, 1.0, TTFT, TPOT)
+    three = history(ONE_PREFILL, served)
+    verdict = DistServePolicy(Fixed(tight), WINDOW_S, 0.2, 20, (2, 3)).decide(three)
+    assert isinstance(verdict, Keep), verdict
+    roomy = SplitAdvice(10.0, 0.6, 1, 1, 1.0, TTFT, TPOT)  # 0.6 = 1.2 x 0.5
+    verdict = DistServePolicy(Fixed(roomy), WINDOW_S, 0.2, 20, (2, 3)).decide(three)
+    assert isinstance(verdict, ScaleDecision) and verdict.action == "remove"
 
 
 def test_a_real_cluster_replans_through_a_shift_and_its_reversal(

@@ -618,6 +618,7 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
         "policy": "none",
         "flips": [],
         "last_keep": None,
+        "scaling": [],
         "decisions": [],
     }
     lengths = reply["controller"].pop("length_prediction")

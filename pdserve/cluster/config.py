@@ -112,6 +112,11 @@ class ClusterConfig:
     replan_window_s: float = 60.0
     replan_gain: float = 0.2
     replan_min_requests: int = 20
+    # Scaling (cluster/scaling.py): the fewest and the most instances the distserve policy
+    # may run (it adds an instance of the role no split can serve, removes an idle one when
+    # one fewer serves the rate); None: the number started (no scaling that way).
+    min_instances: int | None = None
+    max_instances: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated", "max_retries", "max_migrations"):
@@ -165,6 +170,17 @@ class ClusterConfig:
             raise ValueError(f"kv_wait_s must be > 0, got {self.kv_wait_s}")
         if self.instance_timeout_s <= 0:
             raise ValueError(f"instance_timeout_s must be > 0, got {self.instance_timeout_s}")
+        lo, hi = self.scale_bounds
+        if not 1 <= lo <= self.num_instances <= hi:
+            raise ValueError(
+                f"instance bounds must hold 1 <= min ({lo}) <= the instances started "
+                f"({self.num_instances}) <= max ({hi})"
+            )
+        if hi > 1 and self.num_instances == 1:
+            raise ValueError(
+                "a server of one engine does not scale: start two instances or more "
+                "(--colocated K, --prefill/--decode) to use --max-instances"
+            )
         if self.placement:
             self._check_placement()
 
@@ -190,7 +206,17 @@ class ClusterConfig:
 
     @property
     def num_instances(self) -> int:
+        """The instances started (scaling may change how many run later)."""
         return self.num_prefill + self.num_decode + self.num_colocated
+
+    @property
+    def scale_bounds(self) -> tuple[int, int]:
+        """(fewest, most) instances the distserve policy may run."""
+        lo, hi = self.min_instances, self.max_instances
+        return (
+            self.num_instances if lo is None else lo,
+            self.num_instances if hi is None else hi,
+        )
 
 
 def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[EngineConfig]:
@@ -201,27 +227,33 @@ def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[Engin
         + [Role.DECODE] * cluster.num_decode
         + [Role.COLOCATED] * cluster.num_colocated
     )
-    even = max(1, engine.threads // len(roles))
+    even = even_threads(cluster, engine)
     shares = [p.devices for p in cluster.placement] if cluster.placement else [even] * len(roles)
     counts: dict[Role, int] = {}
     configs = []
     for role, threads in zip(roles, shares, strict=True):
         index = counts[role] = counts.get(role, -1) + 1
         name = "engine" if len(roles) == 1 else f"{role.value}-{index}"
-        scheduler, cache = role_scheduler(cluster, engine, role), engine.cache
-        if role is Role.DECODE and cluster.pd_caching == 1:  # PD-Caching-1: caching at P only
-            cache = dataclasses.replace(cache, enable_prefix_cache=False)
-        configs.append(
-            dataclasses.replace(
-                engine,
-                role=role,
-                instance_name=name,
-                num_threads=threads,
-                scheduler=scheduler,
-                cache=cache,
-            )
-        )
+        configs.append(instance_config(cluster, engine, role, name, threads))
     return configs
+
+
+def even_threads(cluster: ClusterConfig, engine: EngineConfig) -> int:
+    """An instance's share of the engine's threads when the start splits them evenly
+    (and the threads of an instance added later: cluster/scaling.py)."""
+    return max(1, engine.threads // cluster.num_instances)
+
+
+def instance_config(
+    cluster: ClusterConfig, engine: EngineConfig, role: Role, name: str, threads: int
+) -> EngineConfig:
+    """The EngineConfig of one `role` instance named `name` running `threads` threads."""
+    scheduler, cache = role_scheduler(cluster, engine, role), engine.cache
+    if role is Role.DECODE and cluster.pd_caching == 1:  # PD-Caching-1: caching at P only
+        cache = dataclasses.replace(cache, enable_prefix_cache=False)
+    return dataclasses.replace(
+        engine, role=role, instance_name=name, num_threads=threads, scheduler=scheduler, cache=cache
+    )
 
 
 def role_scheduler(cluster: ClusterConfig, engine: EngineConfig, role: Role) -> SchedulerConfig:

@@ -74,7 +74,8 @@ class Cluster:
         self.config = config
         self.engine = engine
         # Where the instances' processes run: children of this process by default.
-        self.launcher: Launcher = launcher or LocalLauncher()
+        started = sum(c.threads for c in instance_configs(config, engine))
+        self.launcher: Launcher = launcher or LocalLauncher(started)
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = 0
         self.vocab_size = 0
@@ -193,6 +194,14 @@ class Cluster:
 
     def replace(self, dead: Instance, fresh: Instance) -> None:
         self.instances[self.instances.index(dead)] = fresh
+        self.instances_changed()
+
+    def admit(self, inst: Instance) -> None:
+        self.instances.append(inst)
+        self.instances_changed()
+
+    def retire(self, inst: Instance) -> None:
+        self.instances.remove(inst)
         self.instances_changed()
 
     @property

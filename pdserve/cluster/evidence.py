@@ -1,6 +1,6 @@
 """What the transition watcher's policies read and what they answer (cluster/watcher.py,
 cluster/replanning.py): per-instance load snapshots, the requests finished over the
-window, a flip decision or a reason to keep the placement.
+window, a flip or scaling decision or a reason to keep the placement.
 
 Plain data and one container (`LoadHistory`); tests build histories by hand.
 """
@@ -134,6 +134,28 @@ class FlipDecision:
     reason: str  # why, with the numbers
     numbers: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def action(self) -> str:
+        return "flip"
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    """Start one more instance of `role` (`instance` None), or remove `instance` (a
+    `role` instance) after draining it (cluster/scaling.py)."""
+
+    role: Role
+    instance: str | None
+    reason: str
+    numbers: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def action(self) -> str:
+        return "add" if self.instance is None else "remove"
+
+
+Decision = FlipDecision | ScaleDecision
+
 
 @dataclass(frozen=True)
 class Keep:
@@ -152,7 +174,8 @@ class FlipPolicy(Protocol):
         """The evidence it judges on: the history's span."""
         ...
 
-    def decide(self, history: LoadHistory) -> FlipDecision | Keep | None:
-        """At most one flip, from what the history shows; `Keep` with the reason when it
-        judged and keeps the placement; None: not enough evidence to judge."""
+    def decide(self, history: LoadHistory) -> Decision | Keep | None:
+        """At most one flip (or one instance added or removed), from what the history
+        shows; `Keep` with the reason when it judged and keeps the placement; None: not
+        enough evidence to judge."""
         ...

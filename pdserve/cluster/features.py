@@ -5,7 +5,7 @@ Adding a family of messages to the front end (say, instance flip) is one new mod
 dispatch's push stops and caching's copies end before recovery moves a dead instance's
 requests (its `instance_dead`); replication re-arranges its ring after they moved
 (`instances_changed`); a flip moves requests through recovery and the copies, so it
-comes after both.
+comes after both; scaling drains through the flip, and the watcher acts through both.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pdserve.cluster.recovery import Recovery
 from pdserve.cluster.replanning import DistServePolicy, SplitPlanner
 from pdserve.cluster.replication import Replication
 from pdserve.cluster.routing import Router
+from pdserve.cluster.scaling import Scaling
 from pdserve.cluster.watcher import NoFlips, TetriInferPolicy, Watcher
 from pdserve.protocol.core import AddRequest
 
@@ -43,6 +44,7 @@ def assemble(
     dispatch = Dispatch(hub, router, copies, rates)
     recovery = Recovery(hub, dispatch, rates)
     flip = Flip(hub, router, copies, recovery)
+    scaling = Scaling(hub, router, flip)
     config = hub.config
     return dispatch, [
         dispatch,
@@ -50,7 +52,8 @@ def assemble(
         Replication(hub),
         recovery,
         flip,
-        Watcher(hub, flip, make_policy(config, planner), config.replan_interval_s),
+        scaling,
+        Watcher(hub, flip, scaling, make_policy(config, planner), config.replan_interval_s),
     ]
 
 
@@ -65,6 +68,10 @@ def make_policy(config: ClusterConfig, planner: SplitPlanner | None) -> FlipPoli
                 "--slo-tpot"
             )
         return DistServePolicy(
-            planner, config.replan_window_s, config.replan_gain, config.replan_min_requests
+            planner,
+            config.replan_window_s,
+            config.replan_gain,
+            config.replan_min_requests,
+            config.scale_bounds,
         )
     return NoFlips()

@@ -27,6 +27,11 @@ weight reload. The steps, each with what it costs:
    new role), the features hear `instances_changed`, and the flip's caller gets its
    report (`FlipReport`: drain time, the instance's wait, the switch itself).
 
+An instance that leaves the cluster (a scale-in, cluster/scaling.py: `leave`) goes
+through steps 1-3 the same way - so no request is lost or aborted - except that its
+`SwitchRole` asks it only to answer once idle (`leave`: nothing it offered is still being
+copied out of it); it then stays out of every role, and the caller shuts it down.
+
 What a flip refuses (`ConflictError`, HTTP 409; nothing changes): an instance that is dead
 or flipping already, the last live instance of its role, a role it holds, colocated
 roles (a disaggregated cluster's dispatch sends no work to a colocated instance), and any
@@ -96,6 +101,7 @@ class _Flip:
     moved: int = 0
     copied: int = 0
     cancelled: bool = False
+    leaving: bool = False  # the instance leaves the cluster once drained (`Flip.leave`)
 
 
 class Flip(Feature):
@@ -108,7 +114,7 @@ class Flip(Feature):
         self.recovery = recovery  # where a moved request continues, and how
         self._flips: dict[str, _Flip] = {}  # by instance name
         self._ids = itertools.count(1)
-        self.reports: list[FlipReport] = []  # every finished flip, oldest first
+        self.reports: list[FlipReport] = []  # every finished flip (not a leave), oldest
         self._soon = False  # an `_advance_all` is scheduled
 
     def handlers(self) -> Mapping[type, Handler]:
@@ -121,22 +127,46 @@ class Flip(Feature):
         docstring: the steps, what is refused, faults). The flip goes on if the caller
         stops waiting."""
         inst = self._check(name, role)
+        return await self._start(inst, role, leaving=False)
+
+    async def leave(self, name: str) -> FlipReport:
+        """Drain instance `name` for good (module docstring) and return once it holds
+        nothing: it then takes no work in any role, and the caller shuts it down. Refused
+        like a flip: unknown, dead, flipping, or its role's last live instance."""
+        inst = self._leaving(name)
+        return await self._start(inst, inst.role, leaving=True)
+
+    async def _start(self, inst: Instance, role: Role, leaving: bool) -> FlipReport:
         done: asyncio.Future[FlipReport] = asyncio.get_running_loop().create_future()
         done.add_done_callback(_retrieve)  # a caller that left does not leave it unread
-        flip = _Flip(inst, inst.role, role, time.monotonic(), done)
-        self._flips[name] = flip
+        flip = _Flip(inst, inst.role, role, time.monotonic(), done, leaving=leaving)
+        self._flips[inst.name] = flip
         inst.flipping_to = role
-        log.info("flip of %s: %s -> %s, draining", name, inst.role, role)
+        goal = "leaving the cluster" if leaving else f"{inst.role} -> {role}"
+        log.info("flip of %s: %s, draining", inst.name, goal)
         self.hub.instances_changed()
         self._advance(flip)
         return await asyncio.shield(flip.done)
 
-    def _check(self, name: str, role: Role) -> Instance:
+    def _leaving(self, name: str) -> Instance:
         hub = self.hub
         inst = hub.instance(name)
         if inst is None:
             names = ", ".join(i.name for i in hub.instances)
             raise NotFoundError(f"no instance named {name!r} (the instances: {names})")
+        if not inst.alive:
+            raise ConflictError(f"{name} is dead: {inst.dead}")
+        if name in self._flips:
+            raise ConflictError(f"{name} is flipping already (to {self._flips[name].role})")
+        if len(hub.live(inst.role)) <= 1:
+            raise ConflictError(
+                f"{name} is the last live {inst.role} instance: the cluster needs one"
+            )
+        return inst
+
+    def _check(self, name: str, role: Role) -> Instance:
+        hub = self.hub
+        inst = self._leaving(name)
         if not hub.config.disaggregated:
             raise ConflictError(
                 "instance flip needs a disaggregated cluster (serve --prefill N --decode M); "
@@ -147,16 +177,8 @@ class Flip(Feature):
                 "a disaggregated cluster sends no work to colocated instances: flip an "
                 "instance between prefill and decode"
             )
-        if not inst.alive:
-            raise ConflictError(f"{name} is dead: {inst.dead}")
-        if name in self._flips:
-            raise ConflictError(f"{name} is flipping already (to {self._flips[name].role})")
         if inst.role is role:
             raise ConflictError(f"{name} is a {role} instance already")
-        if len(hub.live(inst.role)) <= 1:
-            raise ConflictError(
-                f"{name} is the last live {inst.role} instance: the cluster needs one"
-            )
         return inst
 
     # ---- hooks ---------------------------------------------------------------------------
@@ -216,7 +238,7 @@ class Flip(Feature):
         if held:
             return
         flip.drained = time.monotonic()
-        self._send_switch(flip, flip.role)
+        self._send_switch(flip, flip.role, flip.leaving)
 
     def _move(self, rec: Record, flip: _Flip) -> None:
         """Continue `rec` on another instance that decodes, its KV copied there first."""
@@ -240,10 +262,11 @@ class Flip(Feature):
 
     # ---- switching -----------------------------------------------------------------------
 
-    def _send_switch(self, flip: _Flip, role: Role) -> None:
+    def _send_switch(self, flip: _Flip, role: Role, leave: bool = False) -> None:
         flip.switch_id = next(self._ids)
         scheduler = role_scheduler(self.hub.config, self.hub.engine, role)
-        flip.inst.send(SwitchRole(flip.switch_id, role, scheduler.max_num_batched_tokens))
+        tokens = scheduler.max_num_batched_tokens
+        flip.inst.send(SwitchRole(flip.switch_id, role, tokens, leave))
 
     def _give_up(self, flip: _Flip) -> None:
         """Past `flip_timeout_s`: the instance keeps its old role (module docstring)."""
@@ -265,7 +288,10 @@ class Flip(Feature):
         flip = self._flips.get(inst.name)
         if flip is None or flip.inst is not inst or msg.flip_id != flip.switch_id:
             return  # a replaced switch: never answered, or answered for nobody
-        self._end(flip, msg.role)
+        if flip.leaving and not flip.cancelled and msg.error is None:
+            del self._flips[inst.name]  # it stays out of every role: the caller shuts it down
+        else:
+            self._end(flip, msg.role)
         if flip.done.done():
             return  # given up; the instance is back in its old role
         if msg.error is not None:
@@ -283,7 +309,8 @@ class Flip(Feature):
             msg.switch_s,
             now - flip.started,
         )
-        self.reports.append(report)
+        if not flip.leaving:
+            self.reports.append(report)
         log.info("flip of %s done: %s", inst.name, report)
         flip.done.set_result(report)
 

@@ -26,8 +26,9 @@ defaults here: nothing):
 - `instance_dead(inst)`: `inst` died and is fenced (its process is gone, nothing it sent
   later is read), before its requests are moved.
 - `instances_changed()`: after the instances started, after a death's requests moved,
-  after a dead instance's replacement joined, and when an instance leaves its role to
-  flip and takes its new one (cluster/flip.py).
+  after a dead instance's replacement joined, when an instance leaves its role to
+  flip and takes its new one (cluster/flip.py), and when one joins or leaves the cluster
+  (cluster/scaling.py).
 - `tick(now)`: every watchdog period (`now`: time.monotonic()).
 - `describe(inst)`: what the feature knows of `inst`, added to its /debug/cluster row.
 - `close()`: the server is shutting down (before open requests fail); stop what runs.
@@ -42,7 +43,7 @@ from typing import Any, Protocol
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.faults import FaultCounters
-from pdserve.cluster.instance import Instance
+from pdserve.cluster.instance import Instance, Launcher
 from pdserve.cluster.table import Record, RequestTable
 from pdserve.config import EngineConfig, Role
 from pdserve.protocol.core import EngineOutput
@@ -58,6 +59,7 @@ class Hub(Protocol):
     engine: EngineConfig
     table: RequestTable
     instances: list[Instance]
+    launcher: Launcher  # where instances' processes run (cluster/scaling.py asks it for room)
     faults: FaultCounters  # failure counters (/metrics), written by the hub and features
 
     @property
@@ -94,6 +96,15 @@ class Hub(Protocol):
 
     def new_instance(self, config: EngineConfig) -> Instance:
         """An instance of `config` (not started), wired to this hub."""
+        ...
+
+    def admit(self, inst: Instance) -> None:
+        """`inst`, new and ready, joins the instances (cluster/scaling.py)."""
+        ...
+
+    def retire(self, inst: Instance) -> None:
+        """`inst`, drained and idle, leaves the instances (its process is the caller's
+        to shut down)."""
         ...
 
     def instances_changed(self) -> None:

@@ -129,6 +129,12 @@ class Launcher(Protocol):
         address, alive, cpus, gpus."""
         ...
 
+    def room(self, config: EngineConfig, running: list[EngineConfig]) -> str | None:
+        """None when one more instance of `config` fits beside the `running` ones; else
+        why not (what it needs, what the nodes have left). May block (Ray asks its GCS):
+        call it off the event loop."""
+        ...
+
 
 class LocalProcess:
     """A process on this machine (the embedded launch): a multiprocessing child, forked
@@ -189,10 +195,16 @@ def _proc_stat(pid: int | None) -> list[bytes] | None:
 
 
 class LocalLauncher:
-    """Instances as children of this process, over IPC sockets: the default launch."""
+    """Instances as children of this process, over IPC sockets: the default launch.
+    `threads`: what the instances started with run together (the room for instances
+    added later: this machine's cores, or that if more - an instance may take the place
+    of one that left)."""
 
     kind = "local"
     bind_host: str | None = None
+
+    def __init__(self, threads: int = 0) -> None:
+        self.threads = threads
 
     def process(
         self, config: EngineConfig, input_addr: str, output_addr: str, report: bool
@@ -211,6 +223,20 @@ class LocalLauncher:
         return [
             {"node": LOCAL_NODE, "address": "127.0.0.1", "alive": True, "cpus": cpus, "gpus": 0}
         ]
+
+    def room(self, config: EngineConfig, running: list[EngineConfig]) -> str | None:
+        """The cores this process may run on (or the threads the start ran, if more),
+        less the running instances' threads."""
+        cores = len(os.sched_getaffinity(0))
+        budget = max(cores, self.threads)
+        held = sum(c.threads for c in running)
+        if held + config.threads <= budget:
+            return None
+        return (
+            f"an instance of {config.threads} threads does not fit: the running instances "
+            f"run {held} of the {budget} threads this machine's {cores} cores (or the "
+            "instances started, if more) allow"
+        )
 
 
 class Instance:

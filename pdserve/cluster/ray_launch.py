@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray._private import state as ray_state
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -108,6 +109,21 @@ def nodes() -> list[RayNode]:
     """The alive nodes in placement order (a placement's node index): the head node
     first, then the others by node id."""
     return sorted((n for n in all_nodes() if n.alive), key=lambda n: (not n.head, n.node_id))
+
+
+def free_nodes() -> list[RayNode]:
+    """The alive nodes with what they have free now (Ray's DeveloperAPI
+    `available_resources_per_node`: what its actors and tasks do not hold)."""
+    free = ray_state.available_resources_per_node()
+    return [
+        dataclasses.replace(
+            n,
+            cpus=free.get(n.node_id, {}).get("CPU", 0.0),
+            gpus=free.get(n.node_id, {}).get("GPU", 0.0),
+            memory_bytes=free.get(n.node_id, {}).get("memory", 0.0),
+        )
+        for n in nodes()
+    ]
 
 
 def driver_address() -> str:
@@ -219,6 +235,19 @@ class RayLauncher:
             self.pinned.get(name),
             self.start_timeout_s,
             soft=restart,
+        )
+
+    def room(self, config: EngineConfig, running: list[EngineConfig]) -> str | None:
+        """Some alive node has the instance's request free (Ray's own account of what
+        its actors hold: `running` is already in it)."""
+        res = instance_resources(config)
+        free = free_nodes()
+        if any(_fits(res, n) for n in free):
+            return None
+        return (
+            f"an instance needs {res.cpus} CPUs, {res.gpus} GPUs and "
+            f"{res.memory_bytes / _GIB:.1f} GiB of memory; no node of the Ray cluster has "
+            f"that free ({_describe(free)})"
         )
 
     def nodes(self) -> list[dict[str, object]]:

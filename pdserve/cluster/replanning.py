@@ -20,10 +20,23 @@ how many of each the observed rate needs. From that:
   last instance). One flip per window: the watcher clears its evidence after a flip,
   so the next step needs a whole new window of the new split's behaviour.
 
+With room to scale (`--max-instances`, `--min-instances`; cluster/scaling.py), two
+more verdicts, judged before a flip:
+
+- no split of n serves the rate and n < the most: add an instance of the role short
+  of what the planner says the rate needs (both short: the one short by the larger
+  share);
+- n > the fewest, and the best split of n - 1 serves the rate with `gain` to spare
+  (its goodput at least (1 + gain) times the rate): remove the least loaded instance of
+  the role that split has fewer of (never a role's last). The instance is drained
+  first: no request is lost.
+
 Hysteresis: a flip from split A to B needs goodput(B) > (1 + gain) * goodput(A); going
 back needs goodput(A) > (1 + gain) * goodput(B) on the same workload - both cannot hold,
-so on a steady workload the policy never oscillates. Every verdict, flip or keep,
-carries its reason and the numbers behind it (/debug/cluster, Prometheus).
+so on a steady workload the policy never oscillates. Likewise a scale-out from n
+needs the planner's a + b instances to exceed n, and a scale-in from n + 1 needs a + b
+<= n on the same workload. Every verdict, flip, scaling or keep, carries its reason and
+the numbers behind it (/debug/cluster, Prometheus).
 """
 
 from __future__ import annotations
@@ -31,7 +44,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.cluster.evidence import FlipDecision, Keep, LoadHistory, ObservedWindow
+from pdserve.cluster.evidence import (
+    FlipDecision,
+    Keep,
+    LoadHistory,
+    ObservedWindow,
+    ScaleDecision,
+)
 from pdserve.config import Role
 
 
@@ -72,20 +91,32 @@ def best_split(advice: SplitAdvice, instances: int) -> int | None:
     return max(range(lo, hi + 1), key=lambda p: (split_goodput(advice, p, instances - p), -p))
 
 
+def least_loaded(loads: dict[str, float]) -> str:
+    """The instance of the lowest mean load (ties: the first name)."""
+    return min(loads, key=lambda k: (loads[k], k))
+
+
 class DistServePolicy:
     """Move toward the planner's best split, one flip per window (module doc)."""
 
     name = "distserve"
 
     def __init__(
-        self, planner: SplitPlanner, window_s: float, gain: float, min_requests: int
+        self,
+        planner: SplitPlanner,
+        window_s: float,
+        gain: float,
+        min_requests: int,
+        bounds: tuple[int, int] | None = None,
     ) -> None:
+        """`bounds`: the fewest and most instances it may run (None: it never scales)."""
         self.planner = planner
         self.window_s = window_s
         self.gain = gain
         self.min_requests = min_requests
+        self.bounds = bounds
 
-    def decide(self, history: LoadHistory) -> FlipDecision | Keep | None:
+    def decide(self, history: LoadHistory) -> FlipDecision | ScaleDecision | Keep | None:
         if not history.covers(self.window_s):
             return None
         loads = {role: history.mean_loads(role) for role in (Role.PREFILL, Role.DECODE)}
@@ -103,7 +134,14 @@ class DistServePolicy:
         except ValueError as e:
             return Keep(f"the planner finds no placement: {e}", {"rate": window.rate})
         numbers = self._numbers(window, advice, p, d)
+        lo, hi = self.bounds or (n, n)
         target = best_split(advice, n)
+        if target is None and n < hi:
+            return self._add(advice, window, p, d, hi, numbers)
+        if n > lo:
+            removal = self._remove(advice, window, loads, lo, numbers)
+            if removal is not None:
+                return removal
         if target is None:
             return Keep(
                 f"no split of {n} instances serves {window.rate:.3g} req/s within the SLOs: "
@@ -123,7 +161,7 @@ class DistServePolicy:
             )
         source = Role.PREFILL if target < p else Role.DECODE
         other = Role.DECODE if source is Role.PREFILL else Role.PREFILL
-        name = min(loads[source], key=lambda k: (loads[source][k], k))
+        name = least_loaded(loads[source])
         return FlipDecision(
             name,
             other,
@@ -131,6 +169,57 @@ class DistServePolicy:
             f"({best:.3g} req/s within the SLOs) against the running {p}P:{d}D's {now:.3g}: "
             f"{name} moves from {source} to {other}",
             numbers,
+        )
+
+    def _add(
+        self,
+        advice: SplitAdvice,
+        window: ObservedWindow,
+        p: int,
+        d: int,
+        most: int,
+        numbers: dict[str, float],
+    ) -> ScaleDecision:
+        """The role short of what the rate needs (both short: by the larger share)."""
+        short_p, short_d = advice.needed_prefill / p, advice.needed_decode / d
+        role = Role.PREFILL if short_p > short_d else Role.DECODE
+        return ScaleDecision(
+            role,
+            None,
+            f"no split of {p + d} instances serves {window.rate:.3g} req/s within the SLOs: "
+            f"the planner needs {advice.needed_prefill} prefill + {advice.needed_decode} "
+            f"decode instances; a {role} instance is added (at most {most})",
+            numbers,
+        )
+
+    def _remove(
+        self,
+        advice: SplitAdvice,
+        window: ObservedWindow,
+        loads: dict[Role, dict[str, float]],
+        fewest: int,
+        numbers: dict[str, float],
+    ) -> ScaleDecision | None:
+        """One instance fewer when the best split of n - 1 serves the rate with `gain`
+        to spare; the least loaded of the role it has fewer of, never a role's last."""
+        p, d = len(loads[Role.PREFILL]), len(loads[Role.DECODE])
+        fewer = best_split(advice, p + d - 1)
+        if fewer is None:
+            return None
+        goodput = split_goodput(advice, fewer, p + d - 1 - fewer)
+        if goodput < (1 + self.gain) * window.rate:
+            return None
+        role = Role.PREFILL if p > fewer else Role.DECODE
+        if len(loads[role]) < 2:
+            return None
+        name = least_loaded(loads[role])
+        return ScaleDecision(
+            role,
+            name,
+            f"{fewer}P:{p + d - 1 - fewer}D serves {goodput:.3g} req/s within the SLOs, at "
+            f"least {1 + self.gain:g}x the observed {window.rate:.3g}: {name} (the least "
+            f"loaded {role} instance, {loads[role][name]:.0%}) is removed (at least {fewest})",
+            numbers | {"fewer_prefill": fewer, "fewer_goodput": goodput},
         )
 
     @staticmethod

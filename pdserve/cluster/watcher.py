@@ -42,17 +42,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.cluster.evidence import (
+    Decision,
     FlipDecision,
     FlipPolicy,
     InstanceLoad,
     Keep,
     LoadHistory,
+    ScaleDecision,
     Served,
     Snapshot,
 )
 from pdserve.cluster.flip import Flip
 from pdserve.cluster.hub import Feature, Hub
 from pdserve.cluster.instance import Instance
+from pdserve.cluster.scaling import Scaling
 from pdserve.cluster.table import Record
 from pdserve.config import Role
 from pdserve.errors import PdserveError
@@ -125,9 +128,9 @@ class Decided:
     """A decision the watcher carried out, and how it went."""
 
     at: float  # time.time()
-    decision: FlipDecision
-    flipped: bool
-    outcome: str  # "flipped in N ms (M moved)", or why the flip failed
+    decision: Decision
+    flipped: bool  # it was carried out (flipped, added, removed)
+    outcome: str  # "flipped in N ms (M moved)", "added decode-2 in S s", or why not
 
 
 class Watcher(Feature):
@@ -137,11 +140,13 @@ class Watcher(Feature):
         self,
         hub: Hub,
         flip: Flip,
+        scaling: Scaling,
         policy: FlipPolicy,
         interval_s: float,
     ) -> None:
         self.hub = hub
         self.flip = flip
+        self.scaling = scaling
         self.policy = policy
         self.interval_s = interval_s
         self.history = LoadHistory(policy.window_s)
@@ -194,9 +199,11 @@ class Watcher(Feature):
                 "reason": self.last_keep[1].reason,
                 "numbers": self.last_keep[1].numbers,
             },
+            "scaling": [r.as_dict() for r in self.scaling.reports],
             "decisions": [
                 {
                     "at": d.at,
+                    "action": d.decision.action,
                     "instance": d.decision.instance,
                     "role": str(d.decision.role),
                     "reason": d.decision.reason,
@@ -240,8 +247,9 @@ class Watcher(Feature):
             verdict = None  # it counted an instance that has died since
         if verdict is not None:
             self.last_numbers = verdict.numbers
-        if isinstance(verdict, FlipDecision):
-            log.info("flip: %s -> %s: %s", verdict.instance, verdict.role, verdict.reason)
+        if isinstance(verdict, FlipDecision | ScaleDecision):
+            what = (verdict.action, verdict.instance, verdict.role, verdict.reason)
+            log.info("%s %s (%s): %s", *what)
             await self._carry_out(verdict)
             return
         if isinstance(verdict, Keep):  # every look: shown, counted, not logged at INFO
@@ -250,18 +258,28 @@ class Watcher(Feature):
             self.kept += 1
         self._acting = None
 
-    async def _carry_out(self, decision: FlipDecision) -> None:
+    async def _carry_out(self, decision: Decision) -> None:
         try:
-            report = await self.flip.flip(decision.instance, decision.role)
+            outcome = await self._act(decision)
             flipped = True
-            outcome = f"flipped in {report.total_s * 1000:.0f} ms ({report.moved} moved)"
         except PdserveError as e:
-            flipped, outcome = False, f"not flipped: {e}"
-        log.info("flip of %s to %s: %s", decision.instance, decision.role, outcome)
+            flipped, outcome = False, f"not done: {e}"
+        log.info("%s %s (%s): %s", decision.action, decision.instance, decision.role, outcome)
         self.decisions.append(Decided(time.time(), decision, flipped, outcome))
         self.history.clear()  # the next decision needs a whole window after this one
         self._seen.clear()
         self._acting = None
+
+    async def _act(self, decision: Decision) -> str:
+        """Carry `decision` out; what happened (PdserveError: it was refused or failed)."""
+        if isinstance(decision, FlipDecision):
+            flip = await self.flip.flip(decision.instance, decision.role)
+            return f"flipped in {flip.total_s * 1000:.0f} ms ({flip.moved} moved)"
+        if decision.instance is None:
+            added = await self.scaling.add(decision.role)
+            return f"added {added.instance} in {added.seconds:.1f} s"
+        removed = await self.scaling.remove(decision.instance)
+        return f"removed in {removed.seconds * 1000:.0f} ms ({removed.moved} moved)"
 
 
 def utilisation(previous: tuple[float, float] | None, report: LoadReport) -> float | None:

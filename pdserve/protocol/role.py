@@ -12,6 +12,11 @@ decode instance's requests move to others with their KV), and then asks it to sw
     a later SwitchRole replaces one still waiting (one to the role it has cancels it:
        RoleSwitched at once for the new id; the replaced one is never answered)
 
+An instance that leaves the cluster (a scale-in, cluster/scaling.py) is drained the same
+way and then asked `SwitchRole(flip_id, its role, ..., leave=True)`: it answers
+`RoleSwitched` with its role unchanged once it is idle (nothing it offered is still being
+copied out of it), and the front end then shuts it down.
+
 `waited_s` is how long the instance waited to be idle after the message came, `switch_s`
 how long replacing the role took (the flip's own cost: TetriInfer reports 5-7 ms). An
 `error` (a role the instance's config refuses) means nothing changed.
@@ -34,11 +39,13 @@ class Role(StrEnum):
 
 class SwitchRole(msgspec.Struct, frozen=True, tag=True):
     """Become a `role` instance once idle. `max_num_batched_tokens`: the scheduler's token
-    budget per step in the new role (a prefill instance's chunk size may differ)."""
+    budget per step in the new role (a prefill instance's chunk size may differ).
+    `leave`: keep the role, only answer once idle (the instance is about to be shut down)."""
 
     flip_id: int
     role: Role
     max_num_batched_tokens: int
+    leave: bool = False
 
 
 class RoleSwitched(msgspec.Struct, frozen=True, tag=True):

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from pdserve.cluster.flip import Flip
+from pdserve.cluster.scaling import Scaling
 from pdserve.cluster.watcher import Watcher
 from pdserve.errors import EngineDeadError, InvalidRequestError, PdserveError
 from pdserve.protocol.sampling_params import SamplingParams
@@ -50,7 +51,9 @@ class ServerConfig:
     api_key: str | None = None
     # GET /debug/engine: the core's counters and a KV-pool integrity check (tests, ops).
     debug_endpoints: bool = False
-    # POST /admin/instances/{name}/role: instance flip (cluster/flip.py); keyed like /v1/.
+    # POST /admin/instances/{name}/role: instance flip (cluster/flip.py); POST
+    # /admin/instances, DELETE /admin/instances/{name}: scaling (cluster/scaling.py).
+    # Keyed like /v1/.
     admin_endpoints: bool = True
     # Request bodies above this are refused with 413.
     max_body_bytes: int = 4 * 1024 * 1024
@@ -91,6 +94,8 @@ def build_app(
         app.get("/debug/cluster")(api.debug_cluster)
     if config.admin_endpoints:
         app.post("/admin/instances/{name}/role")(api.flip)
+        app.post("/admin/instances")(api.add_instance)
+        app.delete("/admin/instances/{name}")(api.remove_instance)
     return app
 
 
@@ -162,6 +167,22 @@ class _Api:
         if flip is None:
             raise APIError(404, "this server has no instance flip")
         return (await flip.flip(name, body.role)).as_dict()
+
+    async def add_instance(self, body: RoleChange) -> dict[str, Any]:
+        """Scale out by hand: answers once the new instance serves (its report); 409 when
+        refused (no room, a role the cluster does not run, one engine)."""
+        return (await self._scaling().add(body.role)).as_dict()
+
+    async def remove_instance(self, name: str) -> dict[str, Any]:
+        """Scale in by hand: drains `name` (its requests move; none is lost) and stops
+        it; 404 for no such instance, 409 when refused (its role's last, flipping)."""
+        return (await self._scaling().remove(name)).as_dict()
+
+    def _scaling(self) -> Scaling:
+        scaling = _feature(self.client, Scaling)
+        if scaling is None:
+            raise APIError(404, "this server does not scale")
+        return scaling
 
     async def cluster_status(self) -> dict[str, Any]:
         """Nodes, instances, roles and load (`pdserve cluster status`); asks no instance,

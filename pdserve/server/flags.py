@@ -150,6 +150,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         replan_window_s=args.replan_window,
         replan_gain=args.replan_gain,
         replan_min_requests=args.replan_min_requests,
+        min_instances=args.min_instances,
+        max_instances=args.max_instances,
         max_migrations=args.max_migrations,
         replicate=args.kv_replication,
         prefill_chunk_size=args.chunk_size,

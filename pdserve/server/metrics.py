@@ -192,7 +192,8 @@ class _FaultCollector(Collector):
 
 class _ElasticCollector(Collector):
     """Flips by direction, the last flip's phases, the watcher's decisions by outcome,
-    and the role each instance holds now (cluster/flip.py, cluster/watcher.py)."""
+    instances added and removed, and the role each instance holds now (cluster/flip.py,
+    cluster/scaling.py, cluster/watcher.py)."""
 
     def __init__(self, watcher: Watcher) -> None:
         self.watcher = watcher
@@ -247,6 +248,15 @@ class _ElasticCollector(Collector):
             if share is not None and share == share:  # not NaN
                 attainment.add_metric([kind], share)
         yield attainment
+        scaled = CounterMetricFamily(
+            "pdserve_instances_scaled",
+            "Instances added and removed while serving (cluster/scaling.py), by action",
+            labels=["action"],
+        )
+        for action in ("add", "remove"):
+            done = sum(1 for r in self.watcher.scaling.reports if r.action == action)
+            scaled.add_metric([action], done)
+        yield scaled
         roles = GaugeMetricFamily(
             "pdserve_instance_role",
             "1 for the role each instance holds now",

@@ -207,7 +207,8 @@ def _check_text(text: str, path: str) -> None:
 
 
 class RoleChange(BaseModel):
-    """`POST /admin/instances/{name}/role`: the role the instance takes (instance flip)."""
+    """`POST /admin/instances/{name}/role`: the role the instance takes (instance flip);
+    `POST /admin/instances`: the role a new instance starts in (scaling)."""
 
     model_config = ConfigDict(extra="forbid")
 

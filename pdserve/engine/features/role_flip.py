@@ -5,7 +5,8 @@ requests finish or move), so by the time `SwitchRole` arrives the core is idle o
 be: a copy into its prefix cache may still be committing, an offered prefix still pinned
 until its reader lets go. The switch waits for that here - checked again each time the
 loop polls its participants, never inside a step - and replaces the role the moment the
-core holds nothing (`EngineCore.switch_role`). The prefix cache is not touched.
+core holds nothing (`EngineCore.switch_role`). The prefix cache is not touched. A switch
+with `leave` (the instance leaves the cluster) waits the same way and changes nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class RoleFlip(Participant):
         """Switch now if idle, else once idle; replaces a switch still waiting. A switch to
         the role the core holds is done at once (it cancels one waiting)."""
         self._pending, self._asked = msg, time.monotonic()
-        if msg.role is self.core.config.role:
+        if msg.role is self.core.config.role and not msg.leave:
             self._pending = None
             self.core.post(RoleSwitched(msg.flip_id, msg.role))
             return
@@ -58,6 +59,9 @@ class RoleFlip(Participant):
             return
         self._pending = None
         waited = time.monotonic() - self._asked
+        if msg.leave:
+            self.core.post(RoleSwitched(msg.flip_id, msg.role, None, waited))
+            return
         t0 = time.perf_counter()
         try:
             self.core.switch_role(msg.role, msg.max_num_batched_tokens)
