@@ -9,6 +9,9 @@ undisturbed colocated run's; every pool is clean after; the flipped instances ke
 names and serve in their new roles; what decode-1 cached as a decode instance (the answers
 it generated) is a prefix-cache hit when it prefills the conversations' next turns.
 
+Colocated instances (`--colocated 3`) flip to prefill and decode under the same load,
+through a cluster that mixes a colocated instance with a prefill and decode pair.
+
 Refusals and faults (`--prefill 1 --decode 2`, an API key): each refused flip's status and
 exact body, nothing changed; a flip of a stopped instance (SIGSTOP) waits, a second flip of
 it is refused meanwhile, and past `--flip-timeout` the flip is given up with the instance
@@ -151,6 +154,62 @@ def test_flips_under_load_lose_nothing_and_the_cache_stays(
         assert metrics[f'pdserve_instance_role{{instance="{name}",role="{role}"}}'] == 1
 
 
+def test_colocated_instances_flip_to_prefill_and_decode_under_load(
+    start: Callable[..., Server], served_engine: Engine
+) -> None:
+    """`--colocated 3` becomes disaggregated one flip at a time, the first two under load
+    (16 requests of the fault-tolerance workload): colocated-2 -> prefill (its requests
+    that streamed move to the others with their KV), colocated-1 -> decode - the cluster
+    now mixes a colocated instance with a prefill and decode pair, and the workload runs
+    through both, an even share each - then colocated-0, the last colocated instance, ->
+    decode (a pair remains: allowed). Every text equals the undisturbed colocated run's;
+    nothing retried, migrated or failed; pools clean."""
+    server = start("--colocated", "3", "--kv-wait", "30")
+    load = bodies()[:16]
+    reference = run(served_engine, load)
+
+    def flip_under_load(name: str, role: str) -> dict:
+        streams = Streams(server.url, load)
+        streams.wait_tokens(8)
+        status, report = flip(server, name, role)
+        assert status == 200, report
+        assert (report["previous_role"], report["role"]) == ("colocated", role), report
+        assert_identical(streams.results(), reference)
+        return report
+
+    report = flip_under_load("colocated-2", "prefill")
+    assert report["moved"] > 0 and 0 < report["copied"] <= report["moved"], report
+    flip_under_load("colocated-1", "decode")
+    assert roles(server) == {
+        "colocated-0": "colocated",
+        "colocated-1": "decode",
+        "colocated-2": "prefill",
+    }
+    # the mixed cluster: requests run whole on colocated-0 and through the pair, an even
+    # share of the instances each (16 requests at once: a third, at least 4, on colocated-0)
+    before = {r["name"]: r["stats"] for r in cluster(server)["instances"]}
+    assert_identical(Streams(server.url, load).results(), reference)
+    after = {r["name"]: r["stats"] for r in cluster(server)["instances"]}
+
+    def grew(name: str, counter: str) -> int:
+        return int(after[name][counter] - before[name][counter])
+
+    through_pair = grew("colocated-1", "num_predicted_decodes")  # a decode instance's count
+    assert 4 <= len(load) - through_pair <= through_pair, through_pair
+    assert grew("colocated-0", "prefix_cache_queries") > 0 and grew("colocated-2", "num_steps") > 0
+    assert flip(server, "colocated-0", "decode")[0] == 200
+    assert sorted(roles(server).values()) == ["decode", "decode", "prefill"]
+    assert_identical(Streams(server.url, load).results(), reference)
+    assert flip(server, "colocated-2", "decode") == (
+        409,
+        error(409, "colocated-2 is the last live prefill instance: the cluster needs one"),
+    )
+    counters = cluster(server)["controller"]
+    assert (counters["migrations"], counters["retries"], counters["failed"]) == (0, 0, 0)
+    assert counters["caching"]["kv_moves_failed"] == 0, counters["caching"]
+    wait_clean(server)
+
+
 def prompt_tokens(engine: Engine, body: dict) -> int:
     return len(engine.tokenizer.prompt_ids(body["prompt"]))
 
@@ -176,14 +235,6 @@ def test_refused_flips_change_nothing_and_a_stuck_one_is_given_up(
     assert server.post("/admin/instances/decode-0/role", raw) == (
         400,
         error(400, "unknown field 'now'", "now"),
-    )
-    assert flip(server, "decode-0", "colocated") == (
-        409,
-        error(
-            409,
-            "a disaggregated cluster sends no work to colocated instances: flip an instance "
-            "between prefill and decode",
-        ),
     )
     assert flip(server, "decode-0", "decode") == (
         409,

@@ -86,14 +86,6 @@ def test_a_decode_instance_leaves_under_load_and_nothing_is_lost(
         409,
         error(409, "prefill-0 is the last live prefill instance: the cluster needs one"),
     )
-    assert add(server, "colocated") == (
-        409,
-        error(
-            409,
-            "a disaggregated cluster sends no work to colocated instances: add a prefill or "
-            "a decode instance",
-        ),
-    )
     assert add(server, "bogus") == (
         400,
         error(400, "role: Input should be 'colocated', 'prefill' or 'decode'", "role"),

@@ -80,12 +80,19 @@ class Dispatch(Feature):
     def dispatch(self, rec: Record) -> None:
         """Send an attempt (new, or moved before it streamed anything) to its first
         instance. With every prefill (or every decode) instance dead, a live instance of
-        the other role runs it whole: slower for everyone, but no request is refused."""
+        the other role runs it whole: slower for everyone, but no request is refused.
+        Colocated instances run it whole as well: all of them in a colocated cluster; in
+        a cluster that also has a prefill and a decode instance (instances flipped or
+        added to roles of the other kind: cluster/flip.py), the attempt goes to the
+        colocated instance when it holds no more requests than the prefill and decode
+        instances hold per instance (`_colocated_lighter`), else through them."""
         hub = self.hub
         rec.phase = Phase.PREFILL
         rec.return_to = None
-        if not hub.config.disaggregated:
-            self._send_prefill(rec, hub.of_role(Role.COLOCATED), None)
+        colocated = hub.live(Role.COLOCATED)
+        pair = bool(hub.live(Role.PREFILL)) and bool(hub.live(Role.DECODE))
+        if colocated and (not pair or self._colocated_lighter(colocated)):
+            self._send_prefill(rec, colocated, None)
         elif not hub.live(Role.DECODE):
             self._send_prefill(rec, hub.of_role(Role.PREFILL), None)
         elif not hub.live(Role.PREFILL):
@@ -130,11 +137,22 @@ class Dispatch(Feature):
             rec.phase = Phase.PREFILL
             inst.send(request)
 
+    def _colocated_lighter(self, colocated: list[Instance]) -> bool:
+        """A mixed cluster: the least loaded colocated instance holds no more requests
+        than the prefill and decode instances hold per instance (every instance takes an
+        even share of the requests; counted in the request table, O(requests): only a
+        mixed cluster pays it)."""
+        hub = self.hub
+        pair = [*hub.live(Role.PREFILL), *hub.live(Role.DECODE)]
+        in_pair = sum(1 for rec in hub.table if any(rec.holds(i) for i in pair))
+        least = min(len(hub.table.holding(i)) for i in colocated)
+        return least * len(pair) <= in_pair
+
     @property
     def continues_through_prefill(self) -> bool:
         """A moved request may be recomputed on a prefill instance and handed off as
         usual: pull mode (a push reservation is sized for the prompt alone)."""
-        return self.hub.config.disaggregated and not self.transfer.push
+        return not self.transfer.push
 
     def continue_through(self, rec: Record, inst: Instance) -> None:
         """A moved request's tokens so far recomputed on prefill instance `inst`, which

@@ -32,10 +32,19 @@ through steps 1-3 the same way - so no request is lost or aborted - except that 
 `SwitchRole` asks it only to answer once idle (`leave`: nothing it offered is still being
 copied out of it); it then stays out of every role, and the caller shuts it down.
 
+Colocated instances take part the same way: a disaggregated cluster's instance may become
+colocated (dispatch then sends it requests to run whole when it holds no more than the
+prefill and decode instances hold per instance: cluster/dispatch.py), and a colocated
+cluster's instances
+may become prefill or decode ones (once it has both, requests go through them too). A
+colocated instance drains like a decode one: each request that has streamed its first
+token moves with its KV; one still in its prompt moves once its first token came.
+
 What a flip refuses (`ConflictError`, HTTP 409; nothing changes): an instance that is dead
-or flipping already, the last live instance of its role, a role it holds, colocated
-roles (a disaggregated cluster's dispatch sends no work to a colocated instance), and any
-flip in a cluster of colocated instances. An unknown name is `NotFoundError` (404).
+or flipping already, a role it holds, and a flip after which the cluster could not run a
+request the usual way - no live colocated instance, and no live prefill and decode pair
+(the last prefill instance of a disaggregated cluster, say). An unknown name is
+`NotFoundError` (404).
 
 Faults: an instance that dies mid-flip fails the flip (`InstanceFailedError`) and is
 handled like any death (recovery moves what it held). A flip that has not switched within
@@ -148,7 +157,8 @@ class Flip(Feature):
         self._advance(flip)
         return await asyncio.shield(flip.done)
 
-    def _leaving(self, name: str) -> Instance:
+    def _leaving(self, name: str, role: Role | None = None) -> Instance:
+        """Instance `name`, which may leave its role for `role` (None: the cluster)."""
         hub = self.hub
         inst = hub.instance(name)
         if inst is None:
@@ -158,25 +168,29 @@ class Flip(Feature):
             raise ConflictError(f"{name} is dead: {inst.dead}")
         if name in self._flips:
             raise ConflictError(f"{name} is flipping already (to {self._flips[name].role})")
-        if len(hub.live(inst.role)) <= 1:
+        if not self._serves_after(inst, role):
+            needs = (
+                "one" if inst.role is not Role.COLOCATED else "one, or a prefill and a decode one"
+            )
             raise ConflictError(
-                f"{name} is the last live {inst.role} instance: the cluster needs one"
+                f"{name} is the last live {inst.role} instance: the cluster needs {needs}"
             )
         return inst
 
+    def _serves_after(self, inst: Instance, role: Role | None) -> bool:
+        """Once `inst` holds `role` (None: has left), the live instances can still run a
+        request the usual way: a colocated one, or a prefill and a decode one."""
+        roles = {
+            i.role
+            for i in self.hub.instances
+            if i is not inst and i.alive and i.flipping_to is None
+        }
+        if role is not None:
+            roles.add(role)
+        return Role.COLOCATED in roles or {Role.PREFILL, Role.DECODE} <= roles
+
     def _check(self, name: str, role: Role) -> Instance:
-        hub = self.hub
-        inst = self._leaving(name)
-        if not hub.config.disaggregated:
-            raise ConflictError(
-                "instance flip needs a disaggregated cluster (serve --prefill N --decode M); "
-                "this one runs colocated instances only"
-            )
-        if role is Role.COLOCATED:
-            raise ConflictError(
-                "a disaggregated cluster sends no work to colocated instances: flip an "
-                "instance between prefill and decode"
-            )
+        inst = self._leaving(name, role)
         if inst.role is role:
             raise ConflictError(f"{name} is a {role} instance already")
         return inst
@@ -232,7 +246,7 @@ class Flip(Feature):
             return
         held = False  # something stays: a prompt, KV on its way in
         for rec in self.hub.table.holding(flip.inst):
-            if rec.decode is flip.inst and rec.phase is Phase.DECODE:
+            if _decoding_on(rec, flip.inst):
                 self._move(rec, flip)
             held |= rec.holds(flip.inst)
         if held:
@@ -324,6 +338,20 @@ class Flip(Feature):
         if old is not role:
             self.router.role_changed(inst, old)
         self.hub.instances_changed()
+
+
+def _decoding_on(rec: Record, inst: Instance) -> bool:
+    """`rec` is generating tokens on `inst`: it decodes there, or `inst` is colocated and
+    has streamed its first token (a colocated instance runs a request as its prefill
+    instance from the prompt to the end)."""
+    if rec.decode is inst:
+        return rec.phase is Phase.DECODE
+    return (
+        rec.prefill is inst
+        and inst.role is Role.COLOCATED
+        and rec.phase is Phase.PREFILL
+        and bool(rec.streamed)
+    )
 
 
 def _retrieve(done: asyncio.Future[FlipReport]) -> None:

@@ -24,6 +24,7 @@ from pdserve.cluster.hub import Feature, Hub
 from pdserve.cluster.instance import Instance
 from pdserve.cluster.table import Phase, Record
 from pdserve.cluster.transfer_policy import transfer_policy
+from pdserve.config import Role
 from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import EngineOutput, OutputBatch
 from pdserve.text.output_processor import LoopBudget, OutputProcessor
@@ -50,7 +51,7 @@ class OutputRelay:
         rec = self.hub.table.get(out.request_id)
         if rec is None or not rec.holds(inst):
             return
-        from_prefill = self.hub.config.disaggregated and inst is rec.prefill
+        from_prefill = inst is rec.prefill and inst.role is Role.PREFILL
         if from_prefill and rec.phase is not Phase.PREFILL:
             return
         if out.prediction is not None and rec.prediction is None:

@@ -123,6 +123,12 @@ class DistServePolicy:
         window = history.window()
         p, d = len(loads[Role.PREFILL]), len(loads[Role.DECODE])
         n = p + d
+        if not (p and d):
+            return Keep(
+                f"the cluster runs {p} prefill and {d} decode instances: the distserve "
+                "policy plans prefill:decode splits of disaggregated instances",
+                {"prefill": p, "decode": d},
+            )
         if len(window.requests) < self.min_requests:
             return Keep(
                 f"{len(window.requests)} requests finished in the last {window.seconds:g} s; "

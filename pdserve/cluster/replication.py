@@ -152,10 +152,10 @@ class Replication(Feature):
             holder.send(OpenReplicaStore(source.name, source.kv_layout))
 
     def _roles(self) -> tuple[list[Instance], list[Instance]]:
-        """(sources: the instances that decode, others: where a lone source may replicate)."""
-        if self.hub.config.disaggregated:
-            return self.hub.of_role(Role.DECODE), self.hub.of_role(Role.PREFILL)
-        return self.hub.of_role(Role.COLOCATED), []
+        """(sources: the instances that decode - decode and colocated ones -, others:
+        where a lone source may replicate: the prefill instances)."""
+        hub = self.hub
+        return hub.of_role(Role.DECODE) + hub.of_role(Role.COLOCATED), hub.of_role(Role.PREFILL)
 
     def _on_store_opened(self, inst: Instance, msg: ReplicaStoreOpened) -> None:
         source = self.hub.instance(msg.source)

@@ -14,12 +14,13 @@ with their KV, a prefill instance finishes the prompts it holds, and once it hol
 nothing the hub forgets it (`Hub.retire`; the router drops its prompt tree) and its
 process is shut down. No request is aborted or recomputed from its prompt.
 
-Refused (`ConflictError`, HTTP 409; nothing changes): a server of one engine (its
-failure semantics are a lone engine's: nothing to fail over to); a role the cluster does
-not run (colocated in a disaggregated cluster, prefill or decode in a colocated one); no
-room for the instance; for a removal, its role's last live instance, one that flips or
-is dead. An unknown name is `NotFoundError` (404); a start that fails,
-`InstanceFailedError` (503) with the instance's own message.
+Any role may be added to any cluster (dispatch mixes colocated instances with prefill
+and decode ones: cluster/dispatch.py). Refused (`ConflictError`, HTTP 409; nothing
+changes): a server of one engine (its failure semantics are a lone engine's: nothing to
+fail over to); no room for the instance; for a removal, one after which the cluster could
+not run a request the usual way (cluster/flip.py), one that flips or is dead. An unknown
+name is `NotFoundError` (404); a start that fails, `InstanceFailedError` (503) with the
+instance's own message.
 
 Single-threaded: the controller's event loop runs every method.
 """
@@ -130,19 +131,8 @@ class Scaling(Feature):
         return report
 
     def _check_role(self, role: Role) -> None:
-        config = self.hub.config
-        if config.num_instances == 1:
+        if self.hub.config.num_instances == 1:
             raise ConflictError(self._one_engine())
-        if config.disaggregated and role is Role.COLOCATED:
-            raise ConflictError(
-                "a disaggregated cluster sends no work to colocated instances: add a "
-                "prefill or a decode instance"
-            )
-        if not config.disaggregated and role is not Role.COLOCATED:
-            raise ConflictError(
-                f"this cluster runs colocated instances only: a {role} instance would get no "
-                "work (add a colocated one)"
-            )
 
     @staticmethod
     def _one_engine() -> str:
