@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pdserve.config import DecodeAdmission
 from pdserve.planner.latency import StepCost
 from pdserve.planner.model_spec import PlanInputError
 from pdserve.planner.simulator import (
@@ -81,6 +82,30 @@ def test_pipelined_prefill_admits_a_batch_every_stage_time() -> None:
     assert r.ttft.tolist() == pytest.approx([4.0, 6.0, 8.0])
 
 
+def test_pipeline_bubble_a_short_batch_waits_behind_a_long_one() -> None:
+    """DistServe §3.3: a stage runs one micro-batch at a time, so a short prompt behind
+    a long one waits at stage 2 (a bubble at stage 1), and a prompt after it too."""
+    # per stage: 1 ms a token; budget 400: each prompt is its own micro-batch
+    inst = InstanceSpec(cost(base=0.0, prompt_token=0.001, stages=2), 10_000, 256, 400, False)
+    r = simulate_prefill(inst, wl([0.0, 0.0, 0.0], [400, 300, 300], [1] * 3))
+    # A: stage 1 [0, 0.4], stage 2 [0.4, 0.8]; B: stage 1 [0.4, 0.7], stage 2 waits for A:
+    # [0.8, 1.1]; C: stage 1 [0.7, 1.0], stage 2 [1.1, 1.4] (no bubbles: 1.0 and 1.3)
+    assert r.first_token.tolist() == pytest.approx([0.8, 1.1, 1.4], abs=1e-12)
+    # short first: the long one waits for nothing, the prompt after it does
+    r = simulate_prefill(inst, wl([0.0, 0.0, 0.0], [300, 400, 300], [1] * 3))
+    # A: [0, 0.3], [0.3, 0.6]; B: [0.3, 0.7], [0.7, 1.1]; C: [0.7, 1.0], [1.1, 1.4]
+    assert r.first_token.tolist() == pytest.approx([0.6, 1.1, 1.4], abs=1e-12)
+
+
+def test_pipeline_stages_wait_for_activation_hops() -> None:
+    """A batch enters stage k after its activations crossed (hop_token per token)."""
+    c = StepCost(0.0, 0.001, 0.0, 0.0, 0.0, 0.0, 2, hop_token=0.0005)
+    inst = InstanceSpec(c, 10_000, 256, 400, chunked=False)
+    r = simulate_prefill(inst, wl([0.0, 0.0], [400, 100], [1, 1]))
+    # A: [0, 0.4], hop 0.2, [0.6, 1.0]; B: [0.4, 0.5], hop 0.05, stage 2 free at 1.0: [1.0, 1.1]
+    assert r.first_token.tolist() == pytest.approx([1.0, 1.1], abs=1e-12)
+
+
 def test_prefill_queueing_is_fcfs_across_idle_gaps() -> None:
     inst = InstanceSpec(cost(base=1.0), 10_000, 256, 100, chunked=True)
     r = simulate_prefill(inst, wl([0.0, 0.5, 5.0], [10, 10, 10], [1] * 3))
@@ -104,11 +129,47 @@ def test_decode_batches_join_at_step_boundaries() -> None:
     assert r.ttft.tolist() == [0.0, 0.0]
 
 
-def test_decode_kv_capacity_delays_admission() -> None:
-    # 30 tokens: A reserves 10 + 4, B needs 20 + 3 and waits for A to finish
-    inst = InstanceSpec(cost(base=0.1), 30)
+@pytest.mark.parametrize(
+    ("policy", "swaps"), [(DecodeAdmission.GREEDY, 1), (DecodeAdmission.RESERVE_STATIC, 0)]
+)
+def test_decode_kv_capacity_delays_admission(policy: DecodeAdmission, swaps: int) -> None:
+    # 30 tokens. reserve-static: B's whole KV (20 + 3) does not fit beside A's 10, so B
+    # waits for A to finish. greedy: B's prompt fits beside A's (10 + 20), but the first
+    # step needs a slot each (11 + 21 > 30): B, the newest, is swapped out at once and
+    # comes back when A has finished
+    inst = InstanceSpec(cost(base=0.1), 30, decode_admission=policy)
     r = simulate_decode(inst, wl([0.0, 0.0], [10, 20], [4, 3]))
     assert r.finish.tolist() == pytest.approx([0.3, 0.5])
+    assert r.preemptions == swaps
+
+
+def test_decode_kv_on_demand_admits_what_a_whole_reservation_refuses() -> None:
+    # 30 tokens: A (10 + 4) would reserve 14, B (15 + 3) 18: 32 > 30, so B used to wait
+    # for A (B done at 0.5). On demand B joins at once: the steps need 11 + 16 = 27 and
+    # 29 tokens; B makes its two tokens by 0.2, A its three by 0.3
+    inst = InstanceSpec(cost(base=0.1), 30)
+    r = simulate_decode(inst, wl([0.0, 0.0], [10, 15], [4, 3]))
+    assert r.finish.tolist() == pytest.approx([0.3, 0.2])
+    assert r.preemptions == 0
+
+
+def test_decode_swaps_out_the_newest_when_the_pool_is_full() -> None:
+    # 30 tokens: A (10 + 4) and B (15 + 10) both join at 0 (10 + 15 held). Steps need
+    # 27 and 29 tokens; before the third (31) B, the newest, is swapped out with 3
+    # tokens made; A's third step (0.3) ends it; B comes back and makes 7 more: 1.0
+    inst = InstanceSpec(cost(base=0.1), 30)
+    r = simulate_decode(inst, wl([0.0, 0.0], [10, 15], [4, 10]))
+    assert r.finish.tolist() == pytest.approx([0.3, 1.0])
+    assert r.preemptions == 1
+    # the swap copies B's 17 tokens out before A's third step and back after it
+    priced = InstanceSpec(cost(base=0.1), 30, swap_token_s=0.01)
+    r = simulate_decode(priced, wl([0.0, 0.0], [10, 15], [4, 10]))
+    assert r.finish.tolist() == pytest.approx([0.2 + 0.17 + 0.1, 0.2 + 0.17 + 0.1 + 0.17 + 0.7])
+
+
+def test_decode_admission_policies_the_simulator_cannot_price_are_refused() -> None:
+    with pytest.raises(PlanInputError, match="decode admission 'past-future' is not simulated"):
+        InstanceSpec(cost(), 100, decode_admission=DecodeAdmission.PAST_FUTURE)
 
 
 def test_decode_batch_size_cap() -> None:
@@ -126,6 +187,34 @@ def test_disaggregated_pipeline_with_transfer_time() -> None:
     assert r.first_token.tolist() == pytest.approx([2.5, 2.5])
     assert r.finish.tolist() == pytest.approx([2.5 + 10 + 0.2, 2.5])  # B: one token, no decode
     assert r.tpot.tolist() == pytest.approx([(10 + 0.2) / 2, 0.0])  # TPOT holds the transfer
+
+
+def test_prefill_kv_is_held_until_the_decode_side_pulls_it() -> None:
+    """A prefill instance keeps a prompt's KV until the decode side's fetch ends
+    (the engine's pull mode); a full pool admits no prompt meanwhile."""
+    pre = InstanceSpec(cost(base=1.0), 100, 256, 512, chunked=False)
+    dec = InstanceSpec(cost(base=0.1), 10_000)
+    system = DisaggSystem((pre,), (dec,), kv_bytes_per_token=100, transfer_bandwidth=1000.0)
+    r = simulate(system, wl([0.0, 0.0], [60, 60], [3, 3]))
+    # A prefills [0, 1]; its fetch takes 6 s (60 * 100 / 1000), so B (60 + 60 > 100)
+    # waits for it: [7, 8]; without holding, B would prefill [1, 2]
+    assert r.first_token.tolist() == pytest.approx([1.0, 8.0])
+    assert r.finish.tolist() == pytest.approx([7.2, 14.2])
+
+
+def test_a_prefill_instance_full_of_held_kv_waits_for_the_decode_side_to_admit() -> None:
+    """The decode side cannot admit B until A finishes, so B's KV stays on the prefill
+    instance and C cannot start its prefill: the two sides are coupled."""
+    pre = InstanceSpec(cost(base=1.0), 100, 256, 512, chunked=False)
+    dec = InstanceSpec(cost(base=0.1), 100)
+    system = DisaggSystem((pre,), (dec,), kv_bytes_per_token=1, transfer_bandwidth=math.inf)
+    r = simulate(system, wl([0.0, 0.0, 0.0], [60, 60, 60], [30, 3, 3]))
+    # A: [0, 1], pulled at once, decodes 29 steps: 3.9. B: [1, 2]; the decode pool holds
+    # A's 60+ tokens, so B waits there until 3.9, holding 60 of the prefill's 100; C (60)
+    # prefills [3.9, 4.9]. B decodes [3.9, 4.1], C [4.9, 5.1]. (Without holding: C
+    # prefills [2, 3] and waits on the decode side until B ends: 4.3.)
+    assert r.first_token.tolist() == pytest.approx([1.0, 2.0, 4.9])
+    assert r.finish.tolist() == pytest.approx([3.9, 4.1, 5.1])
 
 
 def test_decode_dispatch_goes_to_the_least_loaded_instance() -> None:
@@ -160,9 +249,10 @@ def test_lazy_load_queries_change_no_result(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(simulator._Decode, "load_at", eager)
     every = simulate(system, w)
-    # the same dispatch choices and step boundaries (fewer, longer jumps: rounding only)
+    # the same dispatch choices and step boundaries (fewer, longer jumps: rounding only;
+    # first tokens too, since held KV couples the prefill side to the decode side's pulls)
     assert np.allclose(lazy.finish, every.finish, rtol=0, atol=1e-9)
-    assert np.array_equal(lazy.first_token, every.first_token)
+    assert np.allclose(lazy.first_token, every.first_token, rtol=0, atol=1e-9)
     assert lazy.tpot.mean() > 0.02  # decodes did queue and batch
 
 
@@ -223,24 +313,41 @@ def test_colocated_prefill_first_pauses_decodes() -> None:
 def naive_decode(
     c: StepCost, cap: int, max_batch: int, w: SimWorkload, speed: Any = None
 ) -> np.ndarray:
-    """One step at a time: at each boundary admit arrived requests FCFS while there is
-    room, then run a step of everything admitted (priced at `speed.at(its start)`)."""
+    """One step at a time, as the engine's decode side (greedy admission): at each
+    boundary admit arrived requests FCFS while a slot is free and the prompt's KV fits
+    beside what the batch holds (inp + generated - 1 each); a step needs one more slot
+    per request: while the pool cannot give them, swap out the newest; if nothing was
+    swapped out, swap back the oldest while they fit; then run a step of the batch
+    (priced at `speed.at(its start)`). Swapped requests keep their slot."""
     arr, inp, out = w.arrivals.tolist(), w.input_lens.tolist(), w.output_lens.tolist()
     finish = [0.0] * len(arr)
     pending = [i for i in range(len(arr)) if out[i] > 1]
     for i in range(len(arr)):
         if out[i] == 1:
             finish[i] = arr[i]
-    running: dict[int, int] = {}  # rid -> tokens generated so far
-    reserved, t = 0, 0.0
-    while pending or running:
-        while pending and arr[pending[0]] <= t and len(running) < max_batch:
+    running: dict[int, int] = {}  # rid -> tokens generated so far, oldest join first
+    swapped: list[tuple[int, int]] = []  # (rid, generated), oldest first
+    t = 0.0
+    while pending or running or swapped:
+        held = sum(inp[i] + g - 1 for i, g in running.items())
+        while pending and arr[pending[0]] <= t and len(running) + len(swapped) < max_batch:
             i = pending[0]
-            if reserved + inp[i] + out[i] > cap:
+            if held + inp[i] > cap:
                 break
             pending.pop(0)
-            reserved += inp[i] + out[i]
             running[i] = 1
+            held += inp[i]
+        preempted = False
+        while running and sum(inp[i] + g for i, g in running.items()) > cap:
+            i = list(running)[-1]
+            swapped.append((i, running.pop(i)))
+            preempted = True
+        while swapped and (not preempted or not running):
+            i, g = swapped[0]
+            if sum(inp[j] + h for j, h in running.items()) + inp[i] + g > cap:
+                break
+            swapped.pop(0)
+            running[i] = g
         if not running:
             t = max(t, arr[pending[0]])
             continue
@@ -253,7 +360,6 @@ def naive_decode(
             running[i] += 1
             if running[i] == out[i]:
                 finish[i] = t
-                reserved -= inp[i] + out[i]
                 del running[i]
     return np.array(finish)
 
@@ -281,6 +387,17 @@ def test_jumps_match_the_naive_loop(seed: int) -> None:
     cap, batch = 400 + 50 * seed, 4 + seed
     got = simulate_decode(InstanceSpec(c, cap, max_batch_size=batch), w)
     assert np.allclose(got.finish, naive_decode(c, cap, batch, w), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_on_demand_kv_and_swapping_match_the_naive_loop(seed: int) -> None:
+    """A pool too small for the batch's growth: requests are swapped out and back."""
+    w = random_decodes(seed)
+    c = cost(base=0.01, decode_token=0.002, context_token=1e-4, knee=2 * (seed % 3))
+    cap = 100 + 20 * seed
+    got = simulate_decode(InstanceSpec(c, cap, max_batch_size=8), w)
+    assert got.preemptions > 0
+    assert np.allclose(got.finish, naive_decode(c, cap, 8, w), rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -11,14 +11,31 @@ Semantics (each mirrors an engine; tests pin them down exactly):
   whole prompts are batched while they fit L_m and a longer prompt runs alone
   (DistServe §4.3). A prompt's first token is emitted when the step holding its last
   chunk ends (pipelines: after all stages). A prompt is admitted only when its KV
-  fits beside the prompts in progress; KV held after the prefill (waiting for the
-  decode side to pull it) is not modelled.
-- **Decode instance** (`engine/roles/decode.py`): FCFS queue; a request is admitted at
-  a step boundary (or at once when idle) when a batch slot is free and its whole KV,
-  prompt + output tokens, fits (reserved up front, so nothing is ever preempted).
-  Its prompt KV then transfers (input_len * kv_bytes_per_token / bandwidth) and it
-  joins the batch at the first step boundary after the transfer ends. It makes
-  output_len - 1 tokens, one per step (the first came from the prefill).
+  fits the pool beside the KV already there, and its KV stays there, *held*, until
+  the decode side's fetch of it ends (the engine's pull mode: `num_held`, freed on
+  `ReleaseKV`); a one-token request frees it when its prefill ends. A pool full of
+  held KV admits no prompt until the decode side pulls.
+- **Prefill pipeline** (DistServe §3.3; our engine has no pipeline parallelism): each
+  stage runs one micro-batch (one step's batch) at a time and takes the batch's stage
+  time, set by its own tokens. A batch enters stage 1 when stage 1 is free and stage k
+  when it has left stage k - 1 (plus the activation hop) and stage k is free, so a
+  short batch behind a long one waits: a bubble. Batches of equal size never wait
+  (a new one every stage time: DistServe eq. 2).
+- **Decode instance** (`engine/roles/decode.py`, `engine/admission.py`,
+  `engine/scheduler.py`): FCFS queue; at a step boundary (at once when idle, or when
+  the request is dispatched mid-step) the head is admitted, its fetch starting, when a
+  batch slot is free and its prompt's KV fits beside what the pool holds now (every
+  running request's prompt and generated tokens, the fetches under way), under the
+  default rule `greedy`; `reserve-static` (`InstanceSpec.decode_admission`) also needs
+  its whole KV, prompt + output, to fit in what is free now, unless nothing runs or
+  is fetched. The prompt KV transfers (input_len * kv_bytes_per_token / bandwidth) and
+  the request joins the batch at the first boundary after the transfer ends. It
+  makes output_len - 1 tokens, one per step (the first came from the prefill), and
+  its KV grows by one token a step. When the pool cannot hold the next step's new
+  tokens, the newest request is swapped out (the scheduler's `_make_room` with the
+  default `swap` mode): it leaves the batch with its progress; swapped requests come
+  back, oldest first, at a boundary where nothing was swapped out, when their KV fits
+  again. A swap costs `swap_token_s` per KV token each way (0 by default).
 - **Colocated instance** (`engine/scheduler.py`): with `chunked` (our engine,
   Sarathi-style) each step gives every decoding request 1 token, continues the
   prompt in progress, then admits waiting prompts FCFS while the token budget, the
@@ -37,15 +54,21 @@ Step times: a decode or colocated iteration costs `stages * base + prices . coun
 the counts are prompt tokens, attention units ((k+c)^2 - k^2 per chunk), prompts
 finishing, decode rows past the knee (`latency.decode_rows`), decode tokens (their
 all-reduces and stage hops) and context tokens (a decoding request attends over its
-prompt and every token generated so far). A prefill pipeline admits a new batch
-every stage time; its requests finish `cost.latency(stage_time)` after it starts.
+prompt and every token generated so far). A prefill batch's stage time is
+`base + prices . counts` of its own prompts.
+
+Not modelled: a colocated instance still reserves a request's whole KV at admission
+(nothing is preempted there); swapped decode requests keep their batch slot; KV is
+counted in tokens, not blocks; the prefill side allocates a prompt's whole KV at
+admission (the engine allocates chunk by chunk).
 
 Speed: between events a decode batch is constant and its step times form an
 arithmetic progression (the context grows by the batch size per step), so an
-instance jumps straight to the next finish, transfer end or dispatch in closed form.
-Prefill and decode are simulated in two passes (prefill completions do not depend on
-the decode side when KV holding is not modelled); instances advance lazily to each
-dispatch time.
+instance jumps straight to the next finish, full pool, transfer end or dispatch in
+closed form. A disaggregated system runs as one loop over arrivals, first tokens
+and prefill steps in time order (`_DisaggRun`); decode instances advance lazily, to
+each dispatch, or to the time of a prefill step that the pool binds and held KV
+might be released for.
 """
 
 from __future__ import annotations
@@ -53,11 +76,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from pdserve.config import DecodeAdmission
 from pdserve.planner.latency import StepCost, decode_rows
 from pdserve.planner.model_spec import PlanInputError
 from pdserve.planner.workload import SimWorkload
@@ -75,10 +100,25 @@ class InstanceSpec:
     # Colocated, chunked: prompt tokens a step takes while anything decodes (the engine's
     # `SchedulerConfig.prompt_cap(device)`); None: the whole budget.
     prompt_cap: int | None = None
+    # Decode: which waiting request may start its fetch (the engine's
+    # `SchedulerConfig.decode_admission`; greedy is its default). Only greedy and
+    # reserve-static are simulated: the other rules read predicted lengths.
+    decode_admission: DecodeAdmission = DecodeAdmission.GREEDY
+    # Decode: seconds per KV token a preemption copies to the host tier, and again back
+    # (the engine's swap); 0: free (no profile prices the host link yet).
+    swap_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_batch_tokens < 1:
             raise PlanInputError("max_batch_size and max_batch_tokens must be >= 1")
+        simulated = (DecodeAdmission.GREEDY, DecodeAdmission.RESERVE_STATIC)
+        if self.decode_admission not in simulated:
+            raise PlanInputError(
+                f"decode admission {self.decode_admission.value!r} is not simulated "
+                "(greedy or reserve-static)"
+            )
+        if not self.swap_token_s >= 0:
+            raise PlanInputError(f"swap_token_s must be >= 0, got {self.swap_token_s}")
         if self.prompt_cap is not None and self.prompt_cap < 1:
             raise PlanInputError(f"prompt_cap must be >= 1 (or None), got {self.prompt_cap}")
 
@@ -145,6 +185,7 @@ class SimResult:
     finish: np.ndarray
     utilization: dict[str, float] = field(default_factory=dict)
     makespan: float = 0.0
+    preemptions: int = 0  # decode instances' swap-outs (the pool could not hold a step)
 
     def attainment(self, ttft_slo: float | None, tpot_slo: float | None) -> float:
         """Share of requests meeting both SLOs (None: that one is not judged)."""
@@ -187,24 +228,40 @@ class _Requests:
 
 
 class _Prefill:
-    def __init__(self, spec: InstanceSpec, reqs: _Requests, name: str) -> None:
+    """A prefill instance. KV contract: a prompt's KV (`inp` tokens) is taken from the
+    pool when the prompt is admitted and given back at its release time: the end of its
+    prefill when nothing pulls it (`hold` False, or a one-token output), else the end of
+    the decode side's fetch, posted by the decode instance through `release`. Until then
+    it is *held* (the engine's pull mode: `PrefillRole.num_held`)."""
+
+    def __init__(self, spec: InstanceSpec, reqs: _Requests, name: str, hold: bool) -> None:
         c = spec.cost
-        self.spec, self.reqs, self.name = spec, reqs, name
+        self.spec, self.reqs, self.name, self.hold = spec, reqs, name, hold
         self.base, self.pt, self.pu, self.ps = c.base, c.prompt_token, c.prompt_unit, c.prompt_seq
         self.stages, self.hop = c.stages, c.hop_token
         self.t = 0.0
         self.busy = 0.0
         self.queue: deque[int] = deque()
         self.done_head = 0  # prompt tokens already computed for queue[0]
-        self.used = 0  # KV tokens of admitted, unfinished prompts
+        self.used = 0  # KV tokens in the pool: admitted prompts, finished or not, until released
         self.admitted_head = False  # queue[0] holds its KV already
         self.pending: list[float] = []  # completion times not yet reached (heap)
-        self.assigned = 0
+        # (first token time, rid), in step order; the disaggregated run makes it a heap
         self.completions: list[tuple[float, int]] = []
+        self.max_prompt = max(reqs.inp) if reqs.inp else 0
+        self.stage_free = [0.0] * c.stages  # when each pipeline stage ends its last batch
+        self.releases: list[tuple[float, int]] = []  # (time its KV leaves the pool, rid) heap
+        self.unreleased = 0  # held prompts whose release time is not known yet
+        self.blocked = False  # the head waits for KV room that only a release can give
+        self.next_t = INF  # when the next step starts (`next_time`), kept up to date
+        # Called with a time t before a step that KV binds: afterwards every release
+        # at or before t has been posted (the disaggregated run advances the decode side).
+        self.sync: Callable[[float], None] | None = None
 
     def load_at(self, now: float) -> int:
         """Requests not yet prefilled at `now` (after advancing to it)."""
-        self.advance_to(now)
+        if self.next_t < now:
+            self.advance_to(now)
         pend = self.pending
         while pend and pend[0] <= now:
             heapq.heappop(pend)
@@ -214,21 +271,86 @@ class _Prefill:
         if not self.queue and self.t < now:
             self.t = now
         self.queue.append(rid)
+        self._update_next()
+
+    def next_time(self) -> float:
+        """When the next step starts (INF: no work, or blocked on an unknown release)."""
+        return self.next_t
+
+    def _update_next(self) -> None:
+        if not self.queue:
+            self.next_t = INF
+        elif self.blocked:
+            self.next_t = max(self.t, self.releases[0][0]) if self.releases else INF
+        else:
+            self.next_t = self.t
+
+    def release(self, rid: int, at: float) -> None:
+        """The decode side fetched `rid`'s KV by `at` (the controller's ReleaseKV)."""
+        self.unreleased -= 1
+        heapq.heappush(self.releases, (at, rid))
+        if self.blocked:
+            self._update_next()
 
     def advance_to(self, now: float) -> None:
-        while self.queue and self.t < now:
-            self._step()
+        while self.next_time() < now:
+            self.step()
 
     def drain(self) -> None:
         while self.queue:
-            self._step()
+            if self.next_time() == INF:
+                raise PlanInputError(f"{self.name}: waits for KV no decode instance pulls")
+            self.step()
 
-    def _step(self) -> None:
-        """One batch from the head of the queue (never called with an empty queue)."""
+    def step(self) -> None:
+        """One batch from the head of the queue at `next_time()`, or, when no prompt's KV
+        fits until a release, mark the instance blocked."""
+        self.t = self.next_t
+        if self.releases and self.releases[0][0] <= self.t:
+            self._free_released()
+        if self.unreleased and self.sync is not None and self._short_of_room():
+            self.sync(self.t)
+            self._free_released()
+        batch = self._take_batch()
+        if batch is None:
+            if not self.releases and not self.unreleased:
+                raise PlanInputError(
+                    f"{self.name}: prompt {self.queue[0]} can never fit its KV capacity"
+                )
+            self.blocked = True
+            self._update_next()
+            return
+        self.blocked = False
+        self._run(*batch)
+        self.next_t = self.t if self.queue else INF
+
+    def _free_released(self) -> None:
+        rel, inp = self.releases, self.reqs.inp
+        while rel and rel[0][0] <= self.t:
+            self.used -= inp[heapq.heappop(rel)[1]]
+
+    def _short_of_room(self) -> bool:
+        """Would the prompts this step may take (by the token budget alone) overflow the
+        pool? Only then may a release the decode side has not posted yet matter."""
+        inp, q = self.reqs.inp, self.queue
+        budget, need = self.spec.max_batch_tokens, 0
+        if self.used + budget + self.max_prompt <= self.spec.kv_capacity_tokens:
+            return False  # a step takes at most a budget of prompts and one more
+        for i in range(len(q)):
+            if budget <= 0:
+                break
+            if not (i == 0 and self.admitted_head):
+                need += inp[q[i]]
+            budget -= inp[q[i]] - (self.done_head if i == 0 else 0)
+        return self.used + need > self.spec.kv_capacity_tokens
+
+    def _take_batch(self) -> tuple[int, int, int, list[int]] | None:
+        """Admit and take the step's prompts from the head of the queue: (tokens, attention
+        units, prompts finishing, those prompts), or None when the head's KV does not fit."""
         inp, cap = self.reqs.inp, self.spec.kv_capacity_tokens
         q = self.queue
         budget = self.spec.max_batch_tokens
-        tokens = units = seqs = 0
+        tokens = units = 0
         finished: list[int] = []
         partial: int | None = None  # tokens done of a prompt left unfinished
         i = 0
@@ -254,30 +376,54 @@ class _Prefill:
             budget -= c
             if c == left:
                 finished.append(rid)
-                seqs += 1
                 i += 1
             else:
                 partial = done + c
                 break
-        if tokens == 0:  # head waits for KV room: only possible if prompts are in flight
-            raise PlanInputError(f"{self.name}: prompt {q[0]} can never fit its KV capacity")
+        if tokens == 0:
+            return None
         for _ in range(len(finished)):
             q.popleft()
         if partial is not None:
             self.done_head, self.admitted_head = partial, True
         elif finished:
             self.done_head, self.admitted_head = 0, False
+        return tokens, units, len(finished), finished
+
+    def _run(self, tokens: int, units: int, seqs: int, finished: list[int]) -> None:
         st = self.base + self.pt * tokens + self.pu * units + self.ps * seqs
         if self.reqs.speed is not None:
             st *= self.reqs.speed.at(self.t)
-        end = self.t + self.stages * st + (self.stages - 1) * self.hop * tokens
+        end = self.t + st if self.stages == 1 else self._through_stages(st, tokens)
+        out = self.reqs.out
         for rid in finished:
             self.reqs.first[rid] = end
-            self.used -= inp[rid]
+            if self.hold and out[rid] > 1:
+                self.unreleased += 1
+            else:
+                heapq.heappush(self.releases, (end, rid))
             heapq.heappush(self.pending, end)
-            self.completions.append((end, rid))
+            heapq.heappush(self.completions, (end, rid))
         self.t += st
         self.busy += st
+
+    def _through_stages(self, st: float, tokens: int) -> float:
+        """The batch enters stage 1 now; it enters stage k once it left stage k - 1 and
+        its activations arrived (`hop * tokens`), and stage k has finished the batch
+        before (DistServe §3.3: a stage runs one micro-batch at a time, so a long batch
+        holds a short one behind it: a bubble). Each stage takes `st`. Returns when the
+        batch leaves the last stage; batches of equal `st` and tokens never wait."""
+        free = self.stage_free
+        end = self.t + st
+        free[0] = end
+        hop = self.hop * tokens
+        for k in range(1, self.stages):
+            start = end + hop
+            if free[k] > start:
+                start = free[k]
+            end = start + st
+            free[k] = end
+        return end
 
 
 # ---- decode (and the decoding half of a colocated instance) -----------------------------
@@ -299,13 +445,17 @@ class _Decoder:
         self.steps = 0  # decode steps run so far
         self.batch = 0  # requests decoding
         self.context = 0  # their context tokens
-        self.finishing: list[tuple[int, int]] = []  # (finish step, rid) heap
+        self.finishing: list[tuple[int, int]] = []  # (finish step, rid) heap; stale entries
+        # rid -> finish step of each request in the batch, oldest join first (an entry of
+        # `finishing` that disagrees is stale: its request was preempted)
+        self.live: dict[int, int] = {}
         self.unfinished = 0
 
     def join(self, rid: int) -> None:
         r = self.reqs
         self.batch += 1
         self.context += r.inp[rid] + 1
+        self.live[rid] = self.steps + r.out[rid] - 1
         heapq.heappush(self.finishing, (self.steps + r.out[rid] - 1, rid))
 
     def _first_step(self) -> float:
@@ -355,9 +505,12 @@ class _Decoder:
     def _pop_finished(self) -> list[int]:
         """Take the requests whose last token came out by now (`self.t`) off the batch."""
         done = []
-        fin, r = self.finishing, self.reqs
+        fin, r, live = self.finishing, self.reqs, self.live
         while fin and fin[0][0] <= self.steps:
-            _, rid = heapq.heappop(fin)
+            step, rid = heapq.heappop(fin)
+            if live.get(rid) != step:
+                continue
+            del live[rid]
             r.finish[rid] = self.t
             self.batch -= 1
             self.context -= r.inp[rid] + r.out[rid]
@@ -365,10 +518,23 @@ class _Decoder:
         return done
 
     def steps_to_next_finish(self) -> int:
-        return self.finishing[0][0] - self.steps
+        fin, live = self.finishing, self.live
+        while live.get(fin[0][1]) != fin[0][0]:
+            heapq.heappop(fin)
+        return fin[0][0] - self.steps
 
 
 class _Decode(_Decoder):
+    """A decode instance. KV contract (the engine's pool, in tokens rather than blocks):
+    a request admitted for its fetch holds its prompt's KV (`xfer_kv`); once it has
+    joined, `inp + g - 1` tokens after g generated ones, and a step needs one more slot
+    for each decoding request, so the batch needs `context` (+ `xfer_kv`) tokens to step.
+    When that exceeds the pool, the newest request is preempted by swapping it out
+    (engine/scheduler.py `_make_room`: its KV leaves the pool, its progress stays); the
+    swapped return oldest first, at a boundary where nothing was preempted, when their
+    KV fits again. Swapped requests keep their batch slot (a simplification: the engine
+    frees it)."""
+
     def __init__(
         self, spec: InstanceSpec, reqs: _Requests, name: str, kv_bytes: int, bandwidth: float
     ) -> None:
@@ -376,10 +542,21 @@ class _Decode(_Decoder):
         self.per_token_transfer = 0.0 if math.isinf(bandwidth) else kv_bytes / bandwidth
         self.queue: deque[int] = deque()
         self.transfers: list[tuple[float, int]] = []  # (ready time, rid) heap
-        self.reserved = 0
-        self.slots = 0  # admitted: transferring + decoding
+        self.xfer_kv = 0  # prompt KV of admitted requests not yet in the batch
+        self.swapped: deque[tuple[int, int, int]] = deque()  # (rid, steps left, generated)
+        self.slots = 0  # admitted: transferring + decoding + swapped
+        self.num_preemptions = 0
+        self.preempted_at = -1  # `steps` at the last preemption (a boundary's id)
+        # `t` is a boundary whose preemptions and swap-ins are not done yet: they wait
+        # until the instance moves past it, so that every request dispatched before the
+        # boundary has been admitted first (the engine's poll at a step start sees all
+        # that arrived during the step, then its scheduler makes room)
+        self.unsettled = False
         self.quiet_until = INF  # no request finishes before this time (see `load_at`)
         self.quiet_stale = False  # the state changed since quiet_until was computed
+        # Called with (rid, time its fetch ends) when a request is admitted: the prefill
+        # instance holding its KV may free it then.
+        self.on_fetch: Callable[[int, float], None] | None = None
 
     def load_at(self, now: float) -> int:
         """The load once the step in progress at `now` ends (`advance_to(now)`), without
@@ -392,12 +569,15 @@ class _Decode(_Decoder):
         return self.unfinished
 
     def _update_quiet(self) -> None:
-        """Up to the start of the step that finishes the batch's next request, the step
-        in progress finishes none. A transfer ending may add a request (finishing later
-        still, but changing the step times), so the earliest transfer end bounds it too."""
+        """Up to the start of the step that finishes the batch's next request (or fills
+        the pool), the step in progress finishes none. A transfer ending may add a request
+        (finishing later still, but changing the step times), so the earliest transfer
+        end bounds it too."""
         quiet = self.transfers[0][0] if self.transfers else INF
-        if self.batch:
-            k = self.finishing[0][0] - self.steps - 1
+        if self.unsettled:
+            quiet = self.t
+        elif self.batch:
+            k = self._jump_limit() - 1
             f = 1.0
             speed = self.reqs.speed
             if speed is not None:  # the estimate holds until the factor changes
@@ -409,65 +589,152 @@ class _Decode(_Decoder):
         self.quiet_until = quiet
         self.quiet_stale = False
 
+    def next_boundary(self) -> float:
+        """When the step in progress ends (idle: the next transfer end; INF: none; an
+        unsettled boundary: now)."""
+        if self.unsettled:
+            return self.t
+        if self.batch:
+            f = self.reqs.speed.at(self.t) if self.reqs.speed is not None else 1.0
+            return self.t + f * self._first_step()
+        return self.transfers[0][0] if self.transfers else INF
+
+    def _jump_limit(self) -> int:
+        """Steps the batch may run as it is: to its next finish, and while the pool
+        holds every step's new slots (step j + 1 needs context + j * batch + xfer_kv).
+        Right after a preemption, one step: the next boundary may take a swapped request
+        back (later ones have less room, until a request finishes)."""
+        if self.swapped and self.preempted_at == self.steps:
+            return 1
+        room = (self.spec.kv_capacity_tokens - self.xfer_kv - self.context) // self.batch + 1
+        fin, live = self.finishing, self.live
+        while live.get(fin[0][1]) != fin[0][0]:  # steps_to_next_finish, inlined
+            heapq.heappop(fin)
+        left = fin[0][0] - self.steps
+        return room if room < left else left
+
     def add(self, rid: int, now: float) -> None:
-        """Called right after `advance_to(now)`: the instance is idle or at a step
-        boundary; the request is admitted (its fetch starts) at `now` if there is room,
-        and joins the batch at the first boundary after its KV has arrived."""
+        """Called right after `advance_to(now)`: the instance is idle (then at `now`) or
+        at the step boundary ending the step in progress at `now`; the request is
+        admitted (its fetch starts) at that boundary if there is room, and joins the
+        batch at the first boundary after its KV has arrived."""
         self.unfinished += 1
         self.queue.append(rid)
         if self.batch == 0 and self.t < now:
             self.t = now
-        self._admit(now)
-        self._join_ready()
+        self._settle(final=False, at=now)
         self.quiet_stale = True
 
     def _admit(self, at: float) -> None:
+        """FCFS while a slot is free, the prompt's KV fits the pool now (allocation) and
+        the admission rule agrees (engine/roles/decode.py `admit`, engine/admission.py)."""
         r, cap, limit = self.reqs, self.spec.kv_capacity_tokens, self.spec.max_batch_size
+        static = self.spec.decode_admission is DecodeAdmission.RESERVE_STATIC
         q = self.queue
         while q and self.slots < limit:
             rid = q[0]
-            need = r.inp[rid] + r.out[rid]
-            if self.reserved + need > cap:
+            held = self.context - self.batch + self.xfer_kv
+            if held + r.inp[rid] > cap:
+                break
+            # reserve-static: the whole KV (prompt, first token, the rest) fits now; an
+            # empty batch (nothing running or fetching) admits anything (AdmissionGate)
+            if static and self.batch + len(self.transfers) and held + r.inp[rid] + r.out[rid] > cap:
                 break
             q.popleft()
-            self.reserved += need
+            self.xfer_kv += r.inp[rid]
             self.slots += 1
-            heapq.heappush(self.transfers, (at + r.inp[rid] * self.per_token_transfer, rid))
+            ready = at + r.inp[rid] * self.per_token_transfer
+            heapq.heappush(self.transfers, (ready, rid))
+            if self.on_fetch is not None:
+                self.on_fetch(rid, ready)
 
-    def _join_ready(self) -> None:
+    def _settle(self, final: bool, at: float | None = None) -> None:
+        """The boundary at `t`, in the engine's order: admissions (its poll), arrived
+        KV joins, the pool is made to hold the next step (preempting the newest), and,
+        when nothing was preempted, swapped requests come back. Not `final` (a request
+        may still be dispatched before `t`): the last two wait unless they do nothing.
+        `at`: when a request admitted now starts its fetch (default `t`; a dispatch
+        mid-step starts it at once, as the simulator always has: at most a step early)."""
+        if self.queue:
+            self._admit(self.t if at is None else at)
         tr = self.transfers
         while tr and tr[0][0] <= self.t:
-            self.join(heapq.heappop(tr)[1])
+            rid = heapq.heappop(tr)[1]
+            self.xfer_kv -= self.reqs.inp[rid]
+            self.join(rid)
+        fits = self.context + self.xfer_kv <= self.spec.kv_capacity_tokens
+        if fits and not self.swapped:  # nothing to preempt or bring back
+            self.unsettled = False
+            return
+        self.unsettled = not final
+        if self.unsettled:
+            return
+        self._make_room()
+        if self.preempted_at != self.steps or self.batch == 0:
+            self._swap_in()
+
+    def _make_room(self) -> None:
+        """Preempt the newest requests while the next step's KV overflows the pool."""
+        cap, r = self.spec.kv_capacity_tokens, self.reqs
+        while self.batch and self.context + self.xfer_kv > cap:
+            rid = next(reversed(self.live))
+            left = self.live.pop(rid) - self.steps
+            g = r.out[rid] - left
+            self.batch -= 1
+            self.context -= r.inp[rid] + g
+            self.swapped.append((rid, left, g))
+            self._swap_cost(r.inp[rid] + g - 1)
+            self.num_preemptions += 1
+            self.preempted_at = self.steps
+
+    def _swap_in(self) -> None:
+        cap, r = self.spec.kv_capacity_tokens, self.reqs
+        sw = self.swapped
+        while sw and self.context + self.xfer_kv + r.inp[sw[0][0]] + sw[0][2] <= cap:
+            rid, left, g = sw.popleft()
+            self._swap_cost(r.inp[rid] + g - 1)
+            self.batch += 1
+            self.context += r.inp[rid] + g
+            self.live[rid] = self.steps + left
+            heapq.heappush(self.finishing, (self.steps + left, rid))
+
+    def _swap_cost(self, tokens: int) -> None:
+        """The engine copies swapped blocks before the step's forward pass."""
+        dt = self.spec.swap_token_s * tokens
+        self.t += dt
+        self.busy += dt
 
     def _finished(self, done: list[int]) -> None:
-        r = self.reqs
-        for rid in done:
-            self.reserved -= r.inp[rid] + r.out[rid]
+        for _ in done:
             self.slots -= 1
             self.unfinished -= 1
-        self._admit(self.t)
-        self._join_ready()
+        self._settle(final=False)
 
-    def advance_to(self, now: float) -> None:
+    def advance_to(self, now: float, settle: bool = False) -> None:
+        """Run to the boundary ending the step in progress at `now` (idle: to `now`),
+        settling every boundary before `now` (`settle`: also one at `now`)."""
+        self.quiet_stale = True
         while True:
+            if self.unsettled:
+                if self.t > now or (self.t == now and not settle):
+                    return
+                self._settle(final=True)
             ready = self.transfers[0][0] if self.transfers else INF
             if self.batch == 0:
-                if self.transfers and ready <= now:
+                if ready <= now and ready < INF:
                     self.t = max(self.t, ready)
-                    self._join_ready()
+                    self._settle(final=False)
                     continue
                 if self.t < now < INF:
                     self.t = now
-                self.quiet_stale = True
                 return
-            horizon = min(now, ready)
+            horizon = now if now < ready else ready
             if horizon <= self.t:
                 if ready <= self.t:
-                    self._join_ready()
+                    self._settle(final=False)
                     continue
-                self.quiet_stale = True
                 return
-            self._finished(self.run_until(horizon, self.steps_to_next_finish()))
+            self._finished(self.run_until(horizon, self._jump_limit()))
 
     def drain(self) -> None:
         self.advance_to(INF)
@@ -644,7 +911,8 @@ def _check_fits(w: SimWorkload, specs: tuple[InstanceSpec, ...], what: str, whol
         )
 
 
-def _dispatch(instances: list[Any], rid: int, now: float) -> None:
+def _dispatch(instances: list[Any], rid: int, now: float) -> Any:
+    """Send `rid` to the least loaded instance at `now`; returns it."""
     best = instances[0]
     if len(instances) > 1:
         best_load = None
@@ -654,6 +922,7 @@ def _dispatch(instances: list[Any], rid: int, now: float) -> None:
                 best, best_load = inst, load
     best.advance_to(now)
     best.add(rid, now)
+    return best
 
 
 def _result(reqs: _Requests, instances: list[Any], start: float) -> SimResult:
@@ -664,7 +933,126 @@ def _result(reqs: _Requests, instances: list[Any], start: float) -> SimResult:
     tpot = np.where(out > 1, (finish - first) / np.maximum(out - 1, 1), 0.0)
     makespan = float(finish.max() - start) if len(finish) else 0.0
     util = {i.name: (i.busy / makespan if makespan > 0 else 0.0) for i in instances}
-    return SimResult(first - arrival, tpot, finish - arrival, first, finish, util, makespan)
+    swaps = sum(i.num_preemptions for i in instances if isinstance(i, _Decode))
+    return SimResult(first - arrival, tpot, finish - arrival, first, finish, util, makespan, swaps)
+
+
+class _DisaggRun:
+    """Prefill and decode instances advanced together in time order, because a prefill
+    instance's admissions depend on when the decode side pulls the KV it holds.
+
+    One loop over the earliest of: an arrival (dispatched to a prefill instance), a
+    first token (dispatched to a decode instance), a prefill step. Decode instances
+    advance lazily (at dispatch, or to post the releases a prefill step waits for:
+    `_sync`); only while a prefill instance is blocked on KV whose fetch has not
+    started does the loop step the decode side itself, one boundary at a time. Ties:
+    arrivals, then first tokens, then steps (a step at t sees the prompts that arrived
+    at t and the releases at t)."""
+
+    def __init__(self, prefills: list[_Prefill], decodes: list[_Decode], reqs: _Requests) -> None:
+        self.prefills, self.decodes, self.reqs = prefills, decodes, reqs
+        self.source: list[_Prefill] = [prefills[0]] * len(reqs.arrival)  # rid -> its prefill
+        self.done: list[tuple[float, int]] = []  # (first token time, rid) heap
+        self.woke = False  # a release reached a blocked prefill instance
+        for p in prefills:
+            p.sync = self._sync
+            p.completions = self.done  # each step pushes its first tokens here
+        for d in decodes:
+            d.on_fetch = self._fetched
+
+    def _fetched(self, rid: int, at: float) -> None:
+        p = self.source[rid]
+        self.woke |= p.blocked  # its next step may come earlier now
+        p.release(rid, at)
+
+    def _sync(self, t: float) -> None:
+        for d in self.decodes:
+            d.advance_to(t)
+
+    def run(self) -> None:
+        arrival = self.reqs.arrival
+        i, n = 0, len(arrival)
+        rescan = True  # the prefill instances' next steps may have changed
+        while True:
+            ta = arrival[i] if i < n else INF
+            tc = self.done[0][0] if self.done else INF
+            if rescan or self.woke:
+                tp, p, stuck = self._next_prefill()
+                rescan = self.woke = False
+            td, d = self._next_decode_boundary() if stuck else (INF, None)
+            t = ta if ta < tc else tc
+            t = t if t < tp else tp
+            t = t if t < td else td
+            if t == INF:
+                if stuck:
+                    raise PlanInputError("a prefill instance waits for KV nothing pulls")
+                break
+            if ta == t:
+                i, q = self._arrivals(i, min(tc, tp, td))
+                if q.next_t < tp:  # an idle instance took work
+                    tp, p = q.next_t, q
+            elif tc == t:
+                self._first_tokens(ta, min(tp, td))
+            elif tp == t:
+                p.step()
+                rescan = True
+            else:
+                assert d is not None
+                d.advance_to(td, settle=True)
+        for dec in self.decodes:
+            dec.drain()
+
+    def _next_prefill(self) -> tuple[float, _Prefill, bool]:
+        """The prefill instance whose step comes first, its time, and whether any
+        instance waits for a release the decode side has not posted."""
+        tp, best, stuck = INF, self.prefills[0], False
+        for p in self.prefills:
+            t = p.next_t
+            if t < tp:
+                tp, best = t, p
+            elif t == INF and p.queue:
+                stuck = True
+        return tp, best, stuck
+
+    def _arrivals(self, i: int, until: float) -> tuple[int, _Prefill]:
+        """Dispatch arrivals from the `i`th on while they come at or before `until` and
+        before the next prefill step; returns the index of the first left and the
+        instance of the earliest step among those that took them."""
+        arrival, prefills, source = self.reqs.arrival, self.prefills, self.source
+        n = len(arrival)
+        first = None
+        while i < n and arrival[i] <= until:
+            p = source[i] = _dispatch(prefills, i, arrival[i])
+            i += 1
+            if first is None or p.next_t < first.next_t:
+                first = p
+            if p.next_t < until:
+                until = p.next_t
+        assert first is not None
+        return i, first
+
+    def _first_tokens(self, arrival: float, until: float) -> None:
+        """Dispatch first tokens to the decode side while they come before `arrival`
+        and at or before `until`, and no blocked prefill instance got a release."""
+        done, reqs = self.done, self.reqs
+        while True:
+            t, rid = heapq.heappop(done)
+            if reqs.out[rid] == 1:
+                reqs.finish[rid] = t
+            else:
+                _dispatch(self.decodes, rid, t)
+            if not done or self.woke or done[0][0] >= arrival or done[0][0] > until:
+                return
+
+    def _next_decode_boundary(self) -> tuple[float, _Decode | None]:
+        """The decode instance whose next step boundary comes first, and that boundary:
+        stepped by the loop while a prefill instance waits for it to pull."""
+        best: tuple[float, _Decode | None] = (INF, None)
+        for d in self.decodes:
+            t = d.next_boundary()
+            if t < best[0]:
+                best = (t, d)
+        return best
 
 
 def _run_prefill(prefills: list[_Prefill], reqs: _Requests) -> list[tuple[float, int]]:
@@ -672,9 +1060,7 @@ def _run_prefill(prefills: list[_Prefill], reqs: _Requests) -> list[tuple[float,
         _dispatch(prefills, rid, t)
     for p in prefills:
         p.drain()
-    done = [c for p in prefills for c in p.completions]
-    done.sort()
-    return done
+    return sorted(c for p in prefills for c in p.completions)
 
 
 def simulate(
@@ -702,19 +1088,12 @@ def simulate(
         raise PlanInputError("transfer bandwidth must be > 0")
     _check_fits(workload, system.prefill, "prefill", whole=False)
     _check_fits(workload, system.decode, "decode", whole=True)
-    prefills = [_Prefill(s, reqs, f"prefill-{i}") for i, s in enumerate(system.prefill)]
+    prefills = [_Prefill(s, reqs, f"prefill-{i}", True) for i, s in enumerate(system.prefill)]
     decodes = [
         _Decode(s, reqs, f"decode-{i}", system.kv_bytes_per_token, system.transfer_bandwidth)
         for i, s in enumerate(system.decode)
     ]
-    out = reqs.out
-    for t, rid in _run_prefill(prefills, reqs):
-        if out[rid] == 1:
-            reqs.finish[rid] = t
-            continue
-        _dispatch(decodes, rid, t)
-    for d in decodes:
-        d.drain()
+    _DisaggRun(prefills, decodes, reqs).run()
     return _result(reqs, [*prefills, *decodes], start)
 
 
@@ -722,7 +1101,7 @@ def simulate_prefill(instance: InstanceSpec, workload: SimWorkload) -> SimResult
     """One prefill instance alone (DistServe's simu_prefill): TTFT only, TPOT 0."""
     reqs = _Requests(workload)
     _check_fits(workload, (instance,), "prefill", whole=False)
-    p = _Prefill(instance, reqs, "prefill-0")
+    p = _Prefill(instance, reqs, "prefill-0", False)
     for t, rid in _run_prefill([p], reqs):
         reqs.finish[rid] = t
     res = _result(reqs, [p], float(workload.arrivals[0]))
