@@ -68,7 +68,7 @@ from pdserve.planner.simulator import (
 )
 from pdserve.planner.workload import SimWorkload
 
-KV_GIB = 1.0  # CacheConfig.kv_cache_memory_gib default
+KV_GIB = 1.0  # CacheConfig.kv_cache_memory_gib default (--kv-gib)
 MAX_NUM_SEQS = 64  # SchedulerConfig.max_num_seqs default
 BUDGET = 512  # SchedulerConfig.max_num_batched_tokens default (and --chunk-size default)
 
@@ -105,7 +105,7 @@ def run_sweep(
 ) -> None:
     # The simulator has no prefix cache, and every rate of a sweep sends the same
     # prompts: with the cache on, later rates would prefill almost nothing.
-    extra = ["--no-prefix-cache"]
+    extra = ["--no-prefix-cache", "--kv-cache-memory-gib", repr(args.kv_gib)]
     if args.threads:
         extra += ["--num-threads", str(args.threads)]
     if args.prefill:
@@ -163,7 +163,7 @@ System = ColocatedSystem | DisaggSystem
 def system_for(args: argparse.Namespace, hw: HardwareProfile) -> System:
     spec = resolve_model_spec(None)
     cost = step_cost(spec, hw.coefficients)
-    kv_tokens = int(KV_GIB * 2**30 // spec.kv_bytes_per_token)
+    kv_tokens = int(args.kv_gib * 2**30 // spec.kv_bytes_per_token)
     if not args.prefill:
         inst = InstanceSpec(cost, kv_tokens, MAX_NUM_SEQS, BUDGET, chunked=True)
         return ColocatedSystem((inst,))
@@ -312,6 +312,13 @@ def main() -> None:
         help="step traces to estimate the noise from (default: the calibration trace)",
     )
     p.add_argument("--noise-seeds", type=int, default=20, help="draws of the speed factors")
+    p.add_argument(
+        "--kv-gib",
+        type=float,
+        default=KV_GIB,
+        help="each instance's KV pool (serve --kv-cache-memory-gib), served and simulated: "
+        "small enough and the pools bind (held prefill KV, decode swap-outs)",
+    )
     p.add_argument("--prefill", type=int, default=0)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--output", default="bench-results/sim_vs_real.json")

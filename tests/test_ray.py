@@ -436,7 +436,7 @@ def test_the_distserve_policy_scales_out_and_in_through_ray(
     planner's test profile (tests/test_replan_policy.py: its answers depend on the
     requests' lengths, not on this machine's speed). 200-token answers at 1 req/s need 1
     prefill + 3 decode instances: no split of 2 serves, and a decode instance is added
-    (a Ray actor); then 64-token answers at 0.5 req/s need 1 + 1, and the least loaded
+    (a Ray actor); then 64-token answers at 1 req/s need 1 + 1, and the least loaded
     decode instance is drained and removed. Every request of both phases is answered."""
     cluster, _, _ = ray_cluster
     profile = tmp_path / "profile.json"
@@ -445,7 +445,7 @@ def test_the_distserve_policy_scales_out_and_in_through_ray(
         cluster, "--prefill", "1", "--decode", "1", "--instance-timeout", "5",
         "--flip-policy", "distserve", "--flip-profile", str(profile),
         "--slo-ttft", repr(TTFT), "--slo-tpot", repr(TPOT), "--replan-interval", "0.5",
-        "--replan-window", "8", "--replan-min-requests", "3",
+        "--replan-window", "5", "--replan-min-requests", "3",
         "--min-instances", "2", "--max-instances", "3",
     )  # fmt: skip
     try:
@@ -465,7 +465,7 @@ def test_the_distserve_policy_scales_out_and_in_through_ray(
         assert roles(server) == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
 
         short = {**long, "max_tokens": 64}
-        with Paced(server, short, rate=0.5):
+        with Paced(server, short, rate=1.0):
             wait_for(lambda: len(elastic(server)["decisions"]) == 2, timeout=150)
         back = elastic(server)["decisions"][1]
         assert (back["action"], back["role"], back["flipped"]) == ("remove", "decode", True), back
