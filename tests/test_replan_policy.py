@@ -355,7 +355,7 @@ def test_a_real_cluster_replans_through_a_shift_and_its_reversal(
     server = start(
         "--prefill", "1", "--decode", "2", "--flip-policy", "distserve",
         "--flip-profile", str(profile_path), "--slo-ttft", repr(TTFT), "--slo-tpot", repr(TPOT),
-        "--replan-interval", "0.5", "--replan-window", "6", "--replan-min-requests", "4",
+        "--replan-interval", "0.5", "--replan-window", "6", "--replan-min-requests", "3",
     )  # fmt: skip
     prompt = [100 + j % 997 for j in range(150)]  # token ids: exactly 150 prompt tokens
     prefill_heavy = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "temperature": 0}

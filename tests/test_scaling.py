@@ -6,8 +6,8 @@ Under load (`--prefill 1 --decode 2`, the fault-tolerance workload: 32 requests 
 tokens, half streamed, a quarter seeded at temperature 0.8), decode-1 leaves while every
 stream is mid-way: its requests move to decode-0 with their KV, none is aborted, every
 text equals an undisturbed colocated run's, its process is gone, and a decode instance
-added in its room serves the workload again with the same texts; the pools are clean.
-Each refusal's status and exact body, nothing changed.
+added in its room serves 16 of the requests again with the same texts; the pools are
+clean. Each refusal's status and exact body, nothing changed.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_a_decode_instance_leaves_under_load_and_nothing_is_lost(
     assert status == 200, report
     assert (report["action"], report["instance"], report["role"]) == ("add", fresh, "decode")
     assert roles(server) == {"prefill-0": "prefill", "decode-0": "decode", fresh: "decode"}
-    assert_identical(Streams(server.url, bodies()).results(), reference)
+    assert_identical(Streams(server.url, bodies()[:16]).results(), reference[:16])
     assert row_of(server, fresh)["stats"]["num_steps"] > 0
     wait_clean(server)
     elastic = cluster(server)["controller"]["elastic"]
