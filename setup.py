@@ -19,6 +19,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
                 "pdserve/kernels/_kernels.c",
                 "pdserve/kernels/_attention.c",
                 "pdserve/kernels/_int8.c",
+                "pdserve/kernels/_dense.c",
             ],
             depends=["pdserve/kernels/_kernels.h"],
             # -ffp-contract=off: the kernel's FMAs are explicit, so every tile shape

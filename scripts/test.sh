@@ -28,5 +28,5 @@ if [ $# -eq 0 ]; then
     # .ci/run` runs the whole suite so.
     PDSERVE_NO_KERNELS=1 .venv/bin/python -m pytest -p no_skips -q -m fallback \
         tests/test_engine_schedules.py tests/test_engine_process.py tests/test_server.py \
-        tests/test_quant_model.py
+        tests/test_quant_model.py tests/test_model_vs_hf.py
 fi

@@ -3,7 +3,10 @@
 For each supported architecture (tiny random configs written to disk and loaded
 through the real loaders), every way the engine feeds a sequence is checked against
 HF's full-sequence forward: a fresh prompt, a continuation after a cached prefix,
-chunked prefill, single-token decode, and all of them mixed in one flat batch.
+chunked prefill, single-token decode, and all of them mixed in one flat batch. The
+"packed" models run the path the engine runs: with the compiled kernels, fp32 panels
+(`DenseLinear`) and the compiled per-row layers; with the kernels off (the `fallback`
+pass of scripts/test.sh), oneDNN's packed projections and the torch layers.
 """
 
 from __future__ import annotations
@@ -14,14 +17,18 @@ import pytest
 import torch
 from helpers.tiny_models import load_hf_reference, make_tiny_model
 
+from pdserve.kernels import kernels
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.model.attention import GROUP_COST_TOKENS, AttentionMetadata, SeqSpec
 from pdserve.model.base import CausalLM, ForwardHooks
 from pdserve.model.layers import DecoderLayer
-from pdserve.model.linear import PackedLinear, onednn_available
+from pdserve.model.linear import Linear, PackedLinear, onednn_available
 from pdserve.model.loader import iter_weights, load_config
 from pdserve.model.registry import build_model
+from pdserve.quant.linear import DenseLinear
+
+pytestmark = pytest.mark.fallback
 
 TOL = 1e-4
 BLOCK = 4
@@ -70,10 +77,14 @@ class Harness:
 
     @torch.inference_mode()
     def step(
-        self, parts: list[tuple[list[int], int, list[int]]], group_cost: int = GROUP_COST_TOKENS
+        self,
+        parts: list[tuple[list[int], int, list[int]]],
+        group_cost: int = GROUP_COST_TOKENS,
+        per_row: bool | None = None,
     ) -> list[torch.Tensor]:
         """parts: (token ids of this step, num_cached, block table); decodes first.
-        Returns per part the logits of all its new tokens."""
+        Returns per part the logits of all its new tokens. `per_row`: the compiled per-row
+        path (default: where the model has it, as the engine runs it)."""
         ids, pos, specs, rows = [], [], [], []
         for toks, cached, table in parts:
             ids += toks
@@ -81,7 +92,11 @@ class Harness:
             specs.append(SeqSpec(cached, len(toks), table))
         rows = torch.arange(len(ids))
         meta = AttentionMetadata.build(
-            specs, BLOCK, self.model.sliding_window, group_cost=group_cost
+            specs,
+            BLOCK,
+            self.model.sliding_window,
+            group_cost=group_cost,
+            per_row=self.model.fused if per_row is None else per_row,
         )
         self.last_meta = meta
         logits = self.model(
@@ -103,11 +118,9 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return Harness(folder, pack), load_hf_reference(folder)
 
 
-def projections(model: CausalLM) -> dict[str, tuple[PackedLinear, torch.Tensor]]:
+def projections(model: CausalLM) -> dict[str, tuple[Linear, torch.Tensor]]:
     """Every projection the forward pass runs, with the parameter it was built from."""
-    out: dict[str, tuple[PackedLinear, torch.Tensor]] = {
-        "lm_head": (model.lm_head_op, model.lm_head)
-    }
+    out: dict[str, tuple[Linear, torch.Tensor]] = {"lm_head": (model.lm_head_op, model.lm_head)}
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         a, m = layer.self_attn, layer.mlp
@@ -118,19 +131,26 @@ def projections(model: CausalLM) -> dict[str, tuple[PackedLinear, torch.Tensor]]
     return out
 
 
-def test_packed_cases_run_the_packed_kernel(pair) -> None:
-    """`PackedLinear` falls back to F.linear silently; the "packed" cases must not: every
-    projection holds a oneDNN-packed weight and no row-major copy, and its original
-    parameter was released (tied embeddings excepted: the embedding still reads it)."""
+def test_packed_cases_run_the_fast_kernels(pair) -> None:
+    """`projection` falls back silently (to oneDNN, then to F.linear); the "packed" cases
+    must not: with the kernels every projection is fp32 panels and the model takes the
+    compiled per-row path; without, every projection holds a oneDNN-packed weight and no
+    row-major copy. Either way each original parameter was released (tied embeddings
+    excepted: the embedding still reads it)."""
     ours, _ = pair
     ops = projections(ours.model)
     if not ours.pack:
-        assert all(op.packed is None and op.weight is not None for op, _ in ops.values())
+        plain = [isinstance(op, PackedLinear) and op.packed is None for op, _ in ops.values()]
+        assert all(plain) and not ours.model.fused
         return
-    assert onednn_available(torch.zeros(1, 1)), "this torch has no oneDNN linear kernels"
-    not_packed = [name for name, (op, _) in ops.items() if op.packed is None]
-    assert not_packed == []
-    assert all(op.weight is None for op, _ in ops.values())
+    if kernels() is not None:
+        assert [n for n, (op, _) in ops.items() if not isinstance(op, DenseLinear)] == []
+        assert ours.model.fused
+    else:
+        assert onednn_available(torch.zeros(1, 1)), "this torch has no oneDNN linear kernels"
+        packed = [isinstance(op, PackedLinear) and op.packed is not None for op, _ in ops.values()]
+        assert all(packed) and not ours.model.fused
+        assert all(op.weight is None for op, _ in ops.values())  # type: ignore[attr-defined]
     tied = ours.config.tie_word_embeddings
     kept = [n for n, (_, p) in ops.items() if p.numel() > 0 and not (n == "lm_head" and tied)]
     assert kept == []
@@ -204,7 +224,8 @@ def test_mixed_flat_batch(pair) -> None:
 
 
 def test_decodes_of_different_lengths_in_several_groups(pair) -> None:
-    """Decode rows split into length groups (row order unsorted) give HF's logits."""
+    """Decode rows split into length groups (row order unsorted) give HF's logits (the
+    torch layers' grouping: the compiled per-row path has none)."""
     ours, hf = pair
     v = ours.config.vocab_size
     lengths = (13, 2, 22, 5, 7)  # contexts of 4, 1, 6, 2 and 2 blocks
@@ -214,7 +235,9 @@ def test_decodes_of_different_lengths_in_several_groups(pair) -> None:
         if len(s) > 1:
             ours.step([(s[:-1], 0, t)])
     got = ours.step(
-        [(s[-1:], len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)], group_cost=0
+        [(s[-1:], len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)],
+        group_cost=0,
+        per_row=False,
     )
     groups = [g.rows.tolist() for g in ours.last_meta.decode_groups]
     assert groups == [[2], [0], [3, 4], [1]]

@@ -283,6 +283,12 @@ def test_the_startup_line_says_how_activations_are_taken_and_what_the_kv_cache_h
     fp32 = WeightsInfo("gguf", ["Q4_1", "Q8_0"], "", ["fp32"], "float32")
     line = weights_line(fp32)
     assert line.endswith("by the compiled kernels (fp32 activations); KV cache: float32")
+    dense = WeightsInfo("none", ["float32"], "", ["float32"], "float32", compiled=True)
+    assert weights_line(dense) == (
+        "pdserve: weights: float32, by the compiled kernels; KV cache: float32"
+    )
+    onednn = WeightsInfo("none", ["float32"], "", ["float32"], "float32")
+    assert weights_line(onednn) == "pdserve: weights: float32; KV cache: float32"
 
 
 @pytest.mark.kernels

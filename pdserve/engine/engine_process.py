@@ -258,7 +258,9 @@ def _start_heartbeat(ctx: zmq.Context, output_addr: str, interval_s: float) -> t
 
 def weights_info(model: CausalLM, kv_dtype: str) -> WeightsInfo:
     q = model.quantization
-    return WeightsInfo(q.mode, model.weight_formats, q.reason, model.activations, kv_dtype)
+    return WeightsInfo(
+        q.mode, model.weight_formats, q.reason, model.activations, kv_dtype, model.compiled
+    )
 
 
 def run_engine_process(

@@ -50,6 +50,9 @@ class ModelRunner:
         self.hooks: ForwardHooks | None = None
         self.workspace = GatherWorkspace()
         self.device = cache.device_tensor.device
+        # The compiled per-row path where the model has one and its attention reads this
+        # pool (fp32 or fp16: a bfloat16 pool beside fp32 weights takes the torch path).
+        self.per_row = model.fused and cache.device_tensor.dtype in (torch.float32, torch.float16)
         # The gather cap is a CPU cache size; a GPU's batched kernels prefer size.
         self.max_group_tokens = max_group_tokens(cache) if self.device.type == "cpu" else None
 
@@ -72,7 +75,7 @@ class ModelRunner:
             self.model.sliding_window,
             self.workspace,
             max_group_tokens=self.max_group_tokens,
-            per_row=self.model.fused,
+            per_row=self.per_row,
         ).to(self.device)
         sampled = [s for s in seqs if s.samples]
         # Every row greedy: the compiled step takes the argmax too (FinalStates.argmax); a
@@ -95,7 +98,7 @@ class ModelRunner:
     @property
     def bursts(self) -> bool:
         """Whether `execute_burst` runs here (the model's compiled one-call path)."""
-        return self.device.type == "cpu" and self.model.burst_call() is not None
+        return self.device.type == "cpu" and self.per_row and self.model.burst_call() is not None
 
     @torch.inference_mode()
     def execute_burst(

@@ -104,6 +104,34 @@ static PyObject *py_qlinear_int8(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* dense_linear(packed, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps, accumulate):
+ * y[M,N] (+)= P(x)[M,K] @ W^T for W packed into fp32 panels of 16 columns (_dense.c;
+ * pdserve/quant/linear.py pack_dense). The caller checks the shapes, as for qlinear. */
+static PyObject *py_dense_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Arg v[13];
+    const int floats[] = {11};
+    if (read_args(args, nargs, 13, v, floats, 1) < 0) return NULL;
+    const int64_t N = v[1].i, K = v[2].i, ldx = v[4].i, M = v[5].i, ldy = v[7].i;
+    const int threads = v[8].i > 0 ? (int)v[8].i : 1;
+    const Prologue pre = {(int)v[9].i, PTR(const float *, v[10]), (float)v[11].f};
+    if (K % QK != 0 || M < 0 || N <= 0 || pre.kind < PRE_NONE || pre.kind > PRE_SWIGLU) {
+        PyErr_SetString(PyExc_ValueError, "dense_linear: a bad shape or prologue");
+        return NULL;
+    }
+    if (M == 0) Py_RETURN_NONE;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = dense_linear_pre(PTR(const float *, v[0]), N, K, &pre, PTR(const float *, v[3]), ldx,
+                          M, PTR(float *, v[6]), ldy, v[12].i != 0, threads);
+    Py_END_ALLOW_THREADS;
+    if (rc != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_dense_build(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(dense_build());
+}
+
 /* 0 when every ids[i] (i < n) is in [0, bound); else -1 with an IndexError naming the
  * first one outside ("<fn>: <what> <id> is outside [0, <bound>)"). */
 static int ids_within(const char *fn, const char *what, const int64_t *ids, int64_t n,
@@ -334,6 +362,12 @@ static PyMethodDef methods[] = {
     {"qlinear_int8", (PyCFunction)(void (*)(void))py_qlinear_int8, METH_FASTCALL,
      "qlinear_int8(packed, kind, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps,"
      " accumulate): y (+)= int8(P(x)) @ W^T, W packed by pack_int8"},
+    {"dense_linear", (PyCFunction)(void (*)(void))py_dense_linear, METH_FASTCALL,
+     "dense_linear(packed, N, K, x, ldx, M, y, ldy, threads, pre, pre_w, eps, accumulate):"
+     " y (+)= P(x) @ W^T, W fp32 in panels of 16 columns (pack_dense)"},
+    {"dense_build", py_dense_build, METH_NOARGS,
+     "the build of dense_linear this CPU runs: 'avx512', or 'avx2' (also where"
+     " PDSERVE_DENSE_KERNEL=avx2)"},
     {"fused_layers", (PyCFunction)(void (*)(void))py_fused_layers, METH_FASTCALL,
      "fused_layers(layers, n, h, T, positions, slots, cos, sin, kv, kv_layer, kv16, bs, rows,"
      " tables, ldt, qkv, att, gate_up, threads, norm_w, eps, sample, n_sample, hidden, head, logits,"

@@ -355,6 +355,16 @@ int qlinear_int8_pre(const uint8_t *W, int kind, int64_t N, int64_t K,
     return rc;
 }
 
+/* y (+)= P(x) @ W^T for W packed into fp32 panels (_dense.c). */
+int dense_linear_pre(const float *W, int64_t N, int64_t K, const Prologue *pre, const float *x,
+                     int64_t ldx, int64_t M, float *y, int64_t ldy, int acc, int threads) {
+    float *xt;
+    if (apply_prologue(pre, &x, &ldx, M, K, &xt, threads) != 0) return -1;
+    dense_linear(W, N, K, x, ldx, M, y, ldy, acc, threads);
+    free(xt);
+    return 0;
+}
+
 /* y (+)= P(x) @ W^T (+ bias) for every part of op: the prologue once, then each part's
  * call - the operations QuantLinear.run makes, so the same bits. */
 static int run_op(const Op *op, const Prologue *pre, const float *x, int64_t ldx, int64_t M,
@@ -366,7 +376,10 @@ static int run_op(const Op *op, const Prologue *pre, const float *x, int64_t ldx
     for (int64_t i = 0; i < op->parts && rc == 0; i++) {
         const Part *p = &op->part[i];
         float *yp = (float *)((char *)y + p->offset);
-        if (p->layout < 0) {
+        if (p->layout == PART_DENSE) {
+            dense_linear((const float *)(intptr_t)p->qs, p->rows, op->K, x, ldx, M, yp, ldy, acc,
+                         threads);
+        } else if (p->layout == PART_INT8) {
             rc = qlinear_int8((const uint8_t *)(intptr_t)p->qs, (int)p->d, p->rows, op->K, x, ldx,
                               M, yp, ldy, acc, threads);
         } else {
@@ -473,7 +486,8 @@ static int64_t widest_input(const Layer *layers, int64_t n) {
     return cap;
 }
 
-/* A part's item: a group of 16 columns (int8) or a tile of 4 (exact, as gemv). */
+/* A part's item: a group of 16 columns (int8), a panel of 16 (dense) or a tile of 4
+ * (exact, as gemv). */
 static int64_t part_width(const Part *p) { return p->layout < 0 ? 16 : 4; }
 static int64_t part_items(const Part *p) { return (p->rows + part_width(p) - 1) / part_width(p); }
 
@@ -493,14 +507,17 @@ static void op_team(const Op *op, const Prologue *pre, const float *x, int64_t l
         const Part *p = &op->part[i];
         float *yp = (float *)((char *)y + p->offset);
         const int64_t col0 = p->offset / (int64_t)sizeof(float), width = part_width(p);
-        if (p->layout < 0 && !rounded) int8_round_rows(x, ldx, M, op->K, &mine->a), rounded = 1;
+        if (p->layout == PART_INT8 && !rounded) int8_round_rows(x, ldx, M, op->K, &mine->a), rounded = 1;
         const QWeight w = {(int)p->layout, (const uint8_t *)(intptr_t)p->qs,
                            (const float *)(intptr_t)p->d, (const float *)(intptr_t)p->m,
                            p->rows, op->K, op->K / QK};
         Claim claim = {0, 0};
         for (int64_t t; (t = runs_take(runs[i], me, &claim)) >= 0;) {
             const int64_t n0 = t * width, cols = n0 + width <= p->rows ? width : p->rows - n0;
-            if (p->layout < 0)
+            if (p->layout == PART_DENSE)
+                dense_panel((const float *)(intptr_t)p->qs, p->rows, op->K, x, ldx, M, t, yp, ldy,
+                            acc);
+            else if (p->layout == PART_INT8)
                 int8_group(w.qs, (int)p->d, &mine->a, M, t, yp, ldy, p->rows, acc);
             else
                 rows_direct(&w, x, ldx, M, n0, (int)cols, yp, ldy, acc);

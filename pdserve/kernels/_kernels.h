@@ -239,6 +239,17 @@ const char *int8_build(void);
 int qlinear_int8(const uint8_t *W, int kind, int64_t N, int64_t K, const float *x,
                  int64_t ldx, int64_t M, float *y, int64_t ldy, int accumulate, int threads);
 
+/* The fp32 products for full-precision weights (_dense.c): y (+)= x @ W^T for W packed
+ * into panels of 16 columns (linear.py's pack_dense); one panel p against M rows (a
+ * caller that runs its own thread team: fused_layers); which build runs ("avx512",
+ * "avx2"; DENSE_ENV=avx2 takes the AVX2 one on any CPU). */
+#define DENSE_ENV "PDSERVE_DENSE_KERNEL"
+void dense_linear(const float *W, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
+                  float *y, int64_t ldy, int acc, int threads);
+void dense_panel(const float *W, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
+                 int64_t p, float *y, int64_t ldy, int acc);
+const char *dense_build(void);
+
 /* Rows of activations rounded to int8 (see _int8.c) and their scales; room for M rows of
  * up to `cap` values: q [M][cap] bytes, d and s [M][cap / 32] floats, h [M][cap / 16],
  * n [M][cap / 16] int32. rows8_init allocates that (0, or -1 with nothing held). */
@@ -284,11 +295,14 @@ typedef struct {
 /* The layer loop's view of a model, written by pdserve/model/fused.py (every field 8
  * bytes, in this order). A part is one kernel call of a projection, as QuantLinear's
  * `_calls` hold them: layout >= 0 the exact kernel (qs, fp32 scales d and minimums m),
- * layout -1 the int8 kernel (qs the records, d their kind); its output columns start at
+ * layout -1 the int8 kernel (qs the records, d their kind), layout -2 (PART_DENSE) the fp32
+ * panels (qs, _dense.c); its output columns start at
  * byte `offset` of a row. */
 typedef struct {
     int64_t layout, qs, d, m, rows, offset;
 } Part;
+#define PART_INT8 (-1)
+#define PART_DENSE (-2)
 
 #define MAX_PARTS 3 /* a part per run of one format: q, k, v at most */
 typedef struct {
@@ -352,6 +366,8 @@ int qlinear(const QWeight *w, const Prologue *pre, const float *x, int64_t ldx, 
 int qlinear_int8_pre(const uint8_t *W, int kind, int64_t N, int64_t K, const Prologue *pre,
                      const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int acc,
                      int threads);
+int dense_linear_pre(const float *W, int64_t N, int64_t K, const Prologue *pre, const float *x,
+                     int64_t ldx, int64_t M, float *y, int64_t ldy, int acc, int threads);
 /* DecoderLayer.forward_fused for layers [0, n), then the tail; 0, -1 (no memory) or
  * another code (a head size the attention cannot take). */
 int fused_layers(const Layer *layers, int64_t n, const Step *s, const Tail *tail, int threads);

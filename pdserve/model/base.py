@@ -21,10 +21,10 @@ from pdserve.model.attention import AttentionMetadata
 from pdserve.model.config import ModelConfig
 from pdserve.model.fused import FusedLayers, norm_rows
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from pdserve.model.linear import Linear, PackedLinear
+from pdserve.model.linear import Linear, PackedLinear, projection
 from pdserve.model.loader import Quantization, is_quantizable, weight_shapes
 from pdserve.quant.formats import QuantWeight
-from pdserve.quant.linear import QuantEmbedding, QuantLinear
+from pdserve.quant.linear import CompiledLinear, DenseLinear, QuantEmbedding, QuantLinear
 
 Weight = torch.Tensor | QuantWeight
 
@@ -83,8 +83,8 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.finalized = False
-        # The compiled per-row path (`DecoderLayer.forward_fused`): a quantized model whose
-        # every layer can take it (set by finalize). The engine then builds per-row
+        # The compiled per-row path (`DecoderLayer.forward_fused`): a model whose every
+        # layer's projections are compiled ops (set by finalize). The engine then builds per-row
         # attention metadata (`AttentionMetadata.build(per_row=True)`).
         self.fused = False
         # On the fused path, all layers in one compiled call (model/fused.py) unless a
@@ -197,21 +197,24 @@ class CausalLM(nn.Module):
         return self.lm_head_op(hidden)
 
     def finalize(self, pack: bool = True) -> None:
-        """Prepare the loaded weights for serving: oneDNN-packed projections on CPU.
+        """Prepare the loaded weights for serving: compiled fp32 ops on CPU where the
+        kernels are built (model/linear.py `projection`), else oneDNN-packed ones.
 
         With `pack`, later `load_weights` calls are refused: the kernels no longer
         read the parameters (see model/linear.py)."""
         if self.quantized:
             self._finalize_quantized(pack)
             return
+        arena = HugePageArena()  # the fp32 panels, where the kernels take them
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.self_attn.finalize(pack)
-            layer.mlp.finalize(pack)
-        self.lm_head_op: Linear = PackedLinear(self.lm_head, None, pack)
+            layer.self_attn.finalize(pack, arena)
+            layer.mlp.finalize(pack, arena)
+        self.lm_head_op: Linear = projection(self.lm_head, None, pack, arena)
         self.finalized = pack
         if pack:
             self._release_packed_originals()
+        self.fused = self._can_fuse()
 
     def _finalize_quantized(self, pack: bool) -> None:
         """Build every op from the weights `load_weights` kept (see the class docstring),
@@ -240,7 +243,8 @@ class CausalLM(nn.Module):
 
     def _can_fuse(self) -> bool:
         """Whether every layer can run `DecoderLayer.forward_fused`: all its projections
-        compiled quantized ops, fp32, and a head size the attention kernel takes."""
+        compiled ops (quantized, or fp32 panels), fp32, and a head size the attention
+        kernel takes."""
         c = self.config
         return (
             self.dtype == torch.float32
@@ -257,7 +261,7 @@ class CausalLM(nn.Module):
         if len(quant) == len(parts):
             return QuantLinear(quant, bias, self.quantization.activations, arena)
         fp = [p.dequantize(self.dtype) if isinstance(p, QuantWeight) else p for p in parts]
-        return PackedLinear(torch.cat(fp).to(self.dtype), bias, pack)
+        return projection(torch.cat(fp).to(self.dtype), bias, pack, arena)
 
     def projection_ops(self) -> list[Linear]:
         """The LM head, then each layer's qkv, o, gate_up and down ops, in that order."""
@@ -267,6 +271,12 @@ class CausalLM(nn.Module):
             a, m = layer.self_attn, layer.mlp
             ops += [a.qkv_op, a.o_op, m.gate_up_op, m.down_op]
         return ops
+
+    @property
+    def compiled(self) -> bool:
+        """Whether every projection runs on the compiled kernels (quantized blocks, or
+        fp32 panels: model/linear.py `projection`)."""
+        return all(isinstance(op, CompiledLinear) for op in self.projection_ops())
 
     @property
     def weight_formats(self) -> list[str]:
@@ -297,11 +307,11 @@ class CausalLM(nn.Module):
                 (m.gate_up, m.gate_up_op),
                 (m.down, m.down_op),
             ):
-                if isinstance(op, PackedLinear) and op.packed is not None:
+                if _copied(op):
                     param.data = torch.empty(0, dtype=param.dtype)
         head = self.lm_head_op
         tied = self.config.tie_word_embeddings
-        if not tied and isinstance(head, PackedLinear) and head.packed is not None:
+        if not tied and _copied(head):
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
     # ---- weights ---------------------------------------------------------------
@@ -390,3 +400,9 @@ class CausalLM(nn.Module):
             t[f"{p}mlp.up_proj.weight"] = up
             t[f"{p}mlp.down_proj.weight"] = m.down.data
         return t
+
+
+def _copied(op: Linear) -> bool:
+    """Whether `op` reads its own copy of its weight (oneDNN's packed one, or fp32
+    panels), so the parameter it was made from can be released."""
+    return isinstance(op, DenseLinear) or (isinstance(op, PackedLinear) and op.packed is not None)

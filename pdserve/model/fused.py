@@ -29,7 +29,7 @@ from pdserve.kernels import kernels
 from pdserve.model.attention import AttentionMetadata, RowRanges, kv_is_f16
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from pdserve.model.linear import Linear
-from pdserve.quant.linear import QuantEmbedding, QuantLinear
+from pdserve.quant.linear import CompiledLinear, QuantEmbedding
 
 # _kernels.c's Op: parts, N, K, bias, then MAX_PARTS parts of six words. A projection has
 # a part per run of one format among the weights it fuses: at most three (q, k, v).
@@ -39,7 +39,7 @@ _OP = struct.Struct("<4q" + "6q" * MAX_PARTS)
 _LAYER_TAIL = struct.Struct("<2q2d3qd")
 
 
-def _op_record(op: QuantLinear) -> bytes:
+def _op_record(op: CompiledLinear) -> bytes:
     calls = op.kernel_calls
     assert len(calls) <= MAX_PARTS  # one per fused weight at most
     words = [w for call in calls for w in call] + [0] * 6 * (MAX_PARTS - len(calls))
@@ -88,7 +88,7 @@ class FusedLayers:
         # full-precision matrix is left to the caller: `logits` None).
         self._head: torch.Tensor | None = None
         self._vocab = 0
-        if isinstance(head, QuantLinear):
+        if isinstance(head, CompiledLinear):
             self._head = torch.frombuffer(bytearray(_op_record(head)), dtype=torch.uint8)
             self._vocab = head.out_features
         w = norm.weight

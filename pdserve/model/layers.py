@@ -13,15 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.memory import HugePageArena
 from pdserve.model.attention import AttentionMetadata, paged_attention, row_attention, write_kv
 from pdserve.model.config import ModelConfig, RopeScaling
-from pdserve.model.linear import Linear, PackedLinear
-from pdserve.quant.linear import QuantLinear
+from pdserve.model.linear import Linear, PackedLinear, projection
+from pdserve.quant.linear import CompiledLinear
 
 # What a fused layer's step reads (DecoderLayer._fused_plan): qkv, o, gate/up and down
 # ops, the two RMSNorms' weights and eps, query heads, attention scale.
 FusedPlan = tuple[
-    QuantLinear, QuantLinear, QuantLinear, QuantLinear, torch.Tensor, float, torch.Tensor,
+    CompiledLinear, CompiledLinear, CompiledLinear, CompiledLinear, torch.Tensor, float,
+    torch.Tensor,
     float, int, float,
 ]  # fmt: skip
 
@@ -102,10 +104,10 @@ class MLP(nn.Module):
         self.gate_up_op: Linear = PackedLinear(self.gate_up, None, pack=False)
         self.down_op: Linear = PackedLinear(self.down, None, pack=False)
 
-    def finalize(self, pack: bool) -> None:
-        """Called once after the weights are loaded."""
-        self.gate_up_op = PackedLinear(self.gate_up, None, pack)
-        self.down_op = PackedLinear(self.down, None, pack)
+    def finalize(self, pack: bool, arena: HugePageArena | None = None) -> None:
+        """Called once after the weights are loaded (`arena`: see `projection`)."""
+        self.gate_up_op = projection(self.gate_up, None, pack, arena)
+        self.down_op = projection(self.down, None, pack, arena)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_op(x).split(self.intermediate, dim=-1)
@@ -136,10 +138,10 @@ class Attention(nn.Module):
         self.o_bias = _param(config.hidden_size, dtype=dtype) if o_bias else None
         self.finalize(pack=False)
 
-    def finalize(self, pack: bool) -> None:
-        """Called once after the weights are loaded."""
-        self.qkv_op: Linear = PackedLinear(self.qkv, self.qkv_bias, pack)
-        self.o_op: Linear = PackedLinear(self.o, self.o_bias, pack)
+    def finalize(self, pack: bool, arena: HugePageArena | None = None) -> None:
+        """Called once after the weights are loaded (`arena`: see `projection`)."""
+        self.qkv_op: Linear = projection(self.qkv, self.qkv_bias, pack, arena)
+        self.o_op: Linear = projection(self.o, self.o_bias, pack, arena)
 
     def forward(
         self,
@@ -191,12 +193,14 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, kv_cache, meta)
         return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
-    def fused_ops(self) -> tuple[QuantLinear, QuantLinear, QuantLinear, QuantLinear] | None:
-        """qkv, o, gate_up and down when all four are compiled quantized ops (the path of
-        `forward_fused`), else None."""
+    def fused_ops(
+        self,
+    ) -> tuple[CompiledLinear, CompiledLinear, CompiledLinear, CompiledLinear] | None:
+        """qkv, o, gate_up and down when all four are compiled ops (quantized or fp32
+        panels: the path of `forward_fused`), else None."""
         a, m = self.self_attn, self.mlp
         ops = (a.qkv_op, a.o_op, m.gate_up_op, m.down_op)
-        if not all(isinstance(op, QuantLinear) for op in ops):
+        if not all(isinstance(op, CompiledLinear) for op in ops):
             return None
         return ops  # type: ignore[return-value]
 

@@ -1,4 +1,5 @@
-"""Dense projections, with oneDNN's packed-weight kernel on CPU when torch has it.
+"""Dense projections: `projection` picks the compiled kernels' `DenseLinear` where they
+take the weight (fp32 on CPU), else oneDNN's packed-weight kernel when torch has it.
 
 On the CPUs we serve from, `F.linear` (MKL sgemm on a row-major weight) streams
 weights at roughly half the speed of oneDNN's inner-product on a weight reordered
@@ -19,13 +20,17 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pdserve.memory import HugePageArena
+from pdserve.quant.linear import DenseLinear, dense_blocker
+
 # Batch-size hint for the reorder; the packed weight serves every batch size.
 _PACK_HINT = 64
 
 
 class Linear(Protocol):
     """What a model calls for a projection: this module's PackedLinear, or
-    pdserve.quant.linear.QuantLinear for weights in GGUF blocks."""
+    pdserve.quant.linear's compiled ops (QuantLinear for weights in GGUF blocks,
+    DenseLinear for fp32 ones)."""
 
     out_features: int
 
@@ -61,3 +66,20 @@ class PackedLinear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
+
+
+def projection(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    pack: bool,
+    arena: HugePageArena | None = None,
+) -> Linear:
+    """The op for a full-precision weight. With `pack` (a model being finalized):
+    `DenseLinear` where the compiled kernels take the weight (fp32 on CPU: their products
+    hand work between threads as they go, and the model's decode steps run in one
+    compiled call), else `PackedLinear` (oneDNN; F.linear where torch lacks it). Without
+    `pack`, an unpacked PackedLinear that reads the weight in place (weights still
+    loading). `arena`: where DenseLinear keeps its panels (2 MB pages, pdserve/memory.py)."""
+    if pack and not dense_blocker(weight):
+        return DenseLinear(weight, bias, arena)
+    return PackedLinear(weight, bias, pack)

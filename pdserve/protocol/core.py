@@ -83,14 +83,17 @@ class WeightsInfo(msgspec.Struct, frozen=True):
     `quantization` "none" | "gguf" | "q8_0" | "q4_0"; `formats` what the projections
     read, sorted ("Q4_1", "Q8_0"; "float32" for full-precision ones); `note` why
     `--quantization auto` chose "none" ("" otherwise); `activations` how the projections
-    take activations, sorted ("fp32", "int8"; "float32" for full-precision ones); and
-    beside the weights, `kv_cache_dtype` what the KV pool holds (`--kv-cache-dtype`)."""
+    take activations, sorted ("fp32", "int8"; "float32" for full-precision ones);
+    beside the weights, `kv_cache_dtype` what the KV pool holds (`--kv-cache-dtype`); and
+    `compiled` whether the projections run on the compiled kernels (quantized ones always
+    do; full-precision ones where the kernels are built: fp32 panels, else oneDNN)."""
 
     quantization: str
     formats: list[str]
     note: str = ""
     activations: list[str] = msgspec.field(default_factory=lambda: ["float32"])
     kv_cache_dtype: str = "float32"
+    compiled: bool = False
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag=True):

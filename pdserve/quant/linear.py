@@ -1,12 +1,14 @@
-"""y = x @ W.T + bias with W in GGUF block formats, by the compiled kernels.
+"""y = x @ W.T + bias by the compiled kernels: `QuantLinear` for W in GGUF block formats,
+`DenseLinear` for full-precision fp32 W (`--quantization none`, HF-folder models).
 
 Two ways to take the activations (`ACTIVATIONS`, `--activations`): "fp32", the default -
 the weights dequantized in registers to their exact fp32 values and multiplied by the
 fp32 activations (`_kernels.c`); "int8" - llama.cpp's method, each row rounded to int8
 per 32 values and multiplied by the weights' integer values with AVX-512 VNNI or AVX2
 (`_int8.c`, weights repacked at load by `pack_int8`): faster where a step is
-compute-bound, at a stated cost in accuracy (pdserve/kernels/README.md). Either way each
-output element is computed the same way whatever the batch.
+compute-bound, at a stated cost in accuracy (pdserve/kernels/README.md). Full-precision
+weights are repacked at load into panels of 16 columns (`pack_dense`, `_dense.c`).
+Either way each output element is computed the same way whatever the batch.
 """
 
 from __future__ import annotations
@@ -114,7 +116,170 @@ class _Part:
     int8: torch.Tensor | None = None  # pack_int8's records, when taken with int8 activations
 
 
-class QuantLinear:
+# A kernel call's layout code for the int8 kernel and the fp32 panels (_kernels.h's Part).
+PART_INT8, PART_DENSE = -1, -2
+
+
+class CompiledLinear:
+    """A projection the compiled kernels run: the same call as model.linear.PackedLinear,
+    x [T, K] fp32 -> [T, N] fp32, plus `run` with a fused prologue and residual add, and
+    `kernel_calls` for the compiled layer loop (pdserve/model/fused.py). Subclasses set
+    `in_features`, `out_features`, `bias` and `_calls` (one tuple per kernel call; see
+    `kernel_calls`)."""
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+    _calls: list[tuple[int, int, int, int, int, int]]
+
+    def __init__(self) -> None:
+        mod = kernels()
+        if mod is None:
+            raise RuntimeError(f"compiled linear layers need the kernels: {unavailable_reason()}")
+        self._qlinear, self._qlinear_int8 = mod.qlinear, mod.qlinear_int8
+        self._dense = mod.dense_linear
+
+    @property
+    def kernel_calls(self) -> list[tuple[int, int, int, int, int, int]]:
+        """The kernel call of each part, (layout, values, scales, minimums, rows, byte
+        offset of its first output column); an int8 part's is (PART_INT8, records, kind,
+        0, rows, offset), an fp32 panel part's (PART_DENSE, panels, 0, 0, rows, offset).
+        Addresses are valid while this op lives (pdserve/model/fused.py packs them for
+        the compiled layer loop)."""
+        return list(self._calls)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        *,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        swiglu: bool = False,
+        into: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """P(x) @ W.T + bias, with the prologue P applied to each row inside the kernel:
+        `norm` (a [K] weight): RMSNorm(x) * norm with `eps`; `swiglu`: x is [T, 2K] (gate,
+        then up) and P(x) = silu(gate) * up; else x itself. With `into` ([T, N], contiguous)
+        the product is added to it in place and it is returned (a residual add).
+
+        Each row is computed the same way whatever else is in the batch (the kernels'
+        contract), prologue included."""
+        width = 2 * self.in_features if swiglu else self.in_features
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(
+                f"{type(self).__name__} takes fp32 CPU activations, got {x.dtype} {x.device}"
+            )
+        if x.dim() != 2 or x.shape[1] != width:
+            raise ValueError(f"expected [T, {width}], got {list(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        t = x.shape[0]
+        pre, pre_w = PRE_NONE, 0
+        if norm is not None:
+            ok = norm.shape == (self.in_features,) and norm.dtype == torch.float32
+            if not ok or not norm.is_contiguous() or swiglu:
+                raise ValueError(f"norm: expected one contiguous fp32 [{self.in_features}] weight")
+            pre, pre_w = PRE_RMSNORM, norm.data_ptr()
+        elif swiglu:
+            pre = PRE_SWIGLU
+        if into is None:
+            y = torch.empty(t, self.out_features, dtype=torch.float32)
+        else:
+            if (
+                into.shape != (t, self.out_features)
+                or into.dtype != torch.float32
+                or not into.is_contiguous()
+            ):
+                raise ValueError(f"into: expected a contiguous fp32 [{t}, {self.out_features}]")
+            y = into
+        threads, xp, ldx, yp = torch.get_num_threads(), x.data_ptr(), x.stride(0), y.data_ptr()
+        k, n, eps, acc = self.in_features, self.out_features, float(eps), into is not None
+        for layout, qs, scales, mins, rows, offset in self._calls:
+            if layout == PART_DENSE:
+                self._dense(qs, rows, k, xp, ldx, t, yp + offset, n, threads, pre, pre_w, eps, acc)
+            elif layout == PART_INT8:  # qs is the records' address, scales their kind
+                self._qlinear_int8(
+                    qs, scales, rows, k, xp, ldx, t, yp + offset, n, threads, pre, pre_w, eps, acc
+                )
+            else:
+                self._qlinear(
+                    layout, xp, ldx, t, k, qs, scales, mins, rows, yp + offset, n, threads,
+                    pre, pre_w, eps, acc,
+                )  # fmt: skip
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+
+def dense_blocker(weight: torch.Tensor) -> str:
+    """Why `DenseLinear` cannot take `weight` ("" when it can)."""
+    if kernels() is None:
+        return f"the compiled kernels are not available ({unavailable_reason()})"
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return f"a {weight.dtype} weight on {weight.device.type} (the kernels take fp32 on CPU)"
+    if weight.dim() != 2 or weight.shape[1] % BLOCK != 0 or weight.shape[0] == 0:
+        return f"a weight of shape {list(weight.shape)} (rows of a multiple of {BLOCK} values)"
+    return ""
+
+
+def pack_dense(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 [N, K] weight as `_dense.c` reads it: panels of 16 columns, k-major -
+    panel[p][k][c] = weight[16p + c][k], the last panel padded with zero columns."""
+    n, k = weight.shape
+    panels = -(-n // _GROUP)
+    w = weight.detach().to(torch.float32)
+    if panels * _GROUP != n:
+        w = torch.cat((w, w.new_zeros(panels * _GROUP - n, k)))
+    return w.reshape(panels, _GROUP, k).transpose(1, 2).contiguous()
+
+
+class DenseLinear(CompiledLinear):
+    """A full-precision fp32 projection on the compiled kernels (`_dense.c`), in place of
+    oneDNN's (model.linear.PackedLinear): a decode step's products share their panels
+    between threads as they go, so a core another process takes for a while delays the
+    step by about that while (oneDNN splits each product statically: the whole step
+    waits for the slowest thread), and a model of these ops runs its decode steps in
+    one compiled call (pdserve/model/fused.py), as quantized models do.
+
+    Contract: the weight is copied into panels at construction (`pack_dense`); the
+    caller may then release it. The panels live as long as this op (the kernel reads
+    them by address)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, arena: HugePageArena | None = None
+    ) -> None:
+        super().__init__()
+        if blocker := dense_blocker(weight):
+            raise ValueError(f"DenseLinear cannot take {blocker}")
+        self.out_features, self.in_features = weight.shape
+        panels = pack_dense(weight)
+        self._panels = arena.place(panels) if arena is not None else panels
+        self.bias = bias.detach().to(torch.float32).clone() if bias is not None else None
+        self._calls = [(PART_DENSE, self._panels.data_ptr(), 0, 0, self.out_features, 0)]
+
+    @property
+    def activations(self) -> list[str]:
+        return ["float32"]
+
+    @property
+    def formats(self) -> list[str]:
+        return ["float32"]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel reads per product (the padding columns' too)."""
+        return self._panels.numel() * 4
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [N, K] weight this op multiplies by."""
+        w = self._panels.transpose(1, 2).reshape(-1, self.in_features)
+        return w[: self.out_features].clone()
+
+
+class QuantLinear(CompiledLinear):
     """Same call as model.linear.PackedLinear: x [T, K] fp32 -> [T, N] fp32.
 
     The weight is one or more `QuantWeight`s stacked by rows (a fused q/k/v whose v is
@@ -134,16 +299,13 @@ class QuantLinear:
         """`arena`: where to keep what the kernels stream (the int8 records, or the
         values, fp32 scales and minimums): on 2 MB pages (pdserve/memory.py); None keeps
         the values where they are."""
-        mod = kernels()
-        if mod is None:
-            raise RuntimeError(f"quantized linear layers need the kernels: {unavailable_reason()}")
+        super().__init__()
         if activations not in ACTIVATIONS:
             raise ValueError(
                 f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}"
             )
         if activations == "int8" and (blocker := int8_blocker()):
             raise RuntimeError(f"int8 activations: {blocker}")
-        self._qlinear, self._qlinear_int8 = mod.qlinear, mod.qlinear_int8
         weights = [weight] if isinstance(weight, QuantWeight) else list(weight)
         runs = [QuantWeight.cat(list(g)) for _, g in itertools.groupby(weights, lambda w: w.qtype)]
         self.in_features = runs[0].shape[1]
@@ -166,7 +328,7 @@ class QuantLinear:
         # Each part's kernel arguments that never change (layout, addresses of values,
         # scales and minimums, rows, byte offset of its first output column): a decode
         # step makes ~120 of these calls, so the per-call Python is kept to the minimum.
-        # An int8 part's call is (-1, records, kind, 0, rows, offset).
+        # An int8 part's call is (PART_INT8, records, kind, 0, rows, offset).
         self._calls = [
             (
                 int(p.weight.qtype.layout), p.weight.qs.data_ptr(), p.scales.data_ptr(),
@@ -174,19 +336,11 @@ class QuantLinear:
             )
             if p.int8 is None
             else (
-                -1, p.int8.data_ptr(), int8_kind(p.weight.qtype.layout), 0,
+                PART_INT8, p.int8.data_ptr(), int8_kind(p.weight.qtype.layout), 0,
                 p.weight.shape[0], 4 * p.n0,
             )
             for p in self._parts
         ]  # fmt: skip
-
-    @property
-    def kernel_calls(self) -> list[tuple[int, int, int, int, int, int]]:
-        """The kernel call of each part, (layout, values, scales, minimums, rows, byte
-        offset of its first output column); an int8 part's is (-1, records, kind, 0, rows,
-        offset). Addresses are valid while this op lives (pdserve/model/fused.py packs
-        them for the compiled layer loop)."""
-        return list(self._calls)
 
     @property
     def activations(self) -> list[str]:
@@ -219,67 +373,6 @@ class QuantLinear:
     def dequantize(self) -> torch.Tensor:
         """The fp32 [N, K] weight this op multiplies by."""
         return torch.cat([p.weight.dequantize() for p in self._parts])
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run(x)
-
-    def run(
-        self,
-        x: torch.Tensor,
-        *,
-        norm: torch.Tensor | None = None,
-        eps: float = 0.0,
-        swiglu: bool = False,
-        into: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """P(x) @ W.T + bias, with the prologue P applied to each row inside the kernel:
-        `norm` (a [K] weight): RMSNorm(x) * norm with `eps`; `swiglu`: x is [T, 2K] (gate,
-        then up) and P(x) = silu(gate) * up; else x itself. With `into` ([T, N], contiguous)
-        the product is added to it in place and it is returned (a residual add).
-
-        Each row is computed the same way whatever else is in the batch (the kernel's
-        contract), prologue included."""
-        width = 2 * self.in_features if swiglu else self.in_features
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"QuantLinear takes fp32 CPU activations, got {x.dtype} {x.device}")
-        if x.dim() != 2 or x.shape[1] != width:
-            raise ValueError(f"expected [T, {width}], got {list(x.shape)}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        t = x.shape[0]
-        pre, pre_w = PRE_NONE, 0
-        if norm is not None:
-            ok = norm.shape == (self.in_features,) and norm.dtype == torch.float32
-            if not ok or not norm.is_contiguous() or swiglu:
-                raise ValueError(f"norm: expected one contiguous fp32 [{self.in_features}] weight")
-            pre, pre_w = PRE_RMSNORM, norm.data_ptr()
-        elif swiglu:
-            pre = PRE_SWIGLU
-        if into is None:
-            y = torch.empty(t, self.out_features, dtype=torch.float32)
-        else:
-            if (
-                into.shape != (t, self.out_features)
-                or into.dtype != torch.float32
-                or not into.is_contiguous()
-            ):
-                raise ValueError(f"into: expected a contiguous fp32 [{t}, {self.out_features}]")
-            y = into
-        threads, xp, ldx, yp = torch.get_num_threads(), x.data_ptr(), x.stride(0), y.data_ptr()
-        k, n, eps, acc = self.in_features, self.out_features, float(eps), into is not None
-        for layout, qs, scales, mins, rows, offset in self._calls:
-            if layout < 0:  # int8: qs is the records' address, scales their kind
-                self._qlinear_int8(
-                    qs, scales, rows, k, xp, ldx, t, yp + offset, n, threads, pre, pre_w, eps, acc
-                )
-                continue
-            self._qlinear(
-                layout, xp, ldx, t, k, qs, scales, mins, rows, yp + offset, n, threads,
-                pre, pre_w, eps, acc,
-            )  # fmt: skip
-        if self.bias is not None:
-            y += self.bias
-        return y
 
 
 def _as_is(t: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,8 @@ def weights_line(weights: WeightsInfo) -> str:
     formats, kv = ", ".join(weights.formats), f"; KV cache: {weights.kv_cache_dtype}"
     if weights.quantization == "none":
         why = f" (--quantization auto: {weights.note})" if weights.note else ""
-        return f"pdserve: weights: {formats}{why}{kv}"
+        how = ", by the compiled kernels" if weights.compiled else ""
+        return f"pdserve: weights: {formats}{why}{how}{kv}"
     how = "int8 activations" if "int8" in weights.activations else "fp32 activations"
     return (
         f"pdserve: weights: {formats} blocks ({weights.quantization}), by the compiled kernels "
