@@ -94,6 +94,16 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         "half the bytes to read, hold and move, widened exactly as the attention reads "
         "them) and --dtype under fp weights (default: %(default)s)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=EngineConfig.tensor_parallel_size,
+        metavar="T",
+        help="split the engine over T processes, each holding whole GQA groups of every "
+        "layer's heads and a share of its MLP columns, summed over a gloo (CPU) or NCCL "
+        "group; the threads are shared among them (docs/parallelism.md; default: "
+        "%(default)s)",
+    )
 
 
 def add_decode_burst_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -148,6 +158,7 @@ def _generate(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         activations=args.activations,
         kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
         scheduler=SchedulerConfig(decode_burst=args.decode_burst),
     )
     check_device(config.device)

@@ -208,8 +208,12 @@ class EngineConfig:
     # Context limit of one request (prompt + generation); None = the model's own,
     # lowered to what the KV pool can hold.
     max_model_len: int | None = None
-    # Torch intra-op threads; None = all cores this process may use.
+    # Torch intra-op threads; None = all cores this process may use. With tensor
+    # parallelism, the instance's: each rank takes an even share.
     num_threads: int | None = None
+    # Ranks of this instance, each a process holding its share of every layer's heads and
+    # MLP columns (pdserve/parallel, docs/parallelism.md); 1: the whole model in one.
+    tensor_parallel_size: int = 1
     # CPUs the engine process runs on (its affinity, set before the model loads);
     # None = those of the process that starts it. Keeps the engine off the cores the
     # HTTP front end (and a load generator) use.
@@ -255,6 +259,13 @@ class EngineConfig:
             _at_least("max_model_len", self.max_model_len, 2)
         if self.num_threads is not None:
             _at_least("num_threads", self.num_threads, 1)
+        _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and self.role is not Role.COLOCATED:
+            raise ValueError(
+                f"a {self.role.value} instance with tensor_parallel_size "
+                f"{self.tensor_parallel_size}: the KV hand-off between layouts is not built "
+                "yet; tensor-parallel instances serve colocated"
+            )
         if self.cpus is not None:
             if not self.cpus:
                 raise ValueError("cpus must name at least one CPU (or be None)")

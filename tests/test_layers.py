@@ -58,6 +58,11 @@ LAYERS: Layers = [
         "architectures over the paged KV pool, weight loading, the tokenizer: one forward",
     ),
     (
+        ("pdserve.parallel",),
+        "how a model splits across the ranks of an instance: shard layouts, a rank's config "
+        "and weights, the process group",
+    ),
+    (
         ("pdserve.engine",),
         "one instance: scheduler, model runner, sampler, length head, roles; speaks protocol",
     ),

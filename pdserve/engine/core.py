@@ -200,6 +200,8 @@ class EngineCore:
             p.close()
         if self.link is not None:
             self.link.close()
+        if self.runner.peers is not None:  # a tensor-parallel instance's other ranks
+            self.runner.peers.close()
 
     def check_integrity(self) -> None:
         """AssertionError unless the pool's and every participant's accounting hold."""

@@ -13,6 +13,7 @@ import torch
 
 from pdserve.config import EngineConfig, check_device
 from pdserve.engine.core import EngineCore
+from pdserve.engine.ranks import RankGroup, rank_threads
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.layout import DTYPE_SIZES
 from pdserve.model.base import CausalLM
@@ -25,6 +26,9 @@ from pdserve.model.loader import (
 )
 from pdserve.model.registry import build_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.parallel import group
+from pdserve.parallel.layout import tensor_parallel
+from pdserve.parallel.shard import load_shard
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.text.output_processor import OutputProcessor
 from pdserve.text.outputs import RequestOutput
@@ -42,8 +46,11 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
+        ranks = start_ranks(config)
         model = load_model(config)
-        return cls(config, model, Tokenizer.from_model_path(resolve_model(config.model)))
+        engine = cls(config, model, Tokenizer.from_model_path(resolve_model(config.model)))
+        attach_ranks(engine.core, ranks)
+        return engine
 
     @property
     def max_model_len(self) -> int:
@@ -79,14 +86,43 @@ class Engine:
         return results
 
 
+def start_ranks(config: EngineConfig) -> RankGroup | None:
+    """A tensor-parallel instance's other ranks, started (they load their shards while
+    this process loads rank 0's: `load_model`, which joins their group); None for one
+    rank."""
+    if config.tensor_parallel_size == 1:
+        return None
+    path = resolve_model(config.model)
+    tensor_parallel(load_config(path), config.tensor_parallel_size)  # a split that cannot be
+    port = group.free_port()
+    ranks = RankGroup.start(config, port)
+    group.join(0, config.tensor_parallel_size, port, config.device)
+    return ranks
+
+
+def attach_ranks(core: EngineCore, ranks: RankGroup | None) -> None:
+    """The core's steps go to `ranks` too, over a pool of the core's geometry."""
+    if ranks is not None:
+        ranks.open(core.cache.layout)
+        core.runner.peers = ranks
+
+
 def load_model(config: EngineConfig) -> CausalLM:
-    """Build the configured model with its weights, ready to serve (threads set)."""
-    torch.set_num_threads(config.threads)
+    """Build the configured model with its weights, ready to serve (threads set). With
+    tensor parallelism, rank 0's shard, its layers summing over the group `start_ranks`
+    joined."""
+    torch.set_num_threads(rank_threads(config))
     path = resolve_model(config.model)
     check_device(config.device)
     quant = resolve_quantization(
         config.quantization, path, config.device, config.activations, config.dtype
     )
+    if config.tensor_parallel_size > 1:
+        shard = tensor_parallel(load_config(path), config.tensor_parallel_size)[0]
+        model = load_shard(path, shard, config.torch_dtype, quant)
+        model.to(config.device)
+        model.set_reduce(group.all_reduce_sum)
+        return model
     model = build_model(load_config(path), config.torch_dtype, quant.quantized)
     model.quantization = quant  # finalize reads it (the activations)
     model.load_weights(iter_weights(path, config.torch_dtype, quant))

@@ -27,7 +27,7 @@ import zmq
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
-from pdserve.engine.engine import build_core, load_model
+from pdserve.engine.engine import attach_ranks, build_core, load_model, start_ranks
 from pdserve.engine.step_trace import StepTrace
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.base import CausalLM
@@ -288,8 +288,10 @@ def run_engine_process(
     try:
         if config.cpus is not None:
             pin_process(config.cpus)
+        ranks = start_ranks(config)
         model = load_model(config)
         core = build_core(config, model, _stop_token_ids(config))
+        attach_ranks(core, ranks)
     except Exception as e:  # report, then exit: the frontend shows the message
         out.send(encoder.encode(EngineFailed(f"engine failed to start: {e}")))
         sys.exit(1)

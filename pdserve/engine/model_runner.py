@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 
@@ -24,7 +24,7 @@ from pdserve.model.attention import (
     SeqSpec,
     slots_of,
 )
-from pdserve.model.base import CausalLM, ForwardHooks
+from pdserve.model.base import CausalLM, FinalStates, ForwardHooks
 
 
 def max_group_tokens(cache: KVCache) -> int:
@@ -32,6 +32,31 @@ def max_group_tokens(cache: KVCache) -> int:
     t = cache.device_tensor
     per_token = 2 * t.shape[-2] * t.shape[-1] * t.element_size()
     return max(cache.block_size, CPU_GROUP_BYTES // per_token)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step as every rank of an instance runs it (a tensor-parallel instance's driver
+    sends it to the other ranks, pdserve/parallel/ranks.py): the swap plans' block
+    copies, then the forward's flattened tokens, positions and per-sequence block
+    tables, the rows that sample, and whether they all sample greedily."""
+
+    swap_out: list[list[tuple[int, int]]]  # each swap plan's (src, dst) block copies
+    swap_in: list[list[tuple[int, int]]]
+    input_ids: list[int]
+    positions: list[int]
+    specs: list[SeqSpec]
+    logit_rows: list[int]
+    greedy: bool
+
+
+class StepPeers(Protocol):
+    """The other ranks of the instance (pdserve/parallel/ranks.py): sent each step's
+    inputs before the driver runs them; they run the same forward on their shards."""
+
+    def send(self, inputs: StepInputs) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -43,11 +68,14 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, kv: KVManager) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, kv: KVManager | None) -> None:
+        """`kv`: the block tables of the sequences a step runs (None on a tensor-parallel
+        worker rank, which only runs the driver's `StepInputs`)."""
         self.model = model
         self.cache = cache
         self.kv = kv
         self.hooks: ForwardHooks | None = None
+        self.peers: StepPeers | None = None  # a tensor-parallel instance's other ranks
         self.workspace = GatherWorkspace()
         self.device = cache.device_tensor.device
         # The compiled per-row path where the model has one and its attention reads this
@@ -60,45 +88,65 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """Run one step: the sequences that sample (in row order), their logits and their
         final hidden states (None when nothing samples)."""
-        for plan in sched.swap_out:
-            self.cache.swap_out(plan.copies)
-        for plan in sched.swap_in:
-            self.cache.swap_in(plan.copies)
-        if sched.empty:
-            return StepResult([], None, None)
         # Single-token rows first: attention batches them in one call (see attention.py).
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, specs, logit_rows = self._flatten(seqs)
-        meta = AttentionMetadata.build(
+        sampled = [s for s in seqs if s.samples]
+        inputs = StepInputs(
+            [list(plan.copies) for plan in sched.swap_out],
+            [list(plan.copies) for plan in sched.swap_in],
+            input_ids,
+            positions,
             specs,
+            logit_rows,
+            # Every row greedy: the compiled step takes the argmax too (FinalStates.argmax);
+            # a greedy row with penalties or logprobs leaves it unused (the sampler decides).
+            all(s.request.params.temperature == 0.0 for s in sampled),
+        )
+        if self.peers is not None:
+            self.peers.send(inputs)
+        out = self.forward(inputs)
+        if out is None or not sampled:  # no rows, or only partial prompt chunks: no head ran
+            return StepResult([], None, None)
+        return StepResult(sampled, out.logits, out.hidden, out.argmax)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> FinalStates | None:
+        """The step's swaps (all swap-outs, then swap-ins), then its forward; None for a
+        step with no rows."""
+        for copies in inputs.swap_out:
+            self.cache.swap_out(copies)
+        for copies in inputs.swap_in:
+            self.cache.swap_in(copies)
+        if not inputs.input_ids:
+            return None
+        meta = AttentionMetadata.build(
+            inputs.specs,
             self.cache.block_size,
             self.model.sliding_window,
             self.workspace,
             max_group_tokens=self.max_group_tokens,
             per_row=self.per_row,
         ).to(self.device)
-        sampled = [s for s in seqs if s.samples]
-        # Every row greedy: the compiled step takes the argmax too (FinalStates.argmax); a
-        # greedy row with penalties or logprobs leaves it unused (the sampler decides).
-        greedy = all(s.request.params.temperature == 0.0 for s in sampled)
-        args = (
-            self._ids(input_ids),
-            self._ids(positions),
+        return self.model.hidden_and_logits(
+            self._ids(inputs.input_ids),
+            self._ids(inputs.positions),
             self.cache.device_tensor,
             meta,
-            self._ids(logit_rows),
+            self._ids(inputs.logit_rows),
             self.hooks,
-            greedy,
+            inputs.greedy,
         )
-        out = self.model.hidden_and_logits(*args)
-        if not sampled:  # only partial prompt chunks: no rows, so no LM head ran
-            return StepResult([], None, None)
-        return StepResult(sampled, out.logits, out.hidden, out.argmax)
 
     @property
     def bursts(self) -> bool:
         """Whether `execute_burst` runs here (the model's compiled one-call path)."""
-        return self.device.type == "cpu" and self.per_row and self.model.burst_call() is not None
+        return (
+            self.device.type == "cpu"
+            and self.per_row
+            and self.peers is None
+            and self.model.burst_call() is not None
+        )
 
     @torch.inference_mode()
     def execute_burst(
@@ -117,7 +165,7 @@ class ModelRunner:
             req = s.request
             assert s.num_new_tokens == 1 and s.samples
             k = req.num_computed_tokens
-            specs.append(SeqSpec(k, steps, self.kv.block_table(req.request_id)))
+            specs.append(SeqSpec(k, steps, self._table(req.request_id)))
             last.extend(_token_slice(req.prompt_token_ids, req.output_token_ids, k, k + 1))
         ranges = RowRanges.build(specs, bs, self.model.sliding_window)
         rows = ranges.rows.view(t, steps, 3).transpose(0, 1).contiguous().view(-1, 3)
@@ -139,6 +187,10 @@ class ModelRunner:
         )
         return cast(list[list[int]], tokens[1 : done + 1].tolist())
 
+    def _table(self, request_id: str) -> list[int]:
+        assert self.kv is not None, "a worker rank runs the driver's StepInputs only"
+        return self.kv.block_table(request_id)
+
     def _ids(self, values: list[int]) -> torch.Tensor:
         ids = torch.tensor(values, dtype=torch.long)
         return ids if self.device.type == "cpu" else ids.to(self.device, non_blocking=True)
@@ -155,7 +207,7 @@ class ModelRunner:
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             input_ids.extend(_token_slice(req.prompt_token_ids, req.output_token_ids, start, end))
             positions.extend(range(start, end))
-            specs.append(SeqSpec(start, s.num_new_tokens, self.kv.block_table(req.request_id)))
+            specs.append(SeqSpec(start, s.num_new_tokens, self._table(req.request_id)))
             if s.samples:
                 logit_rows.append(len(input_ids) - 1)
         return input_ids, positions, specs, logit_rows

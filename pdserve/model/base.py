@@ -167,6 +167,16 @@ class CausalLM(nn.Module):
         hidden = self.norm(h[logits_indices])
         return FinalStates(hidden, self.compute_logits(hidden))
 
+    def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Make this model one rank of a tensor-parallel group (pdserve/parallel): every
+        layer sums its partial attention and MLP outputs over the ranks with `reduce`
+        (in place). The layers then run one call each (the compiled loop has no point to
+        reduce at), and no decode burst runs."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.reduce = reduce
+        self.layers_in_one_call = False
+
     def burst_call(self) -> FusedLayers | None:
         """The compiled call that runs decode bursts (`FusedLayers.decode_burst`), where
         this model has one: the one-call compiled path with a compiled LM head and an

@@ -8,6 +8,7 @@ small-batch decode. `load_weights` in `base.py` maps HF parameter names onto the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +180,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_idx, qkv_bias, o_bias, dtype, materialize)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, materialize)
+        # A tensor-parallel rank's sum over the ranks of a partial output (in place; the
+        # o and down projections' outputs: pdserve/parallel/shard.py); None alone.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -190,8 +194,10 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         # .forward directly: nn.Module.__call__ costs microseconds per call, and a
         # batch-1 decode step makes ~150 of these calls.
-        h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, kv_cache, meta)
-        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        a = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, kv_cache, meta)
+        h = h + (a if self.reduce is None else self.reduce(a))
+        m = self.mlp.forward(self.post_attention_layernorm.forward(h))
+        return h + (m if self.reduce is None else self.reduce(m))
 
     def fused_ops(
         self,
@@ -225,9 +231,16 @@ class DecoderLayer(nn.Module):
         o = row_attention(
             qkv, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1], meta, heads, scale
         )
-        o_op.run(o, into=h)
+        reduce = self.reduce
+        if reduce is None:
+            o_op.run(o, into=h)
+        else:  # a rank's partial o, summed over the ranks, then the residual add
+            h += reduce(o_op.run(o))
         gate_up = gate_up_op.run(h, norm=n2_w, eps=n2_eps)
-        return down_op.run(gate_up, swiglu=True, into=h)
+        if reduce is None:
+            return down_op.run(gate_up, swiglu=True, into=h)
+        h += reduce(down_op.run(gate_up, swiglu=True))
+        return h
 
     def _fused_plan(self) -> FusedPlan:
         """What `forward_fused` reads, gathered once into a plain attribute (each

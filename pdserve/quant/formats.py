@@ -181,6 +181,25 @@ class QuantWeight:
             None if self.m is None else self.m[index].contiguous(),
         )
 
+    def columns(self, start: int, stop: int) -> QuantWeight:
+        """Values [start, stop) of every row, still quantized: whole blocks of 32 (a
+        tensor-parallel rank's part of a row-parallel weight, pdserve/parallel)."""
+        n, k = self.shape
+        if start % BLOCK or stop % BLOCK or not 0 <= start < stop <= k:
+            raise ValueError(f"columns [{start}, {stop}) of a [{n}, {k}] weight: not whole blocks")
+        per_byte = 2 if self.qtype.layout.nibbles else 1
+        scales = self.d.shape[1] // (k // BLOCK)  # I8_16: two per block
+
+        def cut(t: torch.Tensor, per_block: int) -> torch.Tensor:
+            return t[:, start // BLOCK * per_block : stop // BLOCK * per_block].contiguous()
+
+        return QuantWeight(
+            self.qtype,
+            self.qs[:, start // per_byte : stop // per_byte].contiguous(),
+            cut(self.d, scales),
+            None if self.m is None else cut(self.m, 1),
+        )
+
     @staticmethod
     def cat(parts: Sequence[QuantWeight]) -> QuantWeight:
         """Row-wise concatenation (a fused q/k/v or gate/up); one format, one K. A single

@@ -1,0 +1,156 @@
+"""A tensor-parallel instance's ranks as processes: the driver (rank 0, the engine
+process: it schedules, samples and holds the KV manager) and T - 1 workers that only
+execute.
+
+The driver starts the workers (`RankGroup.start`: spawned processes, each joining the
+gloo group and loading its shard while the driver loads its own), tells them the KV
+pool's geometry once the core has sized it (`open`), then sends each step's inputs
+(`send`, `StepInputs`: swaps, tokens, block tables) down a pipe before running the same
+step itself; every rank's forward meets the others' in the all-reduces after each
+layer's attention and MLP. A worker's pool has the driver's blocks (same ids, same
+count) with its own KV heads, so the driver's block accounting is every rank's.
+
+Contract: steps go to the workers in the order the driver runs them, one at a time; a
+worker that fails makes the driver's next all-reduce fail (gloo's timeout), which ends
+the instance as any engine failure does. Workers exit when the driver closes the group
+or its process ends (`runtime.ended`, checked while they wait).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection as mpc
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+
+from pdserve.config import EngineConfig
+from pdserve.engine.model_runner import StepInputs
+from pdserve.kv.layout import KVLayout
+from pdserve.parallel import group
+
+# Seconds a worker waits for the next message before it checks that the driver lives.
+_POLL_S = 1.0
+
+
+class RankGroup:
+    """The driver's side: the workers' processes and pipes."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]], pipes: list[mpc.Connection]) -> None:
+        self._procs, self._pipes = procs, pipes
+
+    @classmethod
+    def start(cls, config: EngineConfig, port: int) -> RankGroup:
+        """Start ranks 1 .. T-1 of `config` (their rendezvous on `port`): fresh Python
+        processes (not multiprocessing's spawn, which re-runs the caller's main module: a
+        script that builds an `LLM` without a `__main__` guard would start itself), each
+        given one end of a socket pair and sent the config over it."""
+        world = config.tensor_parallel_size
+        procs, pipes = [], []
+        for rank in range(1, world):
+            mine, theirs = socket.socketpair()
+            code = "from pdserve.engine.ranks import worker_entry; worker_entry()"
+            args = [str(theirs.fileno()), str(rank), str(port), str(os.getpid())]
+            proc = subprocess.Popen([sys.executable, "-c", code, *args], pass_fds=[theirs.fileno()])
+            theirs.close()
+            pipe = mpc.Connection(mine.detach())
+            pipe.send(config)
+            procs.append(proc)
+            pipes.append(pipe)
+        return cls(procs, pipes)
+
+    def open(self, layout: KVLayout) -> None:
+        """The KV pool the workers mirror (the driver's; each its own KV heads)."""
+        self._broadcast(("open", layout))
+
+    def send(self, inputs: StepInputs) -> None:
+        self._broadcast(("step", inputs))
+
+    def close(self) -> None:
+        """Tell the workers to leave and wait for them (then kill what is left); leave
+        the group."""
+        with contextlib.suppress(OSError):
+            self._broadcast(("close", None))
+        for proc in self._procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pipe in self._pipes:
+            pipe.close()
+        group.leave()  # the driver's own membership: another engine may join a new group
+
+    def _broadcast(self, msg: tuple[str, Any]) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for pipe in self._pipes:
+            pipe.send_bytes(data)
+
+
+def worker_entry() -> None:
+    """A worker process's start (`RankGroup.start`'s command line: the socket's fd, the
+    rank, the rendezvous port, the driver's pid)."""
+    fd, rank, port, driver = (int(a) for a in sys.argv[1:5])
+    conn = mpc.Connection(fd)
+    worker_main(conn, conn.recv(), rank, port, driver)
+
+
+def worker_main(
+    conn: mpc.Connection, config: EngineConfig, rank: int, port: int, driver: int
+) -> None:
+    """Rank `rank`: join the group, load the shard, then run what the driver sends."""
+    import torch
+
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.kv.cache import KVCache
+    from pdserve.model.loader import load_config, resolve_model, resolve_quantization
+    from pdserve.parallel.layout import tensor_parallel
+    from pdserve.parallel.shard import load_shard
+    from pdserve.runtime import ended
+
+    world = config.tensor_parallel_size
+    torch.set_num_threads(rank_threads(config))
+    group.join(rank, world, port, config.device)
+    try:
+        path = resolve_model(config.model)
+        shard = tensor_parallel(load_config(path), world)[rank]
+        quant = resolve_quantization(
+            config.quantization, path, config.device, config.activations, config.dtype
+        )
+        model = load_shard(path, shard, config.torch_dtype, quant)
+        model.to(config.device)
+        model.set_reduce(group.all_reduce_sum)
+        runner: ModelRunner | None = None
+        gone = ended(driver)
+        while True:
+            if not conn.poll(_POLL_S):
+                if gone():
+                    return
+                continue
+            try:
+                kind, body = pickle.loads(conn.recv_bytes())
+            except EOFError:  # the driver's end closed: it exited
+                return
+            if kind == "close":
+                return
+            if kind == "open":
+                layout = msgspec.structs.replace(
+                    body, num_kv_heads=model.config.num_key_value_heads
+                )
+                runner = ModelRunner(model, KVCache(layout, 0, config.device), kv=None)
+            else:
+                assert runner is not None
+                runner.forward(replace(body, logit_rows=[]))  # the driver samples
+    finally:
+        group.leave()
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """Each rank's share of the instance's threads (at least one)."""
+    return max(1, config.threads // config.tensor_parallel_size)
