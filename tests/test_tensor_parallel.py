@@ -16,18 +16,19 @@ import psutil
 import pytest
 import torch
 from helpers.forward import run_steps, workload
-from helpers.reference import greedy
+from helpers.reference import greedy, run
 from helpers.server import Server, wait_for
 from helpers.tiny_models import make_tiny_model
 from test_quant_model import run_cli
 
-from pdserve.config import EngineConfig
+from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import Quantization, load_config, resolve_model, resolve_quantization
 from pdserve.parallel import group
 from pdserve.parallel.layout import Shard, tensor_parallel
 from pdserve.parallel.shard import load_shard
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.quant.formats import QuantType, QuantWeight
 
 TOL = 1e-4
@@ -148,6 +149,7 @@ def test_quantized_columns_are_whole_blocks() -> None:
         QuantWeight.quantize(w, QuantType.Q8_0).columns(16, 96)
 
 
+BODY = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -175,6 +177,32 @@ def test_an_engine_on_two_ranks_generates_the_whole_engines_text(served_engine: 
         engine.core.close()
     worker.wait(10)
     assert rank_processes() == []
+
+
+def test_swaps_on_two_ranks_keep_one_engines_text(served_engine: Engine) -> None:
+    """A pool too small for the load (24 blocks): requests are preempted by swapping their
+    KV to the host tier and back - on every rank, the driver's swap plans run on the
+    workers' pools too - and every text is still one big-pool engine's."""
+    config = EngineConfig(
+        num_threads=2,
+        tensor_parallel_size=2,
+        scheduler=SchedulerConfig(preemption_mode=PreemptionMode.SWAP),
+        cache=CacheConfig(num_blocks=24, num_host_blocks=256, enable_prefix_cache=False),
+    )
+    engine = Engine.from_config(config)
+    prompts = [f"{p} Number {i}." for i in range(3) for p in PROMPTS]
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert sum(done[i].metrics.num_preemptions for i in ids) > 0
+        assert engine.core.kv.num_free_host_blocks == 256
+        want = [e.text for e in run(served_engine, [{**BODY, "prompt": p} for p in prompts])]
+        assert [done[i].text for i in ids] == want
+    finally:
+        engine.core.close()
 
 
 def test_a_server_on_two_ranks_answers_as_one_engine(served_engine: Engine) -> None:

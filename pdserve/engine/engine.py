@@ -93,7 +93,8 @@ def start_ranks(config: EngineConfig) -> RankGroup | None:
     if config.tensor_parallel_size == 1:
         return None
     path = resolve_model(config.model)
-    tensor_parallel(load_config(path), config.tensor_parallel_size)  # a split that cannot be
+    # A split that cannot be made is refused before any process starts.
+    tensor_parallel(load_config(path), config.tensor_parallel_size)
     port = group.free_port()
     ranks = RankGroup.start(config, port)
     group.join(0, config.tensor_parallel_size, port, config.device)
@@ -103,7 +104,8 @@ def start_ranks(config: EngineConfig) -> RankGroup | None:
 def attach_ranks(core: EngineCore, ranks: RankGroup | None) -> None:
     """The core's steps go to `ranks` too, over a pool of the core's geometry."""
     if ranks is not None:
-        ranks.open(core.cache.layout)
+        host = core.cache.host_layout
+        ranks.open(core.cache.layout, 0 if host is None else host.num_blocks)
         core.runner.peers = ranks
 
 

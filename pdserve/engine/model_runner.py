@@ -37,7 +37,7 @@ def max_group_tokens(cache: KVCache) -> int:
 @dataclass(frozen=True)
 class StepInputs:
     """One step as every rank of an instance runs it (a tensor-parallel instance's driver
-    sends it to the other ranks, pdserve/parallel/ranks.py): the swap plans' block
+    sends it to the other ranks, engine/ranks.py): the swap plans' block
     copies, then the forward's flattened tokens, positions and per-sequence block
     tables, the rows that sample, and whether they all sample greedily."""
 
@@ -51,7 +51,7 @@ class StepInputs:
 
 
 class StepPeers(Protocol):
-    """The other ranks of the instance (pdserve/parallel/ranks.py): sent each step's
+    """The other ranks of the instance (engine/ranks.py): sent each step's
     inputs before the driver runs them; they run the same forward on their shards."""
 
     def send(self, inputs: StepInputs) -> None: ...

@@ -2,18 +2,19 @@
 process: it schedules, samples and holds the KV manager) and T - 1 workers that only
 execute.
 
-The driver starts the workers (`RankGroup.start`: spawned processes, each joining the
-gloo group and loading its shard while the driver loads its own), tells them the KV
-pool's geometry once the core has sized it (`open`), then sends each step's inputs
-(`send`, `StepInputs`: swaps, tokens, block tables) down a pipe before running the same
-step itself; every rank's forward meets the others' in the all-reduces after each
-layer's attention and MLP. A worker's pool has the driver's blocks (same ids, same
-count) with its own KV heads, so the driver's block accounting is every rank's.
+The driver starts the workers (`RankGroup.start`: fresh processes over socket pairs, each
+joining the group and loading its shard while the driver loads its own), tells them the KV
+pool's geometry once the core has sized it (`open`: the device tier's layout and the host
+tier's block count), then sends each step's inputs (`send`, `StepInputs`: swaps, tokens,
+block tables) before running the same step itself; every rank's forward meets the
+others' in the sums after each layer's attention and MLP. A worker's pool has the
+driver's blocks, device and host (same ids, same counts), with its own KV heads, so the
+driver's block accounting and its swap plans are every rank's.
 
 Contract: steps go to the workers in the order the driver runs them, one at a time; a
-worker that fails makes the driver's next all-reduce fail (gloo's timeout), which ends
+worker that fails makes the driver's next sum fail (the group's wait limit), which ends
 the instance as any engine failure does. Workers exit when the driver closes the group
-or its process ends (`runtime.ended`, checked while they wait).
+or its process ends (its socket closes, or `runtime.ended` while they wait).
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ class RankGroup:
             pipes.append(pipe)
         return cls(procs, pipes)
 
-    def open(self, layout: KVLayout) -> None:
-        """The KV pool the workers mirror (the driver's; each its own KV heads)."""
-        self._broadcast(("open", layout))
+    def open(self, layout: KVLayout, num_host_blocks: int) -> None:
+        """The KV pool the workers mirror: the driver's device tier (each its own KV
+        heads) and a host tier of as many blocks (swap plans copy the same ids)."""
+        self._broadcast(("open", (layout, num_host_blocks)))
 
     def send(self, inputs: StepInputs) -> None:
         self._broadcast(("step", inputs))
@@ -140,10 +142,11 @@ def worker_main(
             if kind == "close":
                 return
             if kind == "open":
-                layout = msgspec.structs.replace(
-                    body, num_kv_heads=model.config.num_key_value_heads
-                )
-                runner = ModelRunner(model, KVCache(layout, 0, config.device), kv=None)
+                driver_layout, host_blocks = body
+                heads = model.config.num_key_value_heads
+                layout = msgspec.structs.replace(driver_layout, num_kv_heads=heads)
+                cache = KVCache(layout, host_blocks, config.device)
+                runner = ModelRunner(model, cache, kv=None)
             else:
                 assert runner is not None
                 runner.forward(replace(body, logit_rows=[]))  # the driver samples
