@@ -104,6 +104,23 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         "group; the threads are shared among them (docs/parallelism.md; default: "
         "%(default)s)",
     )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads of the engine (split among cluster instances and among an "
+        "instance's ranks; default: all cores)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=EngineConfig.pipeline_parallel_size,
+        metavar="P",
+        help="split the layers into P stages, each of --tensor-parallel-size processes; "
+        "a step's rows pass through them in micro-batches so the stages overlap; the "
+        "threads are shared among all T x P processes (docs/parallelism.md; default: "
+        "%(default)s)",
+    )
 
 
 def add_decode_burst_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -159,6 +176,8 @@ def _generate(args: argparse.Namespace) -> int:
         activations=args.activations,
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        num_threads=args.num_threads,
         scheduler=SchedulerConfig(decode_burst=args.decode_burst),
     )
     check_device(config.device)
@@ -210,12 +229,6 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     add_quantization_flag(p)
     add_device_flags(p)
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="CPU threads of the engine (split among cluster instances; default: all cores)",
-    )
     p.add_argument(
         "--engine-cpus",
         type=cpu_list,

@@ -214,6 +214,9 @@ class EngineConfig:
     # Ranks of this instance, each a process holding its share of every layer's heads and
     # MLP columns (pdserve/parallel, docs/parallelism.md); 1: the whole model in one.
     tensor_parallel_size: int = 1
+    # Pipeline stages of this instance, each a run of the layers on its own T ranks; a
+    # step's rows pass through them in micro-batches (engine/pipeline.py).
+    pipeline_parallel_size: int = 1
     # CPUs the engine process runs on (its affinity, set before the model loads);
     # None = those of the process that starts it. Keeps the engine off the cores the
     # HTTP front end (and a load generator) use.
@@ -260,11 +263,13 @@ class EngineConfig:
         if self.num_threads is not None:
             _at_least("num_threads", self.num_threads, 1)
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if self.tensor_parallel_size > 1 and self.role is not Role.COLOCATED:
+        _at_least("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.world_size > 1 and self.role is not Role.COLOCATED:
             raise ValueError(
                 f"a {self.role.value} instance with tensor_parallel_size "
-                f"{self.tensor_parallel_size}: the KV hand-off between layouts is not built "
-                "yet; tensor-parallel instances serve colocated"
+                f"{self.tensor_parallel_size} and pipeline_parallel_size "
+                f"{self.pipeline_parallel_size}: the KV hand-off between layouts is not built "
+                "yet; parallel instances serve colocated"
             )
         if self.cpus is not None:
             if not self.cpus:
@@ -294,6 +299,11 @@ class EngineConfig:
     @property
     def threads(self) -> int:
         return self.num_threads or len(self.cpus or os.sched_getaffinity(0))
+
+    @property
+    def world_size(self) -> int:
+        """The instance's ranks: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def check_device(device: str) -> None:

@@ -23,10 +23,12 @@ from test_quant_model import run_cli
 
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.pipeline import Part, microbatches
+from pdserve.model.attention import SeqSpec
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import Quantization, load_config, resolve_model, resolve_quantization
 from pdserve.parallel import group
-from pdserve.parallel.layout import Shard, tensor_parallel
+from pdserve.parallel.layout import Shard, split_model
 from pdserve.parallel.shard import load_shard
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.quant.formats import QuantType, QuantWeight
@@ -34,30 +36,33 @@ from pdserve.quant.formats import QuantType, QuantWeight
 TOL = 1e-4
 
 
-def _rank(rank: int, world: int, port: int, models: list[tuple[str, str]], out: str) -> None:
+def _rank(rank: int, tp: int, pp: int, port: int, models: list[tuple[str, str]], out: str) -> None:
     torch.set_num_threads(1)
-    group.join(rank, world, port)
+    group.join(rank, tp * pp, port, tp=tp)
     try:
         results = []
         for path, quant in models:
-            shard = tensor_parallel(load_config(path), world)[rank]
+            shard = split_model(load_config(path), tp, pp)[rank]
             quantization = resolve_quantization(quant, path) if quant != "none" else Quantization()
             model = load_shard(path, shard, quantization=quantization)
-            model.set_reduce(group.all_reduce_sum)
-            results.append(run_steps(model, workload(model.config.vocab_size)))
+            if tp > 1:
+                model.set_reduce(group.all_reduce_sum)
+            results.append(run_steps(model, workload(model.config.vocab_size), shard=shard))
         if rank == 0:
             torch.save(results, out)
     finally:
         group.leave()
 
 
-def tensor_parallel_logits(models: list[tuple[Path, str]], world: int, tmp_path: Path) -> list:
-    """Rank 0's logits of `workload` with each (model, quantization) split over `world`
-    ranks, each rank its own process (one set of processes for all the models)."""
-    out, port = tmp_path / f"tp{world}.pt", group.free_port()
+def parallel_logits(models: list[tuple[Path, str]], tmp_path: Path, tp: int, pp: int = 1) -> list:
+    """Rank 0's logits of `workload` with each (model, quantization) split over `tp` x
+    `pp` ranks, each rank its own process (one set of processes for all the models)."""
+    out, port = tmp_path / f"tp{tp}pp{pp}.pt", group.free_port()
     ctx = mp.get_context("spawn")
     args = [(str(path), quant) for path, quant in models]
-    ranks = [ctx.Process(target=_rank, args=(r, world, port, args, str(out))) for r in range(world)]
+    ranks = [
+        ctx.Process(target=_rank, args=(r, tp, pp, port, args, str(out))) for r in range(tp * pp)
+    ]
     for p in ranks:
         p.start()
     for p in ranks:
@@ -68,7 +73,7 @@ def tensor_parallel_logits(models: list[tuple[Path, str]], world: int, tmp_path:
 
 def whole_logits(path: Path, quant: str = "none") -> list:
     quantization = resolve_quantization(quant, path) if quant != "none" else Quantization()
-    shard = tensor_parallel(load_config(path), 1)[0]
+    shard = split_model(load_config(path), 1)[0]
     model = load_shard(path, shard, quantization=quantization)
     return run_steps(model, workload(model.config.vocab_size))
 
@@ -92,25 +97,34 @@ CASES = {
 }
 
 
-def test_two_ranks_give_the_whole_models_logits(tmp_path: Path) -> None:
-    """Each architecture's tiny model (CASES) on two ranks: one process's logits."""
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_parallel_ranks_give_the_whole_models_logits(tmp_path: Path, tp: int, pp: int) -> None:
+    """Each architecture's tiny model (CASES) on tp x pp ranks: one process's logits.
+    Stages alone (tp = 1) give its bits: the workload's micro-batches cut a prefill chunk
+    (12 rows: 6 + 6) and a decode batch, and each row's bits do not depend on its batch."""
     paths = {c: make_tiny_model(tmp_path, arch, **kw) for c, (arch, kw) in CASES.items()}
-    split = tensor_parallel_logits([(p, "none") for p in paths.values()], 2, tmp_path)
+    split = parallel_logits([(p, "none") for p in paths.values()], tmp_path, tp, pp)
     for (case, path), got in zip(paths.items(), split, strict=True):
-        assert_same(got, whole_logits(path), case=case)
+        want = whole_logits(path)
+        assert_same(got, want, case=case)
+        if tp == 1:
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), case
 
 
-def test_the_shipped_model_on_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_the_shipped_model_on_parallel_ranks(tmp_path: Path, tp: int, pp: int) -> None:
     """SmolLM2 fp32 and Q4_1: its logits reach ~20 and its residual stream passes 30
     layers of partial sums, so within 1e-5 of the largest logit (1.09e-4 measured at
-    worst, fp32)."""
+    worst, fp32, T = 2); stages alone give its bits."""
     path = resolve_model(None)
-    split = tensor_parallel_logits([(path, "none"), (path, "gguf")], 2, tmp_path)
+    split = parallel_logits([(path, "none"), (path, "gguf")], tmp_path, tp, pp)
     for quant, got in zip(["none", "gguf"], split, strict=True):
         want = whole_logits(path, quant)
         scale = max(w.abs().max().item() for w in want)
         assert 10 < scale < 40
         assert_same(got, want, 1e-5 * scale, case=quant)
+        if tp == 1:
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), quant
 
 
 def smollm2_config() -> ModelConfig:
@@ -118,11 +132,11 @@ def smollm2_config() -> ModelConfig:
 
 
 def test_smollm2_splits_into_whole_groups() -> None:
-    assert tensor_parallel(smollm2_config(), 2) == [
-        Shard(0, 2, (0, 30), (0, 6), (0, 2), (0, 768)),
-        Shard(1, 2, (0, 30), (6, 9), (2, 3), (768, 1536)),
+    assert split_model(smollm2_config(), 2) == [
+        Shard(0, 2, (0, 30), (0, 6), (0, 2), (0, 768), tp=2),
+        Shard(1, 2, (0, 30), (6, 9), (2, 3), (768, 1536), tp=2),
     ]
-    assert [s.intermediate for s in tensor_parallel(smollm2_config(), 3)] == [
+    assert [s.intermediate for s in split_model(smollm2_config(), 3)] == [
         (0, 512),
         (512, 1024),
         (1024, 1536),
@@ -131,13 +145,13 @@ def test_smollm2_splits_into_whole_groups() -> None:
 
 def test_splits_that_cannot_be_made() -> None:
     with pytest.raises(ValueError) as e:
-        tensor_parallel(smollm2_config(), 4)
+        split_model(smollm2_config(), 4)
     assert str(e.value) == (
         "--tensor-parallel-size 4 is more than the model's 3 KV heads: each rank holds whole "
         "GQA groups (a KV head and its query heads)"
     )
     with pytest.raises(ValueError, match="at least 1, got 0"):
-        tensor_parallel(smollm2_config(), 0)
+        split_model(smollm2_config(), 0)
 
 
 def test_quantized_columns_are_whole_blocks() -> None:
@@ -164,28 +178,43 @@ def rank_processes() -> list[psutil.Process]:
     return [p for p in me.children(recursive=True) if "worker_entry" in " ".join(p.cmdline())]
 
 
-def test_an_engine_on_two_ranks_generates_the_whole_engines_text(served_engine: Engine) -> None:
-    """`LLM(tensor_parallel_size=2)` (the default quantized weights, split): the greedy
-    text of one process's engine, token for token; its worker rank leaves with it."""
-    engine = Engine.from_config(EngineConfig(num_threads=2, tensor_parallel_size=2))
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_an_engine_on_parallel_ranks_generates_the_whole_engines_text(
+    served_engine: Engine, tp: int, pp: int
+) -> None:
+    """An engine of tp x pp ranks (the default quantized weights, split): the greedy
+    text of one process's engine, token for token; its worker ranks leave with it."""
+    # 4 ranks on a 2-core machine: asked for with the threads (check_ranks_fit)
+    threads = max(2, tp * pp)
+    config = EngineConfig(num_threads=threads, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    engine = Engine.from_config(config)
     try:
-        (worker,) = rank_processes()
+        workers = rank_processes()
+        assert len(workers) == tp * pp - 1
         assert engine.core.runner.peers is not None and not engine.core.runner.bursts
-        assert engine.core.model.config.num_key_value_heads == 2  # rank 0: groups 0-1
+        model = engine.core.model.config
+        assert model.num_key_value_heads == (2 if tp == 2 else 3)  # rank 0: groups 0-1
+        assert model.num_hidden_layers == 30 // pp  # rank 0: its stage's layers
+        assert engine.core.cache.layout.num_layers == 30 // pp
         assert greedy(engine, PROMPTS, 24) == greedy(served_engine, PROMPTS, 24)
     finally:
         engine.core.close()
-    worker.wait(10)
+    for worker in workers:
+        worker.wait(10)
     assert rank_processes() == []
 
 
-def test_swaps_on_two_ranks_keep_one_engines_text(served_engine: Engine) -> None:
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_swaps_on_parallel_ranks_keep_one_engines_text(
+    served_engine: Engine, tp: int, pp: int
+) -> None:
     """A pool too small for the load (24 blocks): requests are preempted by swapping their
     KV to the host tier and back - on every rank, the driver's swap plans run on the
     workers' pools too - and every text is still one big-pool engine's."""
     config = EngineConfig(
         num_threads=2,
-        tensor_parallel_size=2,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         scheduler=SchedulerConfig(preemption_mode=PreemptionMode.SWAP),
         cache=CacheConfig(num_blocks=24, num_host_blocks=256, enable_prefix_cache=False),
     )
@@ -205,8 +234,9 @@ def test_swaps_on_two_ranks_keep_one_engines_text(served_engine: Engine) -> None
         engine.core.close()
 
 
-def test_a_server_on_two_ranks_answers_as_one_engine(served_engine: Engine) -> None:
-    server = Server("--tensor-parallel-size", "2")
+def test_a_server_on_two_stages_answers_as_one_engine(served_engine: Engine) -> None:
+    """`serve --pipeline-parallel-size 2` (the plumbing TP shares: test_an_engine...)."""
+    server = Server("--pipeline-parallel-size", "2")
     try:
         assert len(rank_processes()) == 1
         body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
@@ -228,10 +258,44 @@ def test_layouts_the_commands_refuse() -> None:
     proc = run_cli("serve", "--tensor-parallel-size", "2", "--prefill", "1", "--decode", "1")
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith(
-        "pdserve: error: --tensor-parallel-size 2 serves one engine for now (no --prefill/"
-        "--decode/--colocated/--placement/--ray): the KV hand-off between layouts is not "
-        "built yet (docs/parallelism.md)"
+        "pdserve: error: --tensor-parallel-size 2 --pipeline-parallel-size 1 serves one "
+        "engine for now (no --prefill/--decode/--colocated/--placement/--ray): the KV "
+        "hand-off between layouts is not built yet (docs/parallelism.md)"
+    )
+    proc = run_cli("generate", "hi", "--pipeline-parallel-size", "31")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(
+        "pdserve: error: --pipeline-parallel-size 31 is more than the model's 30 layers: "
+        "each stage holds at least one"
+    )
+    args = ("--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--num-threads", "3")
+    proc = run_cli("generate", "hi", *args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(
+        "pdserve: error: --tensor-parallel-size 2 x --pipeline-parallel-size 2 = 4 ranks, "
+        "but the instance has 3 threads (each rank takes at least one; --num-threads sets "
+        "them)"
     )
     proc = run_cli("generate", "hi", "--tensor-parallel-size", "0")
     assert proc.returncode == 2
     assert proc.stderr == "pdserve: error: tensor_parallel_size must be an integer >= 1, got 0\n"
+
+
+def test_microbatches_cut_rows_evenly_and_sequences_where_they_must() -> None:
+    """A 12-row prefill chunk after 4 cached tokens, then two decode rows, in 2 parts of
+    7 rows: the chunk's first 7 rows, then its last 5 (their cached context 4 + 7) and
+    the decode rows; a part's sampling rows numbered within it. Never an empty part."""
+    table = [0, 1, 2, 3]
+    specs = [SeqSpec(4, 12, table), SeqSpec(9, 1, [4, 5]), SeqSpec(3, 1, [6])]
+    parts = microbatches(specs, [11, 12, 13], 2)
+    assert parts == [
+        Part(0, 7, [SeqSpec(4, 7, table)], []),
+        Part(7, 14, [SeqSpec(11, 5, table), SeqSpec(9, 1, [4, 5]), SeqSpec(3, 1, [6])], [4, 5, 6]),
+    ]
+    decode = [SeqSpec(5, 1, [0]), SeqSpec(6, 1, [1]), SeqSpec(7, 1, [2])]
+    assert [(p.start, p.stop, p.logit_rows) for p in microbatches(decode, [0, 1, 2], 2)] == [
+        (0, 1, [0]),
+        (1, 3, [0, 1]),
+    ]
+    one = microbatches([SeqSpec(0, 1, [0])], [0], 4)
+    assert one == [Part(0, 1, [SeqSpec(0, 1, [0])], [0])]

@@ -13,6 +13,7 @@ import torch
 
 from pdserve.config import EngineConfig, check_device
 from pdserve.engine.core import EngineCore
+from pdserve.engine.pipeline import Stage
 from pdserve.engine.ranks import RankGroup, rank_threads
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.layout import DTYPE_SIZES
@@ -27,7 +28,7 @@ from pdserve.model.loader import (
 from pdserve.model.registry import build_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.parallel import group
-from pdserve.parallel.layout import tensor_parallel
+from pdserve.parallel.layout import Shard, split_model
 from pdserve.parallel.shard import load_shard
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.text.output_processor import OutputProcessor
@@ -87,26 +88,50 @@ class Engine:
 
 
 def start_ranks(config: EngineConfig) -> RankGroup | None:
-    """A tensor-parallel instance's other ranks, started (they load their shards while
-    this process loads rank 0's: `load_model`, which joins their group); None for one
+    """A parallel instance's other ranks, started (they load their shards while this
+    process loads rank 0's: `load_model`); this process joins their group. None for one
     rank."""
-    if config.tensor_parallel_size == 1:
+    if config.world_size == 1:
         return None
     path = resolve_model(config.model)
     # A split that cannot be made is refused before any process starts.
-    tensor_parallel(load_config(path), config.tensor_parallel_size)
+    split_model(load_config(path), config.tensor_parallel_size, config.pipeline_parallel_size)
+    check_ranks_fit(config)
     port = group.free_port()
     ranks = RankGroup.start(config, port)
-    group.join(0, config.tensor_parallel_size, port, config.device)
+    group.join(0, config.world_size, port, config.device, tp=config.tensor_parallel_size)
     return ranks
 
 
+def check_ranks_fit(config: EngineConfig) -> None:
+    """Each rank needs a device of its own (CUDA) or a thread of its own (CPU: the
+    instance's threads, `--num-threads`, default the cores it may use, are shared among
+    its ranks; more ranks than cores must be asked for with --num-threads)."""
+    world = config.world_size
+    label = (
+        f"--tensor-parallel-size {config.tensor_parallel_size} x --pipeline-parallel-size "
+        f"{config.pipeline_parallel_size} = {world} ranks"
+    )
+    if config.device.startswith("cuda"):
+        have = torch.cuda.device_count()
+        if world > have:
+            raise ValueError(f"{label}, but this node has {have} CUDA devices")
+    elif world > config.threads:
+        raise ValueError(
+            f"{label}, but the instance has {config.threads} threads (each rank takes at "
+            "least one; --num-threads sets them)"
+        )
+
+
 def attach_ranks(core: EngineCore, ranks: RankGroup | None) -> None:
-    """The core's steps go to `ranks` too, over a pool of the core's geometry."""
+    """The core's steps go to `ranks` too, over a pool of the core's geometry; a
+    pipeline's driver runs its steps as stage 0 (engine/pipeline.py)."""
     if ranks is not None:
         host = core.cache.host_layout
         ranks.open(core.cache.layout, 0 if host is None else host.num_blocks)
         core.runner.peers = ranks
+        if core.config.pipeline_parallel_size > 1:
+            core.runner.stage = Stage(driver_shard(core.config), core.model)
 
 
 def load_model(config: EngineConfig) -> CausalLM:
@@ -119,11 +144,11 @@ def load_model(config: EngineConfig) -> CausalLM:
     quant = resolve_quantization(
         config.quantization, path, config.device, config.activations, config.dtype
     )
-    if config.tensor_parallel_size > 1:
-        shard = tensor_parallel(load_config(path), config.tensor_parallel_size)[0]
-        model = load_shard(path, shard, config.torch_dtype, quant)
+    if config.world_size > 1:
+        model = load_shard(path, driver_shard(config), config.torch_dtype, quant)
         model.to(config.device)
-        model.set_reduce(group.all_reduce_sum)
+        if config.tensor_parallel_size > 1:
+            model.set_reduce(group.all_reduce_sum)
         return model
     model = build_model(load_config(path), config.torch_dtype, quant.quantized)
     model.quantization = quant  # finalize reads it (the activations)
@@ -131,6 +156,12 @@ def load_model(config: EngineConfig) -> CausalLM:
     model.to(config.device)
     model.finalize()
     return model
+
+
+def driver_shard(config: EngineConfig) -> Shard:
+    """Rank 0's shard of a parallel instance."""
+    full = load_config(resolve_model(config.model))
+    return split_model(full, config.tensor_parallel_size, config.pipeline_parallel_size)[0]
 
 
 def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[int]) -> EngineCore:

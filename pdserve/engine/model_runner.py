@@ -13,6 +13,7 @@ from typing import Protocol, cast
 
 import torch
 
+from pdserve.engine.pipeline import Stage
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.kv.cache import KVCache
 from pdserve.kv.manager import KVManager
@@ -75,7 +76,8 @@ class ModelRunner:
         self.cache = cache
         self.kv = kv
         self.hooks: ForwardHooks | None = None
-        self.peers: StepPeers | None = None  # a tensor-parallel instance's other ranks
+        self.peers: StepPeers | None = None  # a parallel instance's other ranks
+        self.stage: Stage | None = None  # a pipeline stage's place (engine/pipeline.py)
         self.workspace = GatherWorkspace()
         self.device = cache.device_tensor.device
         # The compiled per-row path where the model has one and its attention reads this
@@ -120,23 +122,37 @@ class ModelRunner:
             self.cache.swap_in(copies)
         if not inputs.input_ids:
             return None
-        meta = AttentionMetadata.build(
-            inputs.specs,
+        ids, positions = self._ids(inputs.input_ids), self._ids(inputs.positions)
+        if self.stage is not None:
+            return self.stage.forward(
+                ids, positions, inputs.specs, inputs.logit_rows, self._run_layers, self.per_row
+            )
+        return self.model.hidden_and_logits(
+            ids,
+            positions,
+            self.cache.device_tensor,
+            self._metadata(inputs.specs),
+            self._ids(inputs.logit_rows),
+            self.hooks,
+            inputs.greedy,
+        )
+
+    def _metadata(self, specs: list[SeqSpec]) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            specs,
             self.cache.block_size,
             self.model.sliding_window,
             self.workspace,
             max_group_tokens=self.max_group_tokens,
             per_row=self.per_row,
         ).to(self.device)
-        return self.model.hidden_and_logits(
-            self._ids(inputs.input_ids),
-            self._ids(inputs.positions),
-            self.cache.device_tensor,
-            meta,
-            self._ids(inputs.logit_rows),
-            self.hooks,
-            inputs.greedy,
-        )
+
+    def _run_layers(
+        self, h: torch.Tensor, positions: torch.Tensor, specs: list[SeqSpec]
+    ) -> torch.Tensor:
+        """A pipeline stage's layers over one micro-batch (engine/pipeline.py)."""
+        meta = self._metadata(specs)
+        return self.model.run_layers(h, positions, self.cache.device_tensor, meta, self.hooks)
 
     @property
     def bursts(self) -> bool:

@@ -1,15 +1,15 @@
-"""A tensor-parallel instance's ranks as processes: the driver (rank 0, the engine
-process: it schedules, samples and holds the KV manager) and T - 1 workers that only
-execute.
+"""A parallel instance's ranks as processes: the driver (rank 0, the engine process: it
+schedules, samples and holds the KV manager) and T x P - 1 workers that only execute.
 
 The driver starts the workers (`RankGroup.start`: fresh processes over socket pairs, each
 joining the group and loading its shard while the driver loads its own), tells them the KV
 pool's geometry once the core has sized it (`open`: the device tier's layout and the host
 tier's block count), then sends each step's inputs (`send`, `StepInputs`: swaps, tokens,
 block tables) before running the same step itself; every rank's forward meets the
-others' in the sums after each layer's attention and MLP. A worker's pool has the
-driver's blocks, device and host (same ids, same counts), with its own KV heads, so the
-driver's block accounting and its swap plans are every rank's.
+others' in the sums after each layer's attention and MLP, and a pipeline's stages hand
+each micro-batch's rows on (engine/pipeline.py). A worker's pool has the driver's
+blocks, device and host (same ids, same counts), with its own KV heads and its stage's
+layers, so the driver's block accounting and its swap plans are every rank's.
 
 Contract: steps go to the workers in the order the driver runs them, one at a time; a
 worker that fails makes the driver's next sum fail (the group's wait limit), which ends
@@ -52,7 +52,7 @@ class RankGroup:
         processes (not multiprocessing's spawn, which re-runs the caller's main module: a
         script that builds an `LLM` without a `__main__` guard would start itself), each
         given one end of a socket pair and sent the config over it."""
-        world = config.tensor_parallel_size
+        world = config.world_size
         procs, pipes = [], []
         for rank in range(1, world):
             mine, theirs = socket.socketpair()
@@ -110,24 +110,26 @@ def worker_main(
     import torch
 
     from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.pipeline import Stage
     from pdserve.kv.cache import KVCache
     from pdserve.model.loader import load_config, resolve_model, resolve_quantization
-    from pdserve.parallel.layout import tensor_parallel
+    from pdserve.parallel.layout import split_model
     from pdserve.parallel.shard import load_shard
     from pdserve.runtime import ended
 
-    world = config.tensor_parallel_size
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     torch.set_num_threads(rank_threads(config))
-    group.join(rank, world, port, config.device)
+    group.join(rank, tp * pp, port, config.device, tp=tp)
     try:
         path = resolve_model(config.model)
-        shard = tensor_parallel(load_config(path), world)[rank]
+        shard = split_model(load_config(path), tp, pp)[rank]
         quant = resolve_quantization(
             config.quantization, path, config.device, config.activations, config.dtype
         )
         model = load_shard(path, shard, config.torch_dtype, quant)
         model.to(config.device)
-        model.set_reduce(group.all_reduce_sum)
+        if tp > 1:
+            model.set_reduce(group.all_reduce_sum)
         runner: ModelRunner | None = None
         gone = ended(driver)
         while True:
@@ -143,17 +145,24 @@ def worker_main(
                 return
             if kind == "open":
                 driver_layout, host_blocks = body
-                heads = model.config.num_key_value_heads
-                layout = msgspec.structs.replace(driver_layout, num_kv_heads=heads)
+                layout = msgspec.structs.replace(
+                    driver_layout,
+                    num_kv_heads=shard.num_kv_heads,
+                    num_layers=shard.num_layers,
+                    first_layer=shard.layers[0],
+                )
                 cache = KVCache(layout, host_blocks, config.device)
                 runner = ModelRunner(model, cache, kv=None)
+                if pp > 1:
+                    runner.stage = Stage(shard, model)
             else:
                 assert runner is not None
-                runner.forward(replace(body, logit_rows=[]))  # the driver samples
+                # The driver samples; a pipeline's last stage hands its sampling rows back.
+                runner.forward(body if runner.stage else replace(body, logit_rows=[]))
     finally:
         group.leave()
 
 
 def rank_threads(config: EngineConfig) -> int:
     """Each rank's share of the instance's threads (at least one)."""
-    return max(1, config.threads // config.tensor_parallel_size)
+    return max(1, config.threads // config.world_size)

@@ -83,6 +83,8 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.finalized = False
+        # Whether this model holds the embedding and the LM head (`drop_ends`).
+        self.has_ends = True
         # The compiled per-row path (`DecoderLayer.forward_fused`): a model whose every
         # layer's projections are compiled ops (set by finalize). The engine then builds per-row
         # attention metadata (`AttentionMetadata.build(per_row=True)`).
@@ -140,32 +142,77 @@ class CausalLM(nn.Module):
         hidden], and their logits, [len(logits_indices), vocab]. On the one-call path the
         head runs inside that call (and not at all for no rows: a step of partial prompt
         chunks), and with `greedy` so does each row's argmax (FinalStates.argmax)."""
-        h = self.embed_tokens[input_ids]
-        on_layer_done = hooks.on_layer_done if hooks else None
-        if meta.ranges is not None:  # the compiled path (see `fused`)
+        h = self.embed(input_ids)
+        per_row = meta.ranges is not None
+        if per_row and self.layers_in_one_call and (hooks is None or hooks.on_layer_done is None):
             if not self.fused:
                 raise ValueError("per-row attention metadata, but this model is not fused")
-            h = h.contiguous()
-            if self.layers_in_one_call and on_layer_done is None and kv_caches.is_contiguous():
+            if kv_caches.is_contiguous():  # the one-call compiled path
                 rows = logits_indices.contiguous()
                 call = self._fused_layers()
                 hidden, logits, argmax = call(h, positions, kv_caches, meta, rows, greedy)
                 if logits is None:
                     return FinalStates(hidden, self.compute_logits(hidden))
                 return FinalStates(hidden, logits, argmax)
+        h = self.run_layers(h, positions, kv_caches, meta, hooks)
+        return self.finish(h, logits_indices, per_row)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden] (contiguous: the compiled layers update it in
+        place)."""
+        if not self.has_ends:
+            raise RuntimeError("a later pipeline stage holds no embedding")
+        return self.embed_tokens[input_ids].contiguous()
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        hooks: ForwardHooks | None = None,
+    ) -> torch.Tensor:
+        """Every layer of this model over `h` ([T, hidden], every row), one call a layer:
+        the hidden states after the last layer (before the final norm). The compiled
+        per-row path where `meta` is per-row (it may update `h` in place)."""
+        on_layer_done = hooks.on_layer_done if hooks else None
+        if meta.ranges is not None:
+            if not self.fused:
+                raise ValueError("per-row attention metadata, but this model is not fused")
             for i, fused in enumerate(cast(list[DecoderLayer], self.layers)):
                 h = fused.forward_fused(h, positions, self.rotary, kv_caches[i], meta)
                 if on_layer_done is not None:
                     on_layer_done(i)
-            hidden = norm_rows(h, logits_indices, self.norm)
-            return FinalStates(hidden, self.compute_logits(hidden))
+            return h
         cos, sin = self.rotary.lookup(positions)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, cos, sin, kv_caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        hidden = self.norm(h[logits_indices])
+        return h
+
+    def finish(self, h: torch.Tensor, rows: torch.Tensor, per_row: bool) -> FinalStates:
+        """The last layer's hidden states `h` -> the final-norm states and logits of its
+        rows `rows` (the compiled norm on the per-row path, as the layers ran)."""
+        if not self.has_ends:
+            raise RuntimeError("a later pipeline stage holds no LM head")
+        hidden = norm_rows(h.contiguous(), rows, self.norm) if per_row else self.norm(h[rows])
         return FinalStates(hidden, self.compute_logits(hidden))
+
+    def drop_ends(self) -> None:
+        """Release the embedding and the LM head: this model is a pipeline stage after
+        the first, which takes hidden states in and hands them on (pdserve/parallel)."""
+        empty = torch.empty(0, dtype=self.dtype)
+        if isinstance(self.embed_tokens, nn.Parameter):
+            self.embed_tokens.data = empty
+        else:
+            self.embed_tokens = empty
+        if not self.quantized and not self.config.tie_word_embeddings:
+            self.lm_head.data = empty
+        del self.lm_head_op
+        self.__dict__.pop("_fused_layers_call", None)
+        self.has_ends = False
+        self.layers_in_one_call = False
 
     def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Make this model one rank of a tensor-parallel group (pdserve/parallel): every
@@ -274,8 +321,9 @@ class CausalLM(nn.Module):
         return projection(torch.cat(fp).to(self.dtype), bias, pack, arena)
 
     def projection_ops(self) -> list[Linear]:
-        """The LM head, then each layer's qkv, o, gate_up and down ops, in that order."""
-        ops: list[Linear] = [self.lm_head_op]
+        """The LM head (where this model holds one), then each layer's qkv, o, gate_up and
+        down ops, in that order."""
+        ops: list[Linear] = [self.lm_head_op] if self.has_ends else []
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             a, m = layer.self_attn, layer.mlp

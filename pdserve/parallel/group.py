@@ -1,6 +1,8 @@
-"""The ranks of a tensor-parallel instance as one process group.
+"""The ranks of a parallel instance as one process group.
 
-Rendezvous and large sums go through torch.distributed (gloo on CPU, NCCL on CUDA, over
+An instance of T x P ranks sums within each stage's T tensor ranks (`all_reduce_sum`) and
+hands hidden states from stage to stage (`send`, `recv`: point to point). Rendezvous,
+hand-offs and large sums go through torch.distributed (gloo on CPU, NCCL on CUDA, over
 TCP on 127.0.0.1: the ranks of an instance run on one machine). The sums a decode step
 makes - two per layer, of a few rows - go through shared memory instead on CPU
 (`LocalAllReduce`): gloo's TCP round trip took ~600 us per sum of a [1, 576] tensor on 2
@@ -26,6 +28,7 @@ WAIT_LIMIT_S = 60.0
 _LINE = 64  # bytes between two ranks' counters
 
 _local: LocalAllReduce | None = None
+_stage: dist.ProcessGroup | None = None  # this rank's stage's tensor ranks
 
 
 def free_port() -> int:
@@ -35,12 +38,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def join(rank: int, world: int, port: int, device: str = "cpu", timeout_s: float = 60.0) -> None:
-    """Join the group as `rank` of `world`; returns once every rank has joined (or raises
-    after `timeout_s`). One group per process."""
+def join(
+    rank: int,
+    world: int,
+    port: int,
+    device: str = "cpu",
+    timeout_s: float = 60.0,
+    tp: int | None = None,
+) -> None:
+    """Join the group as `rank` of `world` (stages of `tp` tensor ranks each, stage-major;
+    None: one stage of all); returns once every rank has joined (or raises after
+    `timeout_s`). One group per process."""
     from datetime import timedelta
 
-    global _local
+    global _local, _stage
     if dist.is_initialized():
         raise RuntimeError(
             "this process is already a rank of a tensor-parallel engine: close that engine "
@@ -54,8 +65,17 @@ def join(rank: int, world: int, port: int, device: str = "cpu", timeout_s: float
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
-    if device == "cpu":
-        _local = LocalAllReduce(rank, world, port)
+    tp = world if tp is None else tp
+    if world % tp:
+        raise ValueError(f"{world} ranks do not make stages of {tp}")
+    for s in range(world // tp):  # every rank creates every stage's group, in order
+        members = list(range(s * tp, (s + 1) * tp))
+        g = dist.new_group(members) if tp < world else dist.group.WORLD
+        if rank in members:
+            assert isinstance(g, dist.ProcessGroup)
+            _stage = g
+            if device == "cpu" and tp > 1:
+                _local = LocalAllReduce(members, rank, port, g)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -63,13 +83,27 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     ranks' parts in rank order, or gloo's ring for a large CPU sum)."""
     if _local is not None and t.numel() <= LOCAL_CAPACITY and t.is_contiguous():
         return _local.sum(t)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=_stage)
+    return t
+
+
+def send(t: torch.Tensor, dst: int) -> dist.Work:
+    """Start sending `t` (contiguous) to rank `dst`; the caller keeps `t` alive until the
+    returned work's `wait()` (a send does not wait for its receive: stages overlap)."""
+    work = dist.isend(t, dst)
+    assert work is not None
+    return work
+
+
+def recv(t: torch.Tensor, src: int) -> torch.Tensor:
+    """Fill `t` (its shape and dtype the sender's) from rank `src`; returns it."""
+    dist.recv(t, src)
     return t
 
 
 def leave() -> None:
-    global _local
-    _local = None
+    global _local, _stage
+    _local, _stage = None, None
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -86,23 +120,28 @@ class LocalAllReduce:
     The segment is created by rank 0 and unlinked as soon as every rank has mapped it: no
     name is left behind whatever happens to the processes later."""
 
-    def __init__(self, rank: int, world: int, port: int) -> None:
+    def __init__(
+        self, members: list[int], global_rank: int, port: int, group: dist.ProcessGroup
+    ) -> None:
+        """`members`: the global ranks summed over (a stage's), `group` their group."""
+        rank, world = members.index(global_rank), len(members)
         self.rank, self.world, self.seq = rank, world, 0
         size = world * _LINE + 2 * world * LOCAL_CAPACITY * 4
-        names: list[object] = [f"/dev/shm/pdtp-{os.getpid()}-{port}" if rank == 0 else None]
-        dist.broadcast_object_list(names, src=0)
+        lead = f"/dev/shm/pdtp-{os.getpid()}-{port}-{members[0]}"
+        names: list[object] = [lead if rank == 0 else None]
+        dist.broadcast_object_list(names, src=members[0], group=group)
         path = str(names[0])
         if rank == 0:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, size)
-        dist.barrier()
+        dist.barrier(group=group)
         if rank != 0:
             fd = os.open(path, os.O_RDWR)
         try:
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        dist.barrier()
+        dist.barrier(group=group)
         if rank == 0:
             os.unlink(path)
         self._counters = np.frombuffer(self._map, np.int64, world * _LINE // 8)[:: _LINE // 8]

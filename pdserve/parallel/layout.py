@@ -1,17 +1,23 @@
-"""How a model is split between the ranks of a tensor-parallel instance, as data.
+"""How a model is split between the ranks of a parallel instance, as data.
 
-A rank's `Shard` names what it holds, in the spirit of Mooncake's KV placement (RFC
-#3692): the layer range, the query heads, the KV heads and the MLP's intermediate
-columns, all contiguous ranges. The rule for heads: a rank holds whole GQA groups (a KV
+An instance of T x P ranks runs P pipeline stages, each of T tensor-parallel ranks: rank
+r is stage r // T, tensor rank r % T. A rank's `Shard` names what it holds, in the spirit
+of Mooncake's KV placement (RFC #3692): the layer range (its stage's: the layers dealt
+into P contiguous runs, the first ones one larger where they do not divide), the query
+heads, the KV heads and the MLP's intermediate columns, all contiguous ranges. The rule
+for heads: a rank holds whole GQA groups (a KV
 head and the query heads that read it), the groups dealt out as evenly as they go, so no
 KV head is held twice and each rank's attention reads only its own KV. SmolLM2 (9 query
 heads in 3 groups of 3) at T = 2: rank 0 holds KV heads 0-1 and query heads 0-5, rank 1
 KV head 2 and query heads 6-8. The intermediate columns are split as evenly as whole
-blocks of 32 allow (a quantized weight's row is cut between blocks); the embedding, the
-norms and the LM head are whole on every rank (the head runs on rank 0 only).
+blocks of 32 allow (a quantized weight's row is cut between blocks). The norms of a
+stage's layers are whole on its ranks; the embedding, the final norm and the LM head are
+held by the first stage only (the driver's: it embeds the tokens and turns the last
+stage's hidden rows into logits), whole on each of its ranks (the head runs on rank 0).
 
-A split that cannot be made (more ranks than KV heads, fewer blocks of intermediate
-columns than ranks) is a ValueError naming the numbers.
+A split that cannot be made (more tensor ranks than KV heads, fewer blocks of
+intermediate columns than tensor ranks, more stages than layers) is a ValueError naming
+the numbers.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ COLUMN_BLOCK = 32
 
 @dataclass(frozen=True)
 class Shard:
-    """What rank `rank` of `world` holds: [start, stop) ranges."""
+    """What rank `rank` of `world` (= tp x pp) holds: [start, stop) ranges."""
 
     rank: int
     world: int
@@ -34,6 +40,29 @@ class Shard:
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
+    tp: int = 1  # tensor-parallel ranks per stage
+    pp: int = 1  # pipeline stages
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def first(self) -> bool:
+        """Whether this rank's stage is the first (it holds the model's ends)."""
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
 
     @property
     def num_q_heads(self) -> int:
@@ -56,10 +85,19 @@ def _even(n: int, parts: int, part: int) -> tuple[int, int]:
     return start, start + base + (1 if part < extra else 0)
 
 
-def tensor_parallel(config: ModelConfig, world: int) -> list[Shard]:
-    """Every rank's shard of `config` at tensor-parallel size `world`."""
+def split_model(config: ModelConfig, world: int, stages: int = 1) -> list[Shard]:
+    """Every rank's shard of `config` at tensor-parallel size `world` and pipeline-parallel
+    size `stages`, in rank order (stage-major)."""
     if world < 1:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {world}")
+    if stages < 1:
+        raise ValueError(f"--pipeline-parallel-size must be at least 1, got {stages}")
+    layers = config.num_hidden_layers
+    if stages > layers:
+        raise ValueError(
+            f"--pipeline-parallel-size {stages} is more than the model's {layers} layers: "
+            "each stage holds at least one"
+        )
     kv, q = config.num_key_value_heads, config.num_attention_heads
     if world > kv:
         raise ValueError(
@@ -75,17 +113,20 @@ def tensor_parallel(config: ModelConfig, world: int) -> list[Shard]:
         )
     group = q // kv
     shards = []
-    for r in range(world):
-        k0, k1 = _even(kv, world, r)
-        b0, b1 = _even(blocks, world, r)
-        shards.append(
-            Shard(
-                rank=r,
-                world=world,
-                layers=(0, config.num_hidden_layers),
-                q_heads=(k0 * group, k1 * group),
-                kv_heads=(k0, k1),
-                intermediate=(b0 * COLUMN_BLOCK, b1 * COLUMN_BLOCK),
+    for s in range(stages):
+        for r in range(world):
+            k0, k1 = _even(kv, world, r)
+            b0, b1 = _even(blocks, world, r)
+            shards.append(
+                Shard(
+                    rank=s * world + r,
+                    world=world * stages,
+                    layers=_even(layers, stages, s),
+                    q_heads=(k0 * group, k1 * group),
+                    kv_heads=(k0, k1),
+                    intermediate=(b0 * COLUMN_BLOCK, b1 * COLUMN_BLOCK),
+                    tp=world,
+                    pp=stages,
+                )
             )
-        )
     return shards

@@ -34,13 +34,14 @@ def check_serve_flags(args: argparse.Namespace) -> tuple[EngineConfig, ClusterCo
     _check_server_flags(args)
     check_device(args.device)
     engine, cluster = engine_flags(args), cluster_config(args)
-    if engine.tensor_parallel_size > 1:
+    if engine.world_size > 1:
         n = cluster.num_prefill + cluster.num_decode + cluster.num_colocated
         if n > 1 or cluster.placement or args.ray:
             raise ValueError(
-                f"--tensor-parallel-size {engine.tensor_parallel_size} serves one engine for "
-                "now (no --prefill/--decode/--colocated/--placement/--ray): the KV hand-off "
-                "between layouts is not built yet (docs/parallelism.md)"
+                f"--tensor-parallel-size {engine.tensor_parallel_size} --pipeline-parallel-"
+                f"size {engine.pipeline_parallel_size} serves one engine for now (no "
+                "--prefill/--decode/--colocated/--placement/--ray): the KV hand-off between "
+                "layouts is not built yet (docs/parallelism.md)"
             )
     return engine, cluster
 
@@ -100,6 +101,7 @@ def engine_flags(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         cpus=args.engine_cpus,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

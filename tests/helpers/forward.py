@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.model_runner import ModelRunner, StepInputs
+from pdserve.engine.pipeline import Stage
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
-from pdserve.model.attention import AttentionMetadata, SeqSpec
+from pdserve.model.attention import SeqSpec
 from pdserve.model.base import CausalLM
+from pdserve.parallel.layout import Shard
 
 BLOCK = 4
 
@@ -28,14 +31,19 @@ def workload(vocab: int, seed: int = 0) -> list[Step]:
 
 
 @torch.inference_mode()
-def run_steps(model: CausalLM, steps: list[Step], blocks: int = 32) -> list[torch.Tensor]:
-    """Every step's logits ([new tokens, vocab]), sequences given blocks in order; the
-    compiled per-row path where the model has it (as the engine runs it)."""
+def run_steps(
+    model: CausalLM, steps: list[Step], blocks: int = 32, shard: Shard | None = None
+) -> list[torch.Tensor]:
+    """Every step's logits ([new tokens, vocab]; a pipeline's other ranks: empty),
+    sequences given blocks in order, through the engine's `ModelRunner` (the compiled
+    per-row path where the model has it); `shard`: a pipeline stage's rank."""
     c = model.config
     layout = KVLayout(
         c.num_hidden_layers, blocks, BLOCK, c.num_key_value_heads, c.head_dim, "float32"
     )
-    cache = KVCache(layout, num_host_blocks=0)
+    runner = ModelRunner(model, KVCache(layout, num_host_blocks=0), kv=None)
+    if shard is not None and shard.pp > 1:
+        runner.stage = Stage(shard, model)
     tables = {0: list(range(0, blocks // 2)), 1: list(range(blocks // 2, blocks))}
     out = []
     for step in steps:
@@ -44,7 +52,7 @@ def run_steps(model: CausalLM, steps: list[Step], blocks: int = 32) -> list[torc
             ids += toks
             pos += range(cached, cached + len(toks))
             specs.append(SeqSpec(cached, len(toks), tables[seq]))
-        meta = AttentionMetadata.build(specs, BLOCK, model.sliding_window, per_row=model.fused)
-        rows = torch.arange(len(ids))
-        out.append(model(torch.tensor(ids), torch.tensor(pos), cache.device_tensor, meta, rows))
+        rows = list(range(len(ids)))
+        final = runner.forward(StepInputs([], [], ids, pos, specs, rows, False))
+        out.append(torch.empty(0) if final is None else final.logits)
     return out

@@ -1,0 +1,125 @@
+"""A step through the stages of a pipeline-parallel instance, in micro-batches.
+
+Each stage's ranks hold a contiguous run of the layers (pdserve/parallel/layout.py); the
+first stage - the driver's - also holds the embedding, the final norm and the LM head.
+Every rank gets the whole step's `StepInputs` (engine/ranks.py) and cuts it the same way
+into micro-batches (`microbatches`: contiguous runs of rows, as even as they go, a
+sequence cut between two of them where a run ends inside it). A stage runs its layers
+on micro-batch k, hands the hidden rows on to the next stage and takes micro-batch k + 1
+while the next stage runs k: the stages overlap. The last stage hands back only the rows
+that sample, and the driver turns them into logits.
+
+Why the ends live on the driver: the hand back carries [rows, hidden] instead of [rows,
+vocab] (576 floats a row instead of 49,152 on SmolLM2), and a model with tied
+embeddings keeps one copy of that matrix, not one per end.
+
+Exactness: a sequence cut between micro-batches runs its second part after its first on
+every stage (a stage takes micro-batches in order), so its attention reads the first
+part's KV from the pool, as a chunked prefill does. The compiled per-row path gives a
+row the same bits in any batch, so a pipeline's logits are one process's.
+
+Contract: every rank of the instance runs `forward` on the same inputs in the same order;
+the sends are asynchronous and waited for at the end of the step (a stage never blocks
+handing on a micro-batch its successor has not asked for yet).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.model.attention import SeqSpec
+from pdserve.model.base import CausalLM, FinalStates
+from pdserve.parallel import group
+from pdserve.parallel.layout import Shard
+
+# The runner's: this stage's layers over one part's rows (it builds the part's metadata).
+RunLayers = Callable[[torch.Tensor, torch.Tensor, list[SeqSpec]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One micro-batch: rows [start, stop) of the step, its sequences' specs (a cut
+    sequence's part of them) and its rows that sample (numbered within the part)."""
+
+    start: int
+    stop: int
+    specs: list[SeqSpec]
+    logit_rows: list[int]
+
+
+def microbatches(specs: list[SeqSpec], logit_rows: list[int], parts: int) -> list[Part]:
+    """The step's rows (the specs' query rows, in order) cut into at most `parts`
+    contiguous runs of as even a size as they go (none empty)."""
+    total = sum(s.query_len for s in specs)
+    parts = max(1, min(parts, total))
+    bounds = [total * k // parts for k in range(parts + 1)]
+    out: list[Part] = []
+    row = 0  # first row of the spec `spec`
+    i, spec = 0, specs[0] if specs else None
+    for start, stop in itertools.pairwise(bounds):
+        cut: list[SeqSpec] = []
+        while spec is not None and row < stop:
+            lo, hi = max(start, row), min(stop, row + spec.query_len)
+            cut.append(SeqSpec(spec.num_cached + lo - row, hi - lo, spec.block_table))
+            if hi < row + spec.query_len:
+                break  # the rest of this sequence opens the next part
+            row += spec.query_len
+            i += 1
+            spec = specs[i] if i < len(specs) else None
+        rows = [r - start for r in logit_rows if start <= r < stop]
+        out.append(Part(start, stop, cut, rows))
+    return out
+
+
+class Stage:
+    """One rank's place in the pipeline: what it runs and whom it hands rows to."""
+
+    def __init__(self, shard: Shard, model: CausalLM) -> None:
+        self.shard, self.model = shard, model
+        tp = shard.tp
+        self.prev = shard.rank - tp if not shard.first else None
+        self.next = shard.rank + tp if not shard.last else None
+        self.last_lead = (shard.pp - 1) * tp  # the last stage's tensor rank 0
+        self.parts = shard.pp  # micro-batches a step: one in each stage at best
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        specs: list[SeqSpec],
+        logit_rows: list[int],
+        run: RunLayers,
+        per_row: bool,
+    ) -> FinalStates | None:
+        """This rank's share of one step (see the module docstring); the driver returns
+        the sampling rows' final states (None if none sample), the other ranks None.
+        `run(h, positions, specs)` runs this stage's layers over a part; `per_row`: on
+        the compiled per-row path (the final norm too)."""
+        s, hidden = self.shard, self.model.config.hidden_size
+        pending: list[tuple[torch.Tensor, group.dist.Work]] = []
+        sampled: list[int] = []  # rows each part hands back
+        for part in microbatches(specs, logit_rows, self.parts):
+            ids, pos = input_ids[part.start : part.stop], positions[part.start : part.stop]
+            if self.prev is None:
+                h = self.model.embed(ids)
+            else:
+                h = group.recv(torch.empty(part.stop - part.start, hidden), self.prev)
+            h = run(h, pos, part.specs)
+            if self.next is not None:
+                pending.append((h, group.send(h, self.next)))
+            elif part.logit_rows and s.tp_rank == 0:
+                out = h[torch.tensor(part.logit_rows)].contiguous()
+                pending.append((out, group.send(out, 0)))
+            sampled.append(len(part.logit_rows))
+        final = None
+        if s.rank == 0 and logit_rows:
+            rows = [group.recv(torch.empty(n, hidden), self.last_lead) for n in sampled if n]
+            h = torch.cat(rows) if len(rows) > 1 else rows[0]
+            final = self.model.finish(h, torch.arange(h.shape[0]), per_row)
+        for _, work in pending:
+            work.wait()
+        return final
