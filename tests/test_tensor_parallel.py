@@ -8,8 +8,11 @@ fp32 weights and its Q4_1 blocks."""
 
 from __future__ import annotations
 
+import glob
 import json
 import multiprocessing as mp
+import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -20,6 +23,7 @@ from helpers.reference import greedy, run
 from helpers.server import Server, wait_for
 from helpers.tiny_models import make_tiny_model
 from test_quant_model import run_cli
+from test_server import sse
 
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from pdserve.engine.engine import Engine
@@ -172,6 +176,9 @@ PROMPTS = [
 ]
 
 
+LONG_PROMPT = "Count on: " + ", ".join(str(i) for i in range(50))
+
+
 def rank_processes() -> list[psutil.Process]:
     """This process's tensor-parallel worker ranks, and its servers' (any depth)."""
     me = psutil.Process()
@@ -196,7 +203,9 @@ def test_an_engine_on_parallel_ranks_generates_the_whole_engines_text(
         assert model.num_key_value_heads == (2 if tp == 2 else 3)  # rank 0: groups 0-1
         assert model.num_hidden_layers == 30 // pp  # rank 0: its stage's layers
         assert engine.core.cache.layout.num_layers == 30 // pp
-        assert greedy(engine, PROMPTS, 24) == greedy(served_engine, PROMPTS, 24)
+        # The long prompt's prefill (over 2 x MIN_PART_ROWS rows) is cut into micro-batches.
+        prompts = [*PROMPTS, LONG_PROMPT]
+        assert greedy(engine, prompts, 24) == greedy(served_engine, prompts, 24)
     finally:
         engine.core.close()
     for worker in workers:
@@ -284,10 +293,12 @@ def test_layouts_the_commands_refuse() -> None:
 def test_microbatches_cut_rows_evenly_and_sequences_where_they_must() -> None:
     """A 12-row prefill chunk after 4 cached tokens, then two decode rows, in 2 parts of
     7 rows: the chunk's first 7 rows, then its last 5 (their cached context 4 + 7) and
-    the decode rows; a part's sampling rows numbered within it. Never an empty part."""
+    the decode rows; a part's sampling rows numbered within it. Never an empty part, nor
+    one under `min_rows`."""
     table = [0, 1, 2, 3]
     specs = [SeqSpec(4, 12, table), SeqSpec(9, 1, [4, 5]), SeqSpec(3, 1, [6])]
     parts = microbatches(specs, [11, 12, 13], 2)
+    assert microbatches(specs, [11, 12, 13], 2, min_rows=8) == [Part(0, 14, specs, [11, 12, 13])]
     assert parts == [
         Part(0, 7, [SeqSpec(4, 7, table)], []),
         Part(7, 14, [SeqSpec(11, 5, table), SeqSpec(9, 1, [4, 5]), SeqSpec(3, 1, [6])], [4, 5, 6]),
@@ -299,3 +310,85 @@ def test_microbatches_cut_rows_evenly_and_sequences_where_they_must() -> None:
     ]
     one = microbatches([SeqSpec(0, 1, [0])], [0], 4)
     assert one == [Part(0, 1, [SeqSpec(0, 1, [0])], [0])]
+
+
+def parallel_engine(tp: int, pp: int) -> tuple[Engine, psutil.Process]:
+    engine = Engine.from_config(
+        EngineConfig(num_threads=2, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    )
+    (worker,) = rank_processes()
+    return engine, worker
+
+
+@pytest.mark.parametrize("tp,pp,phase", [(2, 1, "decode"), (2, 1, "prefill"), (1, 2, "decode")])
+def test_a_rank_killed_mid_step_fails_the_instance_at_once(tp: int, pp: int, phase: str) -> None:
+    """SIGKILL of the worker rank while the ranks step - decode steps (TP: sums through
+    shared memory, which look at the ranks' processes every 50 ms while they wait; PP: a
+    stage's receive) or a long prefill (TP: gloo's sums, which fail as the dead rank's
+    connection closes): the driver's step raises RankFailed naming it within seconds, not
+    after the 60 s wait limit; closing leaves no rank process and no shared-memory
+    segment."""
+    engine, worker = parallel_engine(tp, pp)
+    try:
+        prompt, tokens = (LONG_PROMPT * 8, 4) if phase == "prefill" else ("Hello", 400)
+        engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0.0))
+        engine.step()  # the first (chunk of the) prompt: the ranks are in step
+        killer = threading.Timer(0.2, worker.kill)
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(group.RankFailed) as failed:
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - start < group.WAIT_LIMIT_S / 6
+        assert str(failed.value) == (
+            f"rank 1 (pid {worker.pid}) of this instance exited with signal SIGKILL"
+        )
+    finally:
+        engine.core.close()
+    assert rank_processes() == []
+    assert glob.glob("/dev/shm/pdtp-*") == []
+
+
+def test_a_rank_gone_between_steps_is_named_before_the_next() -> None:
+    engine, worker = parallel_engine(2, 1)
+    try:
+        engine.add_request("Hello", SamplingParams(max_tokens=8, temperature=0.0))
+        engine.step()
+        worker.kill()  # not waited for here: the driver reaps it
+        wait_for(lambda: worker.status() == psutil.STATUS_ZOMBIE, timeout=10)
+        with pytest.raises(group.RankFailed) as failed:
+            engine.step()
+        assert str(failed.value) == (
+            f"rank 1 (pid {worker.pid}) of this instance exited with signal SIGKILL"
+        )
+    finally:
+        engine.core.close()
+    assert rank_processes() == []
+
+
+def test_a_killed_rank_ends_the_servers_streams_with_an_error_naming_it() -> None:
+    """`serve --tensor-parallel-size 2`, a stream under way, SIGKILL of the worker rank:
+    the engine process reports the rank (EngineFailed) and exits, its close ending
+    nothing left behind; the stream ends with an error event naming the rank, not a
+    hang, and the server answers that the engine is gone."""
+    s = Server("--tensor-parallel-size", "2", "--keep-running-on-engine-failure")
+    try:
+        (worker,) = rank_processes()
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = sse(s.url + "/v1/completions", body)
+        assert next(events)["choices"][0]["text"]  # streaming has started
+        worker.kill()
+        rest = list(events)  # it ends (else the client's timeout fails the test)
+        assert rest[-1] == "[DONE]"
+        error = rest[-2]["error"]
+        assert (error["type"], error["code"]) == ("internal_server_error", 500)
+        assert (
+            f"rank 1 (pid {worker.pid}) of this instance exited with signal SIGKILL"
+            in (error["message"])
+        )
+        wait_for(lambda: rank_processes() == [], timeout=10)
+        status, reply = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
+        assert status == 500 and reply["error"]["message"].startswith("the engine is not available")
+    finally:
+        s.stop()
+    assert glob.glob("/dev/shm/pdtp-*") == []

@@ -100,6 +100,7 @@ def start_ranks(config: EngineConfig) -> RankGroup | None:
     port = group.free_port()
     ranks = RankGroup.start(config, port)
     group.join(0, config.world_size, port, config.device, tp=config.tensor_parallel_size)
+    group.watch(ranks.check)
     return ranks
 
 

@@ -93,6 +93,8 @@ class _Loop:
         while True:
             if not self.apply_inputs(self.poll_timeout_ms()) or self.client_gone():
                 return  # told to stop, or the front end is gone: nobody to serve
+            if self.core.runner.peers is not None:  # a parallel instance: a rank gone ends it
+                self.core.runner.peers.check()
             self.core.poll_transfers()
             self.flush_messages()  # hand-off news before the outputs they precede
             if self.core.has_unfinished():

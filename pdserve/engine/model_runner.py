@@ -57,6 +57,9 @@ class StepPeers(Protocol):
 
     def send(self, inputs: StepInputs) -> None: ...
 
+    def check(self) -> None:
+        """Raise (parallel.group.RankFailed) if another rank has exited."""
+
     def close(self) -> None: ...
 
 

@@ -11,9 +11,12 @@ each micro-batch's rows on (engine/pipeline.py). A worker's pool has the driver'
 blocks, device and host (same ids, same counts), with its own KV heads and its stage's
 layers, so the driver's block accounting and its swap plans are every rank's.
 
-Contract: steps go to the workers in the order the driver runs them, one at a time; a
-worker that fails makes the driver's next sum fail (the group's wait limit), which ends
-the instance as any engine failure does. Workers exit when the driver closes the group
+Contract: steps go to the workers in the order the driver runs them, one at a time. A
+worker that exits fails the driver's step with `group.RankFailed` naming it - before the
+step is sent (`check`), or during it (a sum looks at the ranks' processes every 50 ms; a
+stage's receive fails when its sender's connection closes) - which ends the instance as
+any engine failure does (an engine process reports `EngineFailed` and exits; its
+`EngineCore.close` ends the other workers). Workers exit when the driver closes the group
 or its process ends (its socket closes, or `runtime.ended` while they wait).
 """
 
@@ -23,6 +26,7 @@ import contextlib
 import multiprocessing.connection as mpc
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +42,8 @@ from pdserve.parallel import group
 
 # Seconds a worker waits for the next message before it checks that the driver lives.
 _POLL_S = 1.0
+# Seconds the driver waits to reap a worker it has seen exit.
+_REAP_S = 5.0
 
 
 class RankGroup:
@@ -72,7 +78,27 @@ class RankGroup:
         self._broadcast(("open", (layout, num_host_blocks)))
 
     def send(self, inputs: StepInputs) -> None:
-        self._broadcast(("step", inputs))
+        """RankFailed, naming it, if a worker has exited (its pipe broke, or before)."""
+        self.check()
+        try:
+            self._broadcast(("step", inputs))
+        except OSError:
+            self.check()
+            raise
+
+    def check(self) -> None:
+        """RankFailed if a worker process has exited (a waitpid each, ~1 us)."""
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is None and group.gone(proc.pid):
+                # A killed process of many threads shows as a zombie a moment before
+                # its last thread is gone and waitpid reports it.
+                code = proc.wait(_REAP_S)
+            if code is not None:
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+                raise group.RankFailed(
+                    f"rank {rank} (pid {proc.pid}) of this instance exited with {how}"
+                )
 
     def close(self) -> None:
         """Tell the workers to leave and wait for them (then kill what is left); leave
@@ -159,6 +185,8 @@ def worker_main(
                 assert runner is not None
                 # The driver samples; a pipeline's last stage hands its sampling rows back.
                 runner.forward(body if runner.stage else replace(body, logit_rows=[]))
+    except group.RankFailed:  # another rank exited: the driver ends the instance
+        return
     finally:
         group.leave()
 

@@ -7,15 +7,17 @@ TCP on 127.0.0.1: the ranks of an instance run on one machine). The sums a decod
 makes - two per layer, of a few rows - go through shared memory instead on CPU
 (`LocalAllReduce`): gloo's TCP round trip took ~600 us per sum of a [1, 576] tensor on 2
 cores (60 a step of SmolLM2: 36 ms), a sum through /dev/shm ~20 us
-(bench/bench_tensor_parallel.py).
+(bench/bench_parallel.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -23,12 +25,54 @@ import torch.distributed as dist
 
 # Floats a rank's shared-memory slot holds: larger sums (a long prefill's rows) use gloo.
 LOCAL_CAPACITY = 256 * 1024
-# Seconds a rank waits for the others at one sum before it gives up (a rank died).
+# Seconds a rank waits for the others at one sum before it gives up (a rank that lives
+# but does not come: stopped, or stuck; one that exited is seen within _CHECK_S).
 WAIT_LIMIT_S = 60.0
 _LINE = 64  # bytes between two ranks' counters
 
 _local: LocalAllReduce | None = None
 _stage: dist.ProcessGroup | None = None  # this rank's stage's tensor ranks
+_pids: list[int] = []  # every rank's process id, by rank (set by join)
+_watch: Callable[[], None] | None = None  # the driver's look at its workers (`watch`)
+_CHECK_S = 0.05  # seconds between two looks at the other ranks' processes while waiting
+_SETTLE_S = 1.0  # seconds a closed connection waits for its peer to show as exited
+
+
+class RankFailed(RuntimeError):
+    """Another rank of this instance is gone: the instance cannot step any more."""
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has exited (gone, or a zombie its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"Z", b"X")
+
+
+def dead_ranks() -> list[int]:
+    """The other ranks whose processes have exited."""
+    me = os.getpid()
+    return [r for r, pid in enumerate(_pids) if pid != me and gone(pid)]
+
+
+def watch(check: Callable[[], None]) -> None:
+    """Make `check` the first look at the other ranks (`check_ranks`): the driver's, which
+    started the workers and reaps them, names how each ended."""
+    global _watch
+    _watch = check
+
+
+def check_ranks() -> None:
+    """RankFailed naming the ranks of this instance that have exited, if any has."""
+    if _watch is not None:
+        _watch()
+    dead = dead_ranks()
+    if dead:
+        names = ", ".join(f"{r} (pid {_pids[r]})" for r in dead)
+        raise RankFailed(f"rank {names} of this instance has exited")
 
 
 def free_port() -> int:
@@ -65,6 +109,9 @@ def join(
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
+    pids: list[object] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    _pids[:] = [int(p) for p in pids]  # type: ignore[call-overload]
     tp = world if tp is None else tp
     if world % tp:
         raise ValueError(f"{world} ranks do not make stages of {tp}")
@@ -83,27 +130,60 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     ranks' parts in rank order, or gloo's ring for a large CPU sum)."""
     if _local is not None and t.numel() <= LOCAL_CAPACITY and t.is_contiguous():
         return _local.sum(t)
-    dist.all_reduce(t, group=_stage)
+    with _peer(None):
+        dist.all_reduce(t, group=_stage)
     return t
 
 
-def send(t: torch.Tensor, dst: int) -> dist.Work:
-    """Start sending `t` (contiguous) to rank `dst`; the caller keeps `t` alive until the
-    returned work's `wait()` (a send does not wait for its receive: stages overlap)."""
-    work = dist.isend(t, dst)
-    assert work is not None
-    return work
+class Sending:
+    """A send under way (`send`); `wait` until it is done."""
+
+    def __init__(self, t: torch.Tensor, dst: int) -> None:
+        self.tensor, self.dst = t, dst  # kept alive until done
+        with _peer(dst):
+            work = dist.isend(t, dst)
+        assert work is not None
+        self._work = work
+
+    def wait(self) -> None:
+        with _peer(self.dst):
+            self._work.wait()
+
+
+def send(t: torch.Tensor, dst: int) -> Sending:
+    """Start sending `t` (contiguous) to rank `dst` (a send does not wait for its receive:
+    stages overlap). A peer that exited: RankFailed, here or at `wait`."""
+    return Sending(t, dst)
 
 
 def recv(t: torch.Tensor, src: int) -> torch.Tensor:
-    """Fill `t` (its shape and dtype the sender's) from rank `src`; returns it."""
-    dist.recv(t, src)
+    """Fill `t` (its shape and dtype the sender's) from rank `src`; returns it. A sender
+    that exits closes the connection: RankFailed at once."""
+    with _peer(src):
+        dist.recv(t, src)
     return t
 
 
+@contextlib.contextmanager
+def _peer(rank: int | None) -> Iterator[None]:
+    """gloo's error for a connection a peer's exit closed (`rank`, or one of the stage's
+    when None), as RankFailed naming the ranks that exited."""
+    try:
+        yield
+    except RuntimeError as e:
+        # A process's connections close as it exits, a moment before it shows as exited.
+        deadline = time.monotonic() + _SETTLE_S
+        while time.monotonic() < deadline:
+            check_ranks()
+            time.sleep(0.01)
+        who = "a rank" if rank is None else f"rank {rank}"
+        raise RankFailed(f"{who} of this instance stopped answering: {e}") from e
+
+
 def leave() -> None:
-    global _local, _stage
-    _local, _stage = None, None
+    global _local, _stage, _watch
+    _local, _stage, _watch = None, None, None
+    _pids.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -163,7 +243,7 @@ class LocalAllReduce:
     def _wait(self) -> None:
         counters, seq = self._counters, self.seq
         spins = 0
-        deadline = 0.0
+        deadline = checked = 0.0
         while int(counters.min()) < seq:
             spins += 1
             if spins < 200:
@@ -171,8 +251,11 @@ class LocalAllReduce:
             os.sched_yield()  # a rank on a shared core: let it run
             if spins % 1000 == 0:
                 now = time.monotonic()
+                if now - checked > _CHECK_S:  # a rank that exited never comes
+                    check_ranks()
+                    checked = now
                 if deadline == 0.0:
                     deadline = now + WAIT_LIMIT_S
-                elif now > deadline:
+                elif now > deadline:  # a rank that lives but does not come (stopped)
                     late = [r for r in range(self.world) if counters[r] < seq]
-                    raise RuntimeError(f"ranks {late} did not reach sum {seq} in {WAIT_LIMIT_S} s")
+                    raise RankFailed(f"ranks {late} did not reach sum {seq} in {WAIT_LIMIT_S} s")

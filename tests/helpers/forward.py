@@ -36,7 +36,8 @@ def run_steps(
 ) -> list[torch.Tensor]:
     """Every step's logits ([new tokens, vocab]; a pipeline's other ranks: empty),
     sequences given blocks in order, through the engine's `ModelRunner` (the compiled
-    per-row path where the model has it); `shard`: a pipeline stage's rank."""
+    per-row path where the model has it); `shard`: a pipeline stage's rank (its steps cut
+    into micro-batches however few their rows)."""
     c = model.config
     layout = KVLayout(
         c.num_hidden_layers, blocks, BLOCK, c.num_key_value_heads, c.head_dim, "float32"
@@ -44,6 +45,7 @@ def run_steps(
     runner = ModelRunner(model, KVCache(layout, num_host_blocks=0), kv=None)
     if shard is not None and shard.pp > 1:
         runner.stage = Stage(shard, model)
+        runner.stage.min_rows = 1  # cut these few rows into micro-batches too
     tables = {0: list(range(0, blocks // 2)), 1: list(range(blocks // 2, blocks))}
     out = []
     for step in steps:
