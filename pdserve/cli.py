@@ -105,6 +105,16 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         "%(default)s)",
     )
     p.add_argument(
+        "--microbatch-swap-blocks",
+        type=int,
+        default=EngineConfig.microbatch_swap_blocks,
+        metavar="S",
+        help="DéjàVu's microbatch swapping on pipeline stages: each stage computes from a "
+        "staging area of S blocks (two micro-batches' worth, each at least one "
+        "--max-model-len sequence), every block living in the pool proper; 0: off "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--num-threads",
         type=int,
         default=None,
@@ -144,6 +154,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     add_quantization_flag(p)
     add_device_flags(p)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
@@ -178,6 +189,8 @@ def _generate(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         num_threads=args.num_threads,
+        microbatch_swap_blocks=args.microbatch_swap_blocks,
+        max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(decode_burst=args.decode_burst),
     )
     check_device(config.device)

@@ -217,6 +217,10 @@ class EngineConfig:
     # Pipeline stages of this instance, each a run of the layers on its own T ranks; a
     # step's rows pass through them in micro-batches (engine/pipeline.py).
     pipeline_parallel_size: int = 1
+    # DéjàVu's microbatch swapping on each pipeline stage (engine/mb_swap.py): the blocks of
+    # its device staging area, two micro-batches' worth; every block lives in the pool
+    # proper (host memory on a GPU). 0: off, a stage computes from its pool.
+    microbatch_swap_blocks: int = 0
     # CPUs the engine process runs on (its affinity, set before the model loads);
     # None = those of the process that starts it. Keeps the engine off the cores the
     # HTTP front end (and a load generator) use.
@@ -264,6 +268,17 @@ class EngineConfig:
             _at_least("num_threads", self.num_threads, 1)
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         _at_least("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.microbatch_swap_blocks:
+            if self.pipeline_parallel_size == 1:
+                raise ValueError(
+                    "microbatch_swap_blocks swaps a pipeline stage's micro-batches: it needs "
+                    "pipeline_parallel_size > 1"
+                )
+            if self.microbatch_swap_blocks < 2 or self.microbatch_swap_blocks % 2:
+                raise ValueError(
+                    "microbatch_swap_blocks must be an even number >= 2 (two halves, one "
+                    f"micro-batch each), got {self.microbatch_swap_blocks}"
+                )
         if self.world_size > 1 and self.role is not Role.COLOCATED:
             raise ValueError(
                 f"a {self.role.value} instance with tensor_parallel_size "

@@ -26,7 +26,7 @@ from test_quant_model import run_cli
 from test_server import sse
 
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
-from pdserve.engine.engine import Engine
+from pdserve.engine.engine import Engine, stage_swap
 from pdserve.engine.pipeline import Part, microbatches
 from pdserve.model.attention import SeqSpec
 from pdserve.model.config import ModelConfig
@@ -310,6 +310,14 @@ def test_microbatches_cut_rows_evenly_and_sequences_where_they_must() -> None:
     ]
     one = microbatches([SeqSpec(0, 1, [0])], [0], 4)
     assert one == [Part(0, 1, [SeqSpec(0, 1, [0])], [0])]
+    # Microbatch swapping: whole sequences, each part within a staging half's blocks (4
+    # here, blocks of 4 tokens: a context of 7 needs 2 blocks, of 9 needs 3, a shared
+    # prefix block counted once).
+    seqs = [SeqSpec(6, 1, [0, 1, 9]), SeqSpec(6, 1, [0, 2]), SeqSpec(8, 1, [3, 4, 5])]
+    packed = microbatches(seqs, [0, 1, 2], 2, capacity=4, block_size=4)
+    assert packed == [Part(0, 2, seqs[:2], [0, 1]), Part(2, 3, seqs[2:], [0])]
+    with pytest.raises(ValueError, match="a sequence of 3 blocks does not fit a staging half of 2"):
+        microbatches(seqs, [0, 1, 2], 2, capacity=2, block_size=4)
 
 
 def parallel_engine(tp: int, pp: int) -> tuple[Engine, psutil.Process]:
@@ -392,3 +400,59 @@ def test_a_killed_rank_ends_the_servers_streams_with_an_error_naming_it() -> Non
     finally:
         s.stop()
     assert glob.glob("/dev/shm/pdtp-*") == []
+
+
+def test_microbatch_swapping_keeps_the_text_and_holds_two_micro_batches() -> None:
+    """PP 2 with DéjàVu's microbatch swapping: 8 greedy streams of 20 prompt tokens and 40
+    generated (4 blocks of 16 each at the end, 32 in use) through stages that compute from
+    a staging area of 8 blocks - two micro-batches of one 64-token sequence. The driver's
+    stage held at most those 8 blocks at once (its own count; the other stage cuts the
+    same parts), never the 32, and every text is one undisturbed engine's."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 40000, (20,), generator=gen).tolist() for _ in range(8)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def texts(engine: Engine) -> tuple[list[str], int]:
+        ids = [engine.add_request(p, params) for p in prompts]
+        done, most = {}, 0
+        while engine.has_unfinished():
+            done.update((o.request_id, o.text) for o in engine.step() if o.finished)
+            most = max(most, engine.core.kv.num_used_blocks)
+        return [done[i] for i in ids], most
+
+    common = {"num_threads": 2, "max_model_len": 64, "cache": CacheConfig(block_size=16)}
+    engine = Engine.from_config(EngineConfig(**common))
+    want, _ = texts(engine)
+    engine.core.close()
+    engine = Engine.from_config(
+        EngineConfig(**common, pipeline_parallel_size=2, microbatch_swap_blocks=8)
+    )
+    try:
+        got, most = texts(engine)
+        stage = engine.core.runner.stage
+        assert stage is not None and stage.swap is not None
+        assert (most, stage.swap.peak_blocks, stage.swap.half_blocks) == (32, 8, 4)
+        assert got == want
+    finally:
+        engine.core.close()
+
+
+def test_microbatch_swapping_refuses_what_it_cannot_stage() -> None:
+    with pytest.raises(ValueError) as e:
+        EngineConfig(microbatch_swap_blocks=8)
+    assert str(e.value) == (
+        "microbatch_swap_blocks swaps a pipeline stage's micro-batches: it needs "
+        "pipeline_parallel_size > 1"
+    )
+    with pytest.raises(ValueError, match=r"an even number >= 2 .*got 7"):
+        EngineConfig(pipeline_parallel_size=2, microbatch_swap_blocks=7)
+    pool = torch.zeros(2, 2, 8, 16, 1, 8)
+    config = EngineConfig(pipeline_parallel_size=2, microbatch_swap_blocks=8)
+    with pytest.raises(ValueError) as e:
+        stage_swap(config, pool, 65)
+    assert str(e.value) == (
+        "--microbatch-swap-blocks 8: a half of 4 blocks cannot hold one 65-token sequence "
+        "(5 blocks of 16); give at least 10 or lower --max-model-len"
+    )
+    swap = stage_swap(config, pool, 64)
+    assert swap is not None and swap.staging.shape == (2, 2, 8, 16, 1, 8)

@@ -13,6 +13,7 @@ import torch
 
 from pdserve.config import EngineConfig, check_device
 from pdserve.engine.core import EngineCore
+from pdserve.engine.mb_swap import MicrobatchSwap
 from pdserve.engine.pipeline import Stage
 from pdserve.engine.ranks import RankGroup, rank_threads
 from pdserve.kv.config import KVCacheConfig
@@ -132,7 +133,26 @@ def attach_ranks(core: EngineCore, ranks: RankGroup | None) -> None:
         ranks.open(core.cache.layout, 0 if host is None else host.num_blocks)
         core.runner.peers = ranks
         if core.config.pipeline_parallel_size > 1:
-            core.runner.stage = Stage(driver_shard(core.config), core.model)
+            swap = stage_swap(core.config, core.cache.device_tensor, core.max_model_len)
+            core.runner.stage = Stage(driver_shard(core.config), core.model, swap)
+
+
+def stage_swap(
+    config: EngineConfig, pool: torch.Tensor, max_model_len: int
+) -> MicrobatchSwap | None:
+    """A pipeline stage's microbatch swapping over its pool, where configured: a staging
+    half must hold one sequence of `max_model_len` tokens (ValueError naming both)."""
+    if not config.microbatch_swap_blocks:
+        return None
+    half, block = config.microbatch_swap_blocks // 2, pool.shape[3]
+    longest = -(-max_model_len // block)
+    if half < longest:
+        raise ValueError(
+            f"--microbatch-swap-blocks {config.microbatch_swap_blocks}: a half of {half} "
+            f"blocks cannot hold one {max_model_len}-token sequence ({longest} blocks of "
+            f"{block}); give at least {2 * longest} or lower --max-model-len"
+        )
+    return MicrobatchSwap(pool, config.microbatch_swap_blocks, torch.device(config.device))
 
 
 def load_model(config: EngineConfig) -> CausalLM:

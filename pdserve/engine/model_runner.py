@@ -128,7 +128,13 @@ class ModelRunner:
         ids, positions = self._ids(inputs.input_ids), self._ids(inputs.positions)
         if self.stage is not None:
             return self.stage.forward(
-                ids, positions, inputs.specs, inputs.logit_rows, self._run_layers, self.per_row
+                ids,
+                positions,
+                inputs.specs,
+                inputs.logit_rows,
+                self.cache.device_tensor,
+                self._run_layers,
+                self.per_row,
             )
         return self.model.hidden_and_logits(
             ids,
@@ -151,11 +157,10 @@ class ModelRunner:
         ).to(self.device)
 
     def _run_layers(
-        self, h: torch.Tensor, positions: torch.Tensor, specs: list[SeqSpec]
+        self, h: torch.Tensor, positions: torch.Tensor, specs: list[SeqSpec], pool: torch.Tensor
     ) -> torch.Tensor:
-        """A pipeline stage's layers over one micro-batch (engine/pipeline.py)."""
-        meta = self._metadata(specs)
-        return self.model.run_layers(h, positions, self.cache.device_tensor, meta, self.hooks)
+        """A pipeline stage's layers over one micro-batch, on `pool` (engine/pipeline.py)."""
+        return self.model.run_layers(h, positions, pool, self._metadata(specs), self.hooks)
 
     @property
     def bursts(self) -> bool:

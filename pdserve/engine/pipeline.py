@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.mb_swap import MicrobatchSwap, Staged, blocks_needed
 from pdserve.model.attention import SeqSpec
 from pdserve.model.base import CausalLM, FinalStates
 from pdserve.parallel import group
@@ -43,8 +44,9 @@ from pdserve.parallel.layout import Shard
 # two). Cutting pays once the rows' own work passes the weights' stream: tens of rows here.
 MIN_PART_ROWS = 32
 
-# The runner's: this stage's layers over one part's rows (it builds the part's metadata).
-RunLayers = Callable[[torch.Tensor, torch.Tensor, list[SeqSpec]], torch.Tensor]
+# The runner's: this stage's layers over one part's rows (it builds the part's metadata),
+# reading and writing the KV pool given (the stage's own, or microbatch swapping's staging).
+RunLayers = Callable[[torch.Tensor, torch.Tensor, list[SeqSpec], torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,21 @@ class Part:
 
 
 def microbatches(
-    specs: list[SeqSpec], logit_rows: list[int], parts: int, min_rows: int = 1
+    specs: list[SeqSpec],
+    logit_rows: list[int],
+    parts: int,
+    min_rows: int = 1,
+    capacity: int = 0,
+    block_size: int = 1,
 ) -> list[Part]:
     """The step's rows (the specs' query rows, in order) cut into at most `parts`
     contiguous runs of as even a size as they go, none under `min_rows` (one run if the
-    step has fewer)."""
+    step has fewer). With a `capacity` (blocks: microbatch swapping's staging half), cut
+    at sequence boundaries only, as many runs as keep each one's blocks within it."""
     total = sum(s.query_len for s in specs)
     parts = max(1, min(parts, total // min_rows))
+    if capacity:
+        return _packed(specs, logit_rows, -(-total // parts), capacity, block_size)
     bounds = [total * k // parts for k in range(parts + 1)]
     out: list[Part] = []
     row = 0  # first row of the spec `spec`
@@ -85,11 +95,42 @@ def microbatches(
     return out
 
 
+def _packed(
+    specs: list[SeqSpec], logit_rows: list[int], rows: int, capacity: int, block_size: int
+) -> list[Part]:
+    """Whole sequences into parts of up to `rows` rows (a longer sequence alone) and of
+    at most `capacity` distinct blocks each."""
+    out: list[Part] = []
+    cut: list[SeqSpec] = []
+    held: set[int] = set()
+    start = row = 0
+    for spec in specs:
+        mine = set(blocks_needed(spec, block_size))
+        if len(mine) > capacity:
+            raise ValueError(
+                f"a sequence of {len(mine)} blocks does not fit a staging half of {capacity}"
+            )
+        if cut and (row - start + spec.query_len > rows or len(held | mine) > capacity):
+            out.append(_part(cut, start, row, logit_rows))
+            cut, held, start = [], set(), row
+        cut.append(spec)
+        held |= mine
+        row += spec.query_len
+    if cut:
+        out.append(_part(cut, start, row, logit_rows))
+    return out
+
+
+def _part(specs: list[SeqSpec], start: int, stop: int, logit_rows: list[int]) -> Part:
+    return Part(start, stop, specs, [r - start for r in logit_rows if start <= r < stop])
+
+
 class Stage:
     """One rank's place in the pipeline: what it runs and whom it hands rows to."""
 
-    def __init__(self, shard: Shard, model: CausalLM) -> None:
-        self.shard, self.model = shard, model
+    def __init__(self, shard: Shard, model: CausalLM, swap: MicrobatchSwap | None = None) -> None:
+        """`swap`: DéjàVu's microbatch swapping of this stage's KV (engine/mb_swap.py)."""
+        self.shard, self.model, self.swap = shard, model, swap
         tp = shard.tp
         self.prev = shard.rank - tp if not shard.first else None
         self.next = shard.rank + tp if not shard.last else None
@@ -103,23 +144,41 @@ class Stage:
         positions: torch.Tensor,
         specs: list[SeqSpec],
         logit_rows: list[int],
+        pool: torch.Tensor,
         run: RunLayers,
         per_row: bool,
     ) -> FinalStates | None:
         """This rank's share of one step (see the module docstring); the driver returns
         the sampling rows' final states (None if none sample), the other ranks None.
-        `run(h, positions, specs)` runs this stage's layers over a part; `per_row`: on
-        the compiled per-row path (the final norm too)."""
-        s, hidden = self.shard, self.model.config.hidden_size
+        `pool`: the stage's KV pool; `run(h, positions, specs, pool)` runs its layers over
+        a part; `per_row`: on the compiled per-row path (the final norm too)."""
+        s, hidden, swap = self.shard, self.model.config.hidden_size, self.swap
+        if swap is None:
+            parts = microbatches(specs, logit_rows, self.parts, self.min_rows)
+        else:
+            bs = swap.block_size
+            parts = microbatches(specs, logit_rows, self.parts, 1, swap.half_blocks, bs)
+            swap.begin()
+            staging = [swap.stage_in(parts[0].specs, 0)]
         pending: list[group.Sending] = []
         sampled: list[int] = []  # rows each part hands back
-        for part in microbatches(specs, logit_rows, self.parts, self.min_rows):
+        for k, part in enumerate(parts):
             ids, pos = input_ids[part.start : part.stop], positions[part.start : part.stop]
+            staged: Staged | None = None
+            if swap is not None:
+                staged = staging[k].result()
+                if k + 1 < len(parts):  # the next part's blocks come in while this one runs
+                    staging.append(swap.stage_in(parts[k + 1].specs, (k + 1) % 2))
             if self.prev is None:
                 h = self.model.embed(ids)
             else:
                 h = group.recv(torch.empty(part.stop - part.start, hidden), self.prev)
-            h = run(h, pos, part.specs)
+            if staged is None:
+                h = run(h, pos, part.specs, pool)
+            else:
+                assert swap is not None
+                h = run(h, pos, staged.specs, swap.staging)
+                swap.write_back(staged)
             if self.next is not None:
                 pending.append(group.send(h, self.next))
             elif part.logit_rows and s.tp_rank == 0:
@@ -133,4 +192,6 @@ class Stage:
             final = self.model.finish(h, torch.arange(h.shape[0]), per_row)
         for sending in pending:
             sending.wait()
+        if swap is not None:
+            swap.drain()
         return final

@@ -135,6 +135,7 @@ def worker_main(
     """Rank `rank`: join the group, load the shard, then run what the driver sends."""
     import torch
 
+    from pdserve.engine.mb_swap import MicrobatchSwap
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.pipeline import Stage
     from pdserve.kv.cache import KVCache
@@ -179,8 +180,14 @@ def worker_main(
                 )
                 cache = KVCache(layout, host_blocks, config.device)
                 runner = ModelRunner(model, cache, kv=None)
-                if pp > 1:
-                    runner.stage = Stage(shard, model)
+                if pp > 1:  # the driver checked the staging against the longest sequence
+                    swap = None
+                    if config.microbatch_swap_blocks:
+                        device = torch.device(config.device)
+                        swap = MicrobatchSwap(
+                            cache.device_tensor, config.microbatch_swap_blocks, device
+                        )
+                    runner.stage = Stage(shard, model, swap)
             else:
                 assert runner is not None
                 # The driver samples; a pipeline's last stage hands its sampling rows back.

@@ -102,6 +102,7 @@ def engine_flags(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        microbatch_swap_blocks=args.microbatch_swap_blocks,
         cpus=args.engine_cpus,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
