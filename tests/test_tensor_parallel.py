@@ -115,14 +115,14 @@ def test_parallel_ranks_give_the_whole_models_logits(tmp_path: Path, tp: int, pp
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), case
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_the_shipped_model_on_parallel_ranks(tmp_path: Path, tp: int, pp: int) -> None:
-    """SmolLM2 fp32 and Q4_1: its logits reach ~20 and its residual stream passes 30
-    layers of partial sums, so within 1e-5 of the largest logit (1.09e-4 measured at
-    worst, fp32, T = 2); stages alone give its bits."""
+@pytest.mark.parametrize("tp,pp,quants", [(2, 1, "none,gguf"), (1, 2, "none,gguf"), (2, 2, "gguf")])
+def test_the_shipped_model_on_parallel_ranks(tmp_path: Path, tp: int, pp: int, quants: str) -> None:
+    """SmolLM2 fp32 and Q4_1 (TP 2 x PP 2: Q4_1, the default): its logits reach ~20 and
+    its residual stream passes 30 layers of partial sums, so within 1e-5 of the largest
+    logit (1.09e-4 measured at worst, fp32, T = 2); stages alone give its bits."""
     path = resolve_model(None)
-    split = parallel_logits([(path, "none"), (path, "gguf")], tmp_path, tp, pp)
-    for quant, got in zip(["none", "gguf"], split, strict=True):
+    split = parallel_logits([(path, q) for q in quants.split(",")], tmp_path, tp, pp)
+    for quant, got in zip(quants.split(","), split, strict=True):
         want = whole_logits(path, quant)
         scale = max(w.abs().max().item() for w in want)
         assert 10 < scale < 40
