@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -26,7 +27,7 @@ from test_quant_model import run_cli
 from test_server import sse
 
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
-from pdserve.engine.engine import Engine, stage_swap
+from pdserve.engine.engine import Engine, check_ranks_fit, stage_swap
 from pdserve.engine.pipeline import Part, microbatches
 from pdserve.model.attention import SeqSpec
 from pdserve.model.config import ModelConfig
@@ -58,20 +59,50 @@ def _rank(rank: int, tp: int, pp: int, port: int, models: list[tuple[str, str]],
         group.leave()
 
 
-def parallel_logits(models: list[tuple[Path, str]], tmp_path: Path, tp: int, pp: int = 1) -> list:
-    """Rank 0's logits of `workload` with each (model, quantization) split over `tp` x
-    `pp` ranks, each rank its own process (one set of processes for all the models)."""
-    out, port = tmp_path / f"tp{tp}pp{pp}.pt", group.free_port()
+def _rank_server(rank: int, jobs: mp.Queue, done: mp.Queue) -> None:
+    """A rank process of the module's pool: runs `_rank` for each job it is given (a
+    fresh group each time: `group.leave` ends the last), until told to stop (None)."""
+    while (job := jobs.get()) is not None:
+        try:
+            _rank(rank, *job)
+            done.put((rank, None))
+        except BaseException as e:  # reported to the test, which fails
+            done.put((rank, repr(e)))
+
+
+RankPool = tuple[list[mp.Queue], mp.Queue]
+
+
+@pytest.fixture(scope="module")
+def rank_pool() -> Iterator[RankPool]:
+    """Four rank processes for the logits tests (spawned once: each start imports torch,
+    seconds of the suite's two cores per process)."""
     ctx = mp.get_context("spawn")
-    args = [(str(path), quant) for path, quant in models]
-    ranks = [
-        ctx.Process(target=_rank, args=(r, tp, pp, port, args, str(out))) for r in range(tp * pp)
-    ]
-    for p in ranks:
+    jobs, done = [ctx.Queue() for _ in range(4)], ctx.Queue()
+    procs = [ctx.Process(target=_rank_server, args=(r, jobs[r], done)) for r in range(4)]
+    for p in procs:
         p.start()
-    for p in ranks:
-        p.join(300)
-        assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+    yield jobs, done
+    for q in jobs:
+        q.put(None)
+    for p in procs:
+        p.join(30)
+        if p.exitcode is None:
+            p.kill()
+
+
+def parallel_logits(
+    pool: RankPool, models: list[tuple[Path, str]], tmp_path: Path, tp: int, pp: int = 1
+) -> list:
+    """Rank 0's logits of `workload` with each (model, quantization) split over `tp` x
+    `pp` ranks, each rank a process of the pool."""
+    jobs, done = pool
+    out, port = tmp_path / f"tp{tp}pp{pp}.pt", group.free_port()
+    args = [(str(path), quant) for path, quant in models]
+    for r in range(tp * pp):
+        jobs[r].put((tp, pp, port, args, str(out)))
+    errors = [done.get(timeout=300) for _ in range(tp * pp)]
+    assert [e for _, e in errors if e is not None] == []
     return torch.load(out)
 
 
@@ -102,12 +133,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_parallel_ranks_give_the_whole_models_logits(tmp_path: Path, tp: int, pp: int) -> None:
+def test_parallel_ranks_give_the_whole_models_logits(
+    rank_pool: RankPool, tmp_path: Path, tp: int, pp: int
+) -> None:
     """Each architecture's tiny model (CASES) on tp x pp ranks: one process's logits.
     Stages alone (tp = 1) give its bits: the workload's micro-batches cut a prefill chunk
     (12 rows: 6 + 6) and a decode batch, and each row's bits do not depend on its batch."""
     paths = {c: make_tiny_model(tmp_path, arch, **kw) for c, (arch, kw) in CASES.items()}
-    split = parallel_logits([(p, "none") for p in paths.values()], tmp_path, tp, pp)
+    split = parallel_logits(rank_pool, [(p, "none") for p in paths.values()], tmp_path, tp, pp)
     for (case, path), got in zip(paths.items(), split, strict=True):
         want = whole_logits(path)
         assert_same(got, want, case=case)
@@ -115,14 +148,16 @@ def test_parallel_ranks_give_the_whole_models_logits(tmp_path: Path, tp: int, pp
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), case
 
 
-@pytest.mark.parametrize("tp,pp,quants", [(2, 1, "none,gguf"), (1, 2, "none,gguf"), (2, 2, "gguf")])
-def test_the_shipped_model_on_parallel_ranks(tmp_path: Path, tp: int, pp: int, quants: str) -> None:
-    """SmolLM2 fp32 and Q4_1 (TP 2 x PP 2: Q4_1, the default): its logits reach ~20 and
-    its residual stream passes 30 layers of partial sums, so within 1e-5 of the largest
-    logit (1.09e-4 measured at worst, fp32, T = 2); stages alone give its bits."""
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_the_shipped_model_on_parallel_ranks(
+    rank_pool: RankPool, tmp_path: Path, tp: int, pp: int
+) -> None:
+    """SmolLM2 fp32 and Q4_1: its logits reach ~20 and its residual stream passes 30
+    layers of partial sums, so within 1e-5 of the largest logit (1.09e-4 measured at
+    worst, fp32, T = 2); stages alone give its bits."""
     path = resolve_model(None)
-    split = parallel_logits([(path, q) for q in quants.split(",")], tmp_path, tp, pp)
-    for quant, got in zip(quants.split(","), split, strict=True):
+    split = parallel_logits(rank_pool, [(path, "none"), (path, "gguf")], tmp_path, tp, pp)
+    for quant, got in zip(["none", "gguf"], split, strict=True):
         want = whole_logits(path, quant)
         scale = max(w.abs().max().item() for w in want)
         assert 10 < scale < 40
@@ -156,6 +191,12 @@ def test_splits_that_cannot_be_made() -> None:
     )
     with pytest.raises(ValueError, match="at least 1, got 0"):
         split_model(smollm2_config(), 0)
+    with pytest.raises(ValueError) as e:
+        split_model(smollm2_config(), 1, 31)
+    assert str(e.value) == (
+        "--pipeline-parallel-size 31 is more than the model's 30 layers: each stage holds at "
+        "least one"
+    )
 
 
 def test_quantized_columns_are_whole_blocks() -> None:
@@ -185,16 +226,28 @@ def rank_processes() -> list[psutil.Process]:
     return [p for p in me.children(recursive=True) if "worker_entry" in " ".join(p.cmdline())]
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("tp,pp,blocks", [(2, 1, 24), (1, 2, 24), (2, 2, None)])
 def test_an_engine_on_parallel_ranks_generates_the_whole_engines_text(
-    served_engine: Engine, tp: int, pp: int
+    served_engine: Engine, tp: int, pp: int, blocks: int | None
 ) -> None:
-    """An engine of tp x pp ranks (the default quantized weights, split): the greedy
-    text of one process's engine, token for token; its worker ranks leave with it."""
+    """An engine of tp x pp ranks (the default quantized weights, split): the greedy text
+    of one process's engine, token for token, a long prompt's prefill (over 2 x
+    MIN_PART_ROWS rows) cut into micro-batches; its worker ranks leave with it. With a pool
+    too small for the load (24 blocks) requests are preempted by swapping their KV to the
+    host tier and back - on every rank: the driver's swap plans run on the workers' pools,
+    each of its own heads and layers - and the texts are still one big-pool engine's."""
     # 4 ranks on a 2-core machine: asked for with the threads (check_ranks_fit)
-    threads = max(2, tp * pp)
-    config = EngineConfig(num_threads=threads, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    config = EngineConfig(
+        num_threads=max(2, tp * pp),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        scheduler=SchedulerConfig(preemption_mode=PreemptionMode.SWAP),
+        cache=CacheConfig(num_blocks=blocks, num_host_blocks=256, enable_prefix_cache=False),
+    )
     engine = Engine.from_config(config)
+    prompts, tokens = [*PROMPTS, LONG_PROMPT], 24
+    if blocks is not None:
+        prompts = [f"{p} Number {i}." for i in range(3) for p in PROMPTS] + prompts
     try:
         workers = rank_processes()
         assert len(workers) == tp * pp - 1
@@ -203,9 +256,17 @@ def test_an_engine_on_parallel_ranks_generates_the_whole_engines_text(
         assert model.num_key_value_heads == (2 if tp == 2 else 3)  # rank 0: groups 0-1
         assert model.num_hidden_layers == 30 // pp  # rank 0: its stage's layers
         assert engine.core.cache.layout.num_layers == 30 // pp
-        # The long prompt's prefill (over 2 x MIN_PART_ROWS rows) is cut into micro-batches.
-        prompts = [*PROMPTS, LONG_PROMPT]
-        assert greedy(engine, prompts, 24) == greedy(served_engine, prompts, 24)
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        if blocks is not None:
+            assert sum(done[i].metrics.num_preemptions for i in ids) > 0
+        assert engine.core.kv.num_free_host_blocks == 256
+        body = {**BODY, "max_tokens": tokens}
+        want = [e.text for e in run(served_engine, [{**body, "prompt": p} for p in prompts])]
+        assert [done[i].text for i in ids] == want
     finally:
         engine.core.close()
     for worker in workers:
@@ -213,48 +274,39 @@ def test_an_engine_on_parallel_ranks_generates_the_whole_engines_text(
     assert rank_processes() == []
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_swaps_on_parallel_ranks_keep_one_engines_text(
-    served_engine: Engine, tp: int, pp: int
+def test_a_server_on_two_stages_answers_as_one_engine_and_names_a_killed_rank(
+    served_engine: Engine,
 ) -> None:
-    """A pool too small for the load (24 blocks): requests are preempted by swapping their
-    KV to the host tier and back - on every rank, the driver's swap plans run on the
-    workers' pools too - and every text is still one big-pool engine's."""
-    config = EngineConfig(
-        num_threads=2,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        scheduler=SchedulerConfig(preemption_mode=PreemptionMode.SWAP),
-        cache=CacheConfig(num_blocks=24, num_host_blocks=256, enable_prefix_cache=False),
-    )
-    engine = Engine.from_config(config)
-    prompts = [f"{p} Number {i}." for i in range(3) for p in PROMPTS]
+    """`serve --pipeline-parallel-size 2`: a completion is one engine's; then, a stream
+    under way, SIGKILL of the worker rank: the engine process reports the rank
+    (EngineFailed) and exits, its close leaving nothing behind; the stream ends with an
+    error event naming the rank, not a hang, and the server answers that the engine is
+    gone."""
+    s = Server("--pipeline-parallel-size", "2", "--keep-running-on-engine-failure")
     try:
-        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-        ids = [engine.add_request(p, params) for p in prompts]
-        done = {}
-        while engine.has_unfinished():
-            done.update((o.request_id, o) for o in engine.step() if o.finished)
-        assert sum(done[i].metrics.num_preemptions for i in ids) > 0
-        assert engine.core.kv.num_free_host_blocks == 256
-        want = [e.text for e in run(served_engine, [{**BODY, "prompt": p} for p in prompts])]
-        assert [done[i].text for i in ids] == want
-    finally:
-        engine.core.close()
-
-
-def test_a_server_on_two_stages_answers_as_one_engine(served_engine: Engine) -> None:
-    """`serve --pipeline-parallel-size 2` (the plumbing TP shares: test_an_engine...)."""
-    server = Server("--pipeline-parallel-size", "2")
-    try:
-        assert len(rank_processes()) == 1
+        (worker,) = rank_processes()
         body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
-        status, reply = server.post("/v1/completions", json.dumps(body).encode())
+        status, reply = s.post("/v1/completions", json.dumps(body).encode())
         assert status == 200, reply
         assert reply["choices"][0]["text"] == greedy(served_engine, PROMPTS[:1], 16)[0]
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = sse(s.url + "/v1/completions", body)
+        assert next(events)["choices"][0]["text"]  # streaming has started
+        worker.kill()
+        rest = list(events)  # it ends (else the client's timeout fails the test)
+        assert rest[-1] == "[DONE]"
+        error = rest[-2]["error"]
+        assert (error["type"], error["code"]) == ("internal_server_error", 500)
+        assert error["message"] == (
+            "the engine is not available: engine step failed: RankFailed: rank 1 (pid "
+            f"{worker.pid}) of this instance exited with signal SIGKILL"
+        )
+        wait_for(lambda: rank_processes() == [], timeout=10)
+        status, reply = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
+        assert status == 500 and reply["error"]["message"].startswith("the engine is not available")
     finally:
-        server.stop()
-    wait_for(lambda: rank_processes() == [], timeout=10)
+        s.stop()
+    assert glob.glob("/dev/shm/pdtp-*") == []
 
 
 def test_layouts_the_commands_refuse() -> None:
@@ -271,19 +323,13 @@ def test_layouts_the_commands_refuse() -> None:
         "engine for now (no --prefill/--decode/--colocated/--placement/--ray): the KV "
         "hand-off between layouts is not built yet (docs/parallelism.md)"
     )
-    proc = run_cli("generate", "hi", "--pipeline-parallel-size", "31")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().endswith(
-        "pdserve: error: --pipeline-parallel-size 31 is more than the model's 30 layers: "
-        "each stage holds at least one"
-    )
-    args = ("--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--num-threads", "3")
-    proc = run_cli("generate", "hi", *args)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().endswith(
-        "pdserve: error: --tensor-parallel-size 2 x --pipeline-parallel-size 2 = 4 ranks, "
-        "but the instance has 3 threads (each rank takes at least one; --num-threads sets "
-        "them)"
+    with pytest.raises(ValueError) as e:  # (exit 2 from the commands, as above)
+        check_ranks_fit(
+            EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=3)
+        )
+    assert str(e.value) == (
+        "--tensor-parallel-size 2 x --pipeline-parallel-size 2 = 4 ranks, but the instance "
+        "has 3 threads (each rank takes at least one; --num-threads sets them)"
     )
     proc = run_cli("generate", "hi", "--tensor-parallel-size", "0")
     assert proc.returncode == 2
@@ -374,43 +420,17 @@ def test_a_rank_gone_between_steps_is_named_before_the_next() -> None:
     assert rank_processes() == []
 
 
-def test_a_killed_rank_ends_the_servers_streams_with_an_error_naming_it() -> None:
-    """`serve --tensor-parallel-size 2`, a stream under way, SIGKILL of the worker rank:
-    the engine process reports the rank (EngineFailed) and exits, its close ending
-    nothing left behind; the stream ends with an error event naming the rank, not a
-    hang, and the server answers that the engine is gone."""
-    s = Server("--tensor-parallel-size", "2", "--keep-running-on-engine-failure")
-    try:
-        (worker,) = rank_processes()
-        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        events = sse(s.url + "/v1/completions", body)
-        assert next(events)["choices"][0]["text"]  # streaming has started
-        worker.kill()
-        rest = list(events)  # it ends (else the client's timeout fails the test)
-        assert rest[-1] == "[DONE]"
-        error = rest[-2]["error"]
-        assert (error["type"], error["code"]) == ("internal_server_error", 500)
-        assert (
-            f"rank 1 (pid {worker.pid}) of this instance exited with signal SIGKILL"
-            in (error["message"])
-        )
-        wait_for(lambda: rank_processes() == [], timeout=10)
-        status, reply = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
-        assert status == 500 and reply["error"]["message"].startswith("the engine is not available")
-    finally:
-        s.stop()
-    assert glob.glob("/dev/shm/pdtp-*") == []
-
-
-def test_microbatch_swapping_keeps_the_text_and_holds_two_micro_batches() -> None:
-    """PP 2 with DéjàVu's microbatch swapping: 8 greedy streams of 20 prompt tokens and 40
-    generated (4 blocks of 16 each at the end, 32 in use) through stages that compute from
-    a staging area of 8 blocks - two micro-batches of one 64-token sequence. The driver's
+def test_microbatch_swapping_keeps_the_text_and_holds_two_micro_batches(
+    served_engine: Engine,
+) -> None:
+    """PP 2 with DéjàVu's microbatch swapping: 8 greedy streams of 12 prompt tokens and 20
+    generated (4 blocks of 8 each at the end, 32 in use) through stages that compute from
+    a staging area of 8 blocks - two micro-batches of one 32-token sequence. The driver's
     stage held at most those 8 blocks at once (its own count; the other stage cuts the
     same parts), never the 32, and every text is one undisturbed engine's."""
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(100, 40000, (20,), generator=gen).tolist() for _ in range(8)]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [torch.randint(100, 40000, (12,), generator=gen).tolist() for _ in range(8)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     def texts(engine: Engine) -> tuple[list[str], int]:
         ids = [engine.add_request(p, params) for p in prompts]
@@ -420,13 +440,15 @@ def test_microbatch_swapping_keeps_the_text_and_holds_two_micro_batches() -> Non
             most = max(most, engine.core.kv.num_used_blocks)
         return [done[i] for i in ids], most
 
-    common = {"num_threads": 2, "max_model_len": 64, "cache": CacheConfig(block_size=16)}
-    engine = Engine.from_config(EngineConfig(**common))
-    want, _ = texts(engine)
-    engine.core.close()
-    engine = Engine.from_config(
-        EngineConfig(**common, pipeline_parallel_size=2, microbatch_swap_blocks=8)
+    want, _ = texts(served_engine)
+    config = EngineConfig(
+        num_threads=2,
+        max_model_len=32,
+        cache=CacheConfig(block_size=8),
+        pipeline_parallel_size=2,
+        microbatch_swap_blocks=8,
     )
+    engine = Engine.from_config(config)
     try:
         got, most = texts(engine)
         stage = engine.core.runner.stage

@@ -437,27 +437,29 @@ class CausalLM(nn.Module):
             t[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight.data
             t[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
         if not self.quantized:
-            t.update(self._matrix_targets())
+            t.update(_matrix_targets(self))
         return t
 
-    def _matrix_targets(self) -> dict[str, torch.Tensor]:
-        c = self.config
-        assert isinstance(self.embed_tokens, torch.Tensor)
-        t = {"model.embed_tokens.weight": self.embed_tokens.data}
-        if not c.tie_word_embeddings:
-            t["lm_head.weight"] = self.lm_head.data
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, DecoderLayer)
-            p = f"model.layers.{i}."
-            a, m = layer.self_attn, layer.mlp
-            qkv = a.qkv.data.split([c.q_size, c.kv_size, c.kv_size])
-            t.update({f"{p}self_attn.{n}_proj.weight": w for n, w in zip("qkv", qkv, strict=True)})
-            t[f"{p}self_attn.o_proj.weight"] = a.o.data
-            gate, up = m.gate_up.data.split(c.intermediate_size)
-            t[f"{p}mlp.gate_proj.weight"] = gate
-            t[f"{p}mlp.up_proj.weight"] = up
-            t[f"{p}mlp.down_proj.weight"] = m.down.data
-        return t
+
+def _matrix_targets(model: CausalLM) -> dict[str, torch.Tensor]:
+    """HF name -> the view of the fp model's (possibly fused) weight matrix it fills."""
+    c = model.config
+    assert isinstance(model.embed_tokens, torch.Tensor)
+    t = {"model.embed_tokens.weight": model.embed_tokens.data}
+    if not c.tie_word_embeddings:
+        t["lm_head.weight"] = model.lm_head.data
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        p = f"model.layers.{i}."
+        a, m = layer.self_attn, layer.mlp
+        qkv = a.qkv.data.split([c.q_size, c.kv_size, c.kv_size])
+        t.update({f"{p}self_attn.{n}_proj.weight": w for n, w in zip("qkv", qkv, strict=True)})
+        t[f"{p}self_attn.o_proj.weight"] = a.o.data
+        gate, up = m.gate_up.data.split(c.intermediate_size)
+        t[f"{p}mlp.gate_proj.weight"] = gate
+        t[f"{p}mlp.up_proj.weight"] = up
+        t[f"{p}mlp.down_proj.weight"] = m.down.data
+    return t
 
 
 def _copied(op: Linear) -> bool:
