@@ -49,7 +49,7 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         ranks = start_ranks(config)
-        model = load_model(config)
+        model = load_model(config, None if ranks is None else ranks.shard)
         engine = cls(config, model, Tokenizer.from_model_path(resolve_model(config.model)))
         attach_ranks(engine.core, ranks)
         return engine
@@ -96,10 +96,12 @@ def start_ranks(config: EngineConfig) -> RankGroup | None:
         return None
     path = resolve_model(config.model)
     # A split that cannot be made is refused before any process starts.
-    split_model(load_config(path), config.tensor_parallel_size, config.pipeline_parallel_size)
+    shards = split_model(
+        load_config(path), config.tensor_parallel_size, config.pipeline_parallel_size
+    )
     check_ranks_fit(config)
     port = group.free_port()
-    ranks = RankGroup.start(config, port)
+    ranks = RankGroup.start(config, port, shards[0])
     group.join(0, config.world_size, port, config.device, tp=config.tensor_parallel_size)
     group.watch(ranks.check)
     return ranks
@@ -134,7 +136,7 @@ def attach_ranks(core: EngineCore, ranks: RankGroup | None) -> None:
         core.runner.peers = ranks
         if core.config.pipeline_parallel_size > 1:
             swap = stage_swap(core.config, core.cache.device_tensor, core.max_model_len)
-            core.runner.stage = Stage(driver_shard(core.config), core.model, swap)
+            core.runner.stage = Stage(ranks.shard, core.model, swap)
 
 
 def stage_swap(
@@ -155,18 +157,18 @@ def stage_swap(
     return MicrobatchSwap(pool, config.microbatch_swap_blocks, torch.device(config.device))
 
 
-def load_model(config: EngineConfig) -> CausalLM:
-    """Build the configured model with its weights, ready to serve (threads set). With
-    tensor parallelism, rank 0's shard, its layers summing over the group `start_ranks`
-    joined."""
+def load_model(config: EngineConfig, shard: Shard | None = None) -> CausalLM:
+    """Build the configured model with its weights, ready to serve (threads set). A
+    parallel instance's driver passes its `shard` (`RankGroup.shard`): its layers, summing
+    over the group `start_ranks` joined under tensor parallelism."""
     torch.set_num_threads(rank_threads(config))
     path = resolve_model(config.model)
     check_device(config.device)
     quant = resolve_quantization(
         config.quantization, path, config.device, config.activations, config.dtype
     )
-    if config.world_size > 1:
-        model = load_shard(path, driver_shard(config), config.torch_dtype, quant)
+    if shard is not None:
+        model = load_shard(path, shard, config.torch_dtype, quant)
         model.to(config.device)
         if config.tensor_parallel_size > 1:
             model.set_reduce(group.all_reduce_sum)
@@ -177,12 +179,6 @@ def load_model(config: EngineConfig) -> CausalLM:
     model.to(config.device)
     model.finalize()
     return model
-
-
-def driver_shard(config: EngineConfig) -> Shard:
-    """Rank 0's shard of a parallel instance."""
-    full = load_config(resolve_model(config.model))
-    return split_model(full, config.tensor_parallel_size, config.pipeline_parallel_size)[0]
 
 
 def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[int]) -> EngineCore:

@@ -93,8 +93,9 @@ class _Loop:
         while True:
             if not self.apply_inputs(self.poll_timeout_ms()) or self.client_gone():
                 return  # told to stop, or the front end is gone: nobody to serve
-            if self.core.runner.peers is not None:  # a parallel instance: a rank gone ends it
-                self.core.runner.peers.check()
+            peers = self.core.runner.peers
+            if peers is not None and not self.core.has_unfinished():
+                peers.check()  # an idle parallel instance notices a rank gone (a step: send)
             self.core.poll_transfers()
             self.flush_messages()  # hand-off news before the outputs they precede
             if self.core.has_unfinished():
@@ -291,7 +292,7 @@ def run_engine_process(
         if config.cpus is not None:
             pin_process(config.cpus)
         ranks = start_ranks(config)
-        model = load_model(config)
+        model = load_model(config, None if ranks is None else ranks.shard)
         core = build_core(config, model, _stop_token_ids(config))
         attach_ranks(core, ranks)
     except Exception as e:  # report, then exit: the frontend shows the message

@@ -97,14 +97,12 @@ class MicrobatchSwap:
         for future in pending:
             future.result()
 
-    def close(self) -> None:
-        self._copier.shutdown(wait=True)
-
     def _stage_in(self, specs: list[SeqSpec], half: int) -> Staged:
         bs = self.block_size
+        tables = [blocks_needed(spec, bs) for spec in specs]
         ids: dict[int, int] = {}  # home block -> staging block
-        for spec in specs:
-            for b in blocks_needed(spec, bs):
+        for table in tables:
+            for b in table:
                 ids.setdefault(b, half * self.half_blocks + len(ids))
         if len(ids) > self.half_blocks:
             raise ValueError(
@@ -114,8 +112,7 @@ class MicrobatchSwap:
         home_rows: list[int] = []
         staging_rows: list[int] = []
         staged: list[SeqSpec] = []
-        for spec in specs:
-            table = blocks_needed(spec, bs)
+        for spec, table in zip(specs, tables, strict=True):
             staged.append(SeqSpec(spec.num_cached, spec.query_len, [ids[b] for b in table]))
             for t in range(spec.num_cached, spec.context_len):
                 home_rows.append(table[t // bs] * bs + t % bs)

@@ -157,7 +157,7 @@ class Stage:
             parts = microbatches(specs, logit_rows, self.parts, self.min_rows)
         else:
             bs = swap.block_size
-            parts = microbatches(specs, logit_rows, self.parts, 1, swap.half_blocks, bs)
+            parts = microbatches(specs, logit_rows, self.parts, self.min_rows, swap.half_blocks, bs)
             swap.begin()
             staging = [swap.stage_in(parts[0].specs, 0)]
         pending: list[group.Sending] = []

@@ -39,6 +39,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import StepInputs
 from pdserve.kv.layout import KVLayout
 from pdserve.parallel import group
+from pdserve.parallel.layout import Shard
 
 # Seconds a worker waits for the next message before it checks that the driver lives.
 _POLL_S = 1.0
@@ -49,11 +50,14 @@ _REAP_S = 5.0
 class RankGroup:
     """The driver's side: the workers' processes and pipes."""
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]], pipes: list[mpc.Connection]) -> None:
+    def __init__(
+        self, procs: list[subprocess.Popen[bytes]], pipes: list[mpc.Connection], shard: Shard
+    ) -> None:
         self._procs, self._pipes = procs, pipes
+        self.shard = shard  # the driver's own: rank 0's
 
     @classmethod
-    def start(cls, config: EngineConfig, port: int) -> RankGroup:
+    def start(cls, config: EngineConfig, port: int, shard: Shard) -> RankGroup:
         """Start ranks 1 .. T-1 of `config` (their rendezvous on `port`): fresh Python
         processes (not multiprocessing's spawn, which re-runs the caller's main module: a
         script that builds an `LLM` without a `__main__` guard would start itself), each
@@ -70,7 +74,7 @@ class RankGroup:
             pipe.send(config)
             procs.append(proc)
             pipes.append(pipe)
-        return cls(procs, pipes)
+        return cls(procs, pipes, shard)
 
     def open(self, layout: KVLayout, num_host_blocks: int) -> None:
         """The KV pool the workers mirror: the driver's device tier (each its own KV
@@ -87,7 +91,8 @@ class RankGroup:
             raise
 
     def check(self) -> None:
-        """RankFailed if a worker process has exited (a waitpid each, ~1 us)."""
+        """RankFailed if a worker process has exited (a waitpid each, and a look at its
+        /proc entry: a few us)."""
         for rank, proc in enumerate(self._procs, start=1):
             code = proc.poll()
             if code is None and group.gone(proc.pid):
