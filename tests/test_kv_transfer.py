@@ -229,12 +229,12 @@ def test_stream_out_layer_split_across_stages() -> None:
 
 def test_stream_out_errors_name_field_and_values() -> None:
     a = layout()
-    other_heads = KVLayout(3, 12, 4, 3, HEAD_DIM, "float32")
+    other_heads = KVLayout(3, 12, 4, 1, HEAD_DIM, "float32", first_kv_head=2)
     other_dim = KVLayout(3, 12, 4, HEADS, 8, "float32")
     cases: list[tuple[Callable[[], object], str]] = [
         (
             lambda: stream_out(a, [0], other_heads, [0], 0, 4),
-            "num_kv_heads differs: source has 2, destination has 3",
+            "no common KV heads: source holds [0, 2), destination holds [2, 3)",
         ),
         (
             lambda: stream_out(a, [0], other_dim, [0], 0, 4),

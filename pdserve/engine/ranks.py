@@ -33,13 +33,11 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-import msgspec
-
 from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import StepInputs
 from pdserve.kv.layout import KVLayout
 from pdserve.parallel import group
-from pdserve.parallel.layout import Shard
+from pdserve.parallel.layout import Shard, rank_kv_layout
 
 # Seconds a worker waits for the next message before it checks that the driver lives.
 _POLL_S = 1.0
@@ -177,12 +175,7 @@ def worker_main(
                 return
             if kind == "open":
                 driver_layout, host_blocks = body
-                layout = msgspec.structs.replace(
-                    driver_layout,
-                    num_kv_heads=shard.num_kv_heads,
-                    num_layers=shard.num_layers,
-                    first_layer=shard.layers[0],
-                )
+                layout = rank_kv_layout(shard, driver_layout)
                 cache = KVCache(layout, host_blocks, config.device)
                 runner = ModelRunner(model, cache, kv=None)
                 if pp > 1:  # the driver checked the staging against the longest sequence

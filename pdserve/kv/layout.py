@@ -28,8 +28,14 @@ DTYPE_SIZES: dict[str, int] = {
 class KVLayout(msgspec.Struct, frozen=True):
     """Geometry of one KV pool; travels inside `RegionHandle`s (msgspec-encodable).
 
-    `first_layer` is the global index of the pool's layer 0: a pipeline stage holding global
-    layers [3, 6) has `num_layers=3, first_layer=3`. Plans match layers by global index.
+    Which part of the model's KV the pool holds, in the style of Mooncake's KV placement:
+    `first_layer` is the global index of the pool's layer 0 (a pipeline stage holding
+    global layers [3, 6) has `num_layers=3, first_layer=3`) and `first_kv_head` the global
+    index of its KV head 0 (a tensor-parallel rank holding KV heads [2, 3) of 3 has
+    `num_kv_heads=1, first_kv_head=2`): a contiguous range of layers by a contiguous range
+    of KV heads. Nothing is replicated: pdserve's tensor-parallel split deals out whole GQA
+    groups (`pdserve.parallel.layout`), so every KV head lives in exactly one rank's pool.
+    Plans match layers and heads by global index.
     """
 
     num_layers: int
@@ -39,14 +45,16 @@ class KVLayout(msgspec.Struct, frozen=True):
     head_dim: int
     dtype: str  # a key of DTYPE_SIZES: "float32" | "bfloat16" | "float16"
     first_layer: int = 0
+    first_kv_head: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
             value = getattr(self, field)
             if value <= 0:
                 raise ValueError(f"KVLayout.{field} must be > 0, got {value}")
-        if self.first_layer < 0:
-            raise ValueError(f"KVLayout.first_layer must be >= 0, got {self.first_layer}")
+        for field in ("first_layer", "first_kv_head"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"KVLayout.{field} must be >= 0, got {getattr(self, field)}")
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(
                 f"KVLayout.dtype must be one of {', '.join(DTYPE_SIZES)}, got {self.dtype!r}"
@@ -88,6 +96,25 @@ class KVLayout(msgspec.Struct, frozen=True):
     def layers(self) -> range:
         """Global indices of the layers this pool holds."""
         return range(self.first_layer, self.first_layer + self.num_layers)
+
+    @property
+    def kv_heads(self) -> range:
+        """Global indices of the KV heads this pool holds."""
+        return range(self.first_kv_head, self.first_kv_head + self.num_kv_heads)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head's part of a token row."""
+        return self.head_dim * self.elem_size
+
+    def describe(self) -> str:
+        """ "layers [a, b), KV heads [c, d) of <head_dim> <dtype>, blocks of <n>", for
+        error messages."""
+        layers, heads = self.layers, self.kv_heads
+        return (
+            f"layers [{layers.start}, {layers.stop}), KV heads [{heads.start}, {heads.stop}) "
+            f"of {self.head_dim} {self.dtype}, blocks of {self.block_size}"
+        )
 
     @property
     def nbytes(self) -> int:

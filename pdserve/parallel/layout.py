@@ -24,6 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
+from pdserve.kv.layout import KVLayout
 from pdserve.model.config import ModelConfig
 
 # A quantized weight's rows are cut only between blocks of this many values.
@@ -130,3 +133,15 @@ def split_model(config: ModelConfig, world: int, stages: int = 1) -> list[Shard]
                 )
             )
     return shards
+
+
+def rank_kv_layout(shard: Shard, whole: KVLayout) -> KVLayout:
+    """The layout of `shard`'s KV pool in an instance whose pools have `whole`'s geometry
+    (blocks, block size, head size, dtype): its layers and KV heads, by global index."""
+    return msgspec.structs.replace(
+        whole,
+        num_layers=shard.num_layers,
+        first_layer=shard.layers[0],
+        num_kv_heads=shard.num_kv_heads,
+        first_kv_head=shard.kv_heads[0],
+    )

@@ -91,7 +91,7 @@ def copy_runs(
 
 def _np_rows(flat: torch.Tensor) -> np.ndarray:
     """A CPU tensor `[L, 2, slots, row]` as a uint8 ndarray `[2 L, slots, row_bytes]` (a view:
-    one row per layer and K/V)."""
+    one row per layer and K/V; strided where `flat` narrows rows to some heads)."""
     layers, kv, slots, _ = flat.shape
     return flat.view(torch.uint8).view(layers * kv, slots, -1).numpy()  # torch: never a copy
 
@@ -239,14 +239,16 @@ def scatter(
 
 
 def apply_plan(plan: TransferPlan, src_pool: torch.Tensor, dst_pool: torch.Tensor) -> None:
-    """Execute a plan between two pools this process can address (one copy per run).
+    """Execute a plan between two pools this process can address (one copy per run, of the
+    plan's heads of each row).
 
     Casts when the dtypes differ. The caller guarantees the plan fits both pools
     (see `transport.check_plan`).
     """
     s0, s1 = plan.src_layers
     d0, d1 = plan.dst_layers
-    copy_runs(token_view(src_pool)[s0:s1], token_view(dst_pool)[d0:d1], plan.runs)
+    src = token_view(src_pool, plan.src_heads)[s0:s1]
+    copy_runs(src, token_view(dst_pool, plan.dst_heads)[d0:d1], plan.runs)
 
 
 def local_layers(layout: KVLayout, layers: range | None) -> tuple[int, int]:

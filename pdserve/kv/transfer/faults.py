@@ -139,6 +139,8 @@ class FaultyTransport(Transport):
             dst_layers=(dst_layer, dst_layer + 1),
             runs=((0, plan.runs[0][1], 1),),
             token_bytes=plan.token_bytes,
+            src_heads=plan.src_heads,
+            dst_heads=plan.dst_heads,
         )
         self.inner.flush(remote, token_plan, one)
 

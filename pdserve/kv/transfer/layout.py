@@ -44,15 +44,20 @@ def layout_of(tensor: torch.Tensor, first_layer: int = 0) -> KVLayout:
     )
 
 
-def token_view(pool: torch.Tensor) -> torch.Tensor:
+def token_view(pool: torch.Tensor, heads: tuple[int, int] | None = None) -> torch.Tensor:
     """The pool viewed token-flat: `[num_layers, 2, num_blocks * block_size, heads * head_dim]`.
 
-    A view (no copy); the pool must be contiguous.
+    A view (no copy); the pool must be contiguous. `heads` ([start, stop), local) narrows
+    each row to those KV heads: still a view, strided (a row's part is contiguous, rows
+    are not).
     """
     if pool.dim() != 6 or not pool.is_contiguous():
         raise LayoutMismatchError(
             f"a KV pool must be a contiguous 6-D tensor, got shape {tuple(pool.shape)}"
             f"{'' if pool.is_contiguous() else ' (not contiguous)'}"
         )
-    layers, kv, blocks, block_size, heads, head_dim = pool.shape
-    return pool.view(layers, kv, blocks * block_size, heads * head_dim)
+    layers, kv, blocks, block_size, num_heads, head_dim = pool.shape
+    if heads is None:
+        return pool.view(layers, kv, blocks * block_size, num_heads * head_dim)
+    h0, h1 = heads
+    return pool[:, :, :, :, h0:h1].view(layers, kv, blocks * block_size, (h1 - h0) * head_dim)

@@ -31,14 +31,25 @@ class TransferPlan(msgspec.Struct, frozen=True):
     """Layers and token runs to move from a source pool to a destination pool.
 
     Layer ranges are LOCAL indices into each pool (a pool holding global layers [3, 6) calls
-    global layer 4 its layer 1). `token_bytes` is one token row (one layer, one of K/V) in
-    the source dtype. A plan is only valid for the layouts it was made for.
+    global layer 4 its layer 1), and so are head ranges. `token_bytes` is the part of one
+    token row (one layer, one of K/V) the plan moves, in the source dtype. Heads `None`
+    move whole rows; a head range moves that part of each row (between pools of different
+    tensor-parallel splits), so a piece is then one strided copy rather than one
+    contiguous one. A plan is only valid for the layouts it was made for.
     """
 
     src_layers: tuple[int, int]  # [start, stop) local layer indices into the source pool
     dst_layers: tuple[int, int]  # same count, local indices into the destination pool
     runs: tuple[tuple[int, int, int], ...]  # TokenRun tuples, coalesced
     token_bytes: int
+    src_heads: tuple[int, int] | None = None  # [start, stop) local KV heads; None: all
+    dst_heads: tuple[int, int] | None = None  # same count; None: all
+
+    def heads(self, side: str, layout: KVLayout) -> tuple[int, int]:
+        """The local KV heads of `side` ("source" | "destination") the plan moves, in a pool
+        of `layout`."""
+        heads = self.src_heads if side == "source" else self.dst_heads
+        return (0, layout.num_kv_heads) if heads is None else heads
 
     @property
     def num_layers(self) -> int:
@@ -139,27 +150,125 @@ def stream_out(
     transports that can cast (inproc, shm) execute such a plan; TCP refuses it. The sender
     executes the plan with `Transport.flush(receiver_handle, plan, its_pool)`.
 
+    The plan moves the KV heads both pools hold (by global index: `KVLayout.first_kv_head`),
+    so between two ranks of different tensor-parallel splits it moves the heads they
+    share; `plans_between` plans every pair of two instances' ranks.
+
     Raises LayoutMismatchError (a ValueError) naming the field and both values when
-    num_kv_heads or head_dim differ, when a block table is too short for `end` or names a
-    block outside its pool, when start/end are out of order, or when no layer is common.
+    head_dim differs, when a block table is too short for `end` or names a block outside
+    its pool, when start/end are out of order, or when no layer or no KV head is common.
     """
-    for field in ("num_kv_heads", "head_dim"):
-        a, b = getattr(src, field), getattr(dst, field)
-        if a != b:
-            raise LayoutMismatchError(f"{field} differs: source has {a}, destination has {b}")
+    if src.head_dim != dst.head_dim:
+        raise LayoutMismatchError(
+            f"head_dim differs: source has {src.head_dim}, destination has {dst.head_dim}"
+        )
     check_range(start, end)
     check_table("source", src_blocks, src.block_size, end)
     check_table("destination", dst_blocks, dst.block_size, end)
     common = _common_layers(src, dst, layers)
     _check_block_ids("source", src, src_blocks, start, end)
     _check_block_ids("destination", dst, dst_blocks, start, end)
+    heads = _common_heads(src, dst)
     runs = plan_runs(src_blocks, src.block_size, dst_blocks, dst.block_size, start, end)
-    return TransferPlan(
-        src_layers=(common.start - src.first_layer, common.stop - src.first_layer),
-        dst_layers=(common.start - dst.first_layer, common.stop - dst.first_layer),
-        runs=tuple(tuple(r) for r in runs),  # type: ignore[misc]
-        token_bytes=src.token_bytes,
+    return _plan(
+        src, dst, common, heads, tuple((r.src_slot, r.dst_slot, r.num_tokens) for r in runs)
     )
+
+
+def _plan(
+    src: KVLayout,
+    dst: KVLayout,
+    layers: range,
+    heads: range,
+    runs: tuple[tuple[int, int, int], ...],
+) -> TransferPlan:
+    def local_heads(layout: KVLayout) -> tuple[int, int] | None:
+        if heads == layout.kv_heads:
+            return None
+        return heads.start - layout.first_kv_head, heads.stop - layout.first_kv_head
+
+    return TransferPlan(
+        src_layers=(layers.start - src.first_layer, layers.stop - src.first_layer),
+        dst_layers=(layers.start - dst.first_layer, layers.stop - dst.first_layer),
+        runs=runs,
+        token_bytes=len(heads) * src.head_bytes,
+        src_heads=local_heads(src),
+        dst_heads=local_heads(dst),
+    )
+
+
+def plans_between(
+    srcs: Sequence[KVLayout],
+    src_blocks: Sequence[int],
+    dsts: Sequence[KVLayout],
+    dst_blocks: Sequence[int],
+    start: int,
+    end: int,
+    layers: range | None = None,
+) -> list[tuple[int, int, TransferPlan]]:
+    """Plans moving tokens [start, end) from one instance's rank pools to another's.
+
+    `srcs` and `dsts` are the layouts of each instance's ranks (one pool a rank; every rank
+    of an instance indexes its pool by the instance's one block table). Returns `(source
+    rank, destination rank, plan)` for every pair that shares layers and KV heads: each
+    sending rank sends only its own shard and each receiving rank takes exactly the heads
+    and layers it holds, from whichever ranks hold them - nothing is gathered in one place.
+    Token runs are computed once (they depend on the block tables only).
+
+    Raises LayoutMismatchError when head_dim differs, a block table does not fit, or the
+    sources' pools (which never overlap) do not hold every layer (within `layers`) and KV
+    head of a destination rank, naming the layouts.
+    """
+    if not srcs or not dsts:
+        raise ValueError("plans_between needs at least one source and one destination pool")
+    a, b = srcs[0].head_dim, dsts[0].head_dim
+    if any(x.head_dim != a for x in srcs) or any(x.head_dim != b for x in dsts) or a != b:
+        raise LayoutMismatchError(
+            f"head_dim differs: source has {sorted({x.head_dim for x in srcs})}, "
+            f"destination has {sorted({x.head_dim for x in dsts})}"
+        )
+    check_range(start, end)
+    for side, pools, blocks in (("source", srcs, src_blocks), ("destination", dsts, dst_blocks)):
+        check_table(side, blocks, pools[0].block_size, end)
+        for pool in pools:
+            _check_block_ids(side, pool, blocks, start, end)
+    runs = plan_runs(src_blocks, srcs[0].block_size, dst_blocks, dsts[0].block_size, start, end)
+    coalesced = tuple((r.src_slot, r.dst_slot, r.num_tokens) for r in runs)
+    out: list[tuple[int, int, TransferPlan]] = []
+    for d, dst in enumerate(dsts):
+        want = _clip(dst.layers, layers)
+        covered = 0
+        for s, src in enumerate(srcs):
+            common = _clip(_intersect(src.layers, dst.layers), layers)
+            heads = _intersect(src.kv_heads, dst.kv_heads)
+            if common and heads:
+                out.append((s, d, _plan(src, dst, common, heads, coalesced)))
+                covered += len(common) * len(heads)
+        if covered != len(want) * dst.num_kv_heads:
+            held = "; ".join(f"rank {i}: {p.describe()}" for i, p in enumerate(srcs))
+            raise LayoutMismatchError(
+                f"destination rank {d} ({dst.describe()}) is not covered by the source's "
+                f"ranks ({held})"
+            )
+    return out
+
+
+def _intersect(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+def _clip(have: range, layers: range | None) -> range:
+    return have if layers is None else _intersect(have, layers)
+
+
+def _common_heads(src: KVLayout, dst: KVLayout) -> range:
+    heads = _intersect(src.kv_heads, dst.kv_heads)
+    if not heads:
+        raise LayoutMismatchError(
+            f"no common KV heads: source holds [{src.kv_heads.start}, {src.kv_heads.stop}), "
+            f"destination holds [{dst.kv_heads.start}, {dst.kv_heads.stop})"
+        )
+    return heads
 
 
 def stream_in(
@@ -250,18 +359,17 @@ def merge_plans(plans: Sequence[TransferPlan]) -> TransferPlan:
     that continues the previous one on both sides is joined to it). Used to flush several
     requests' KV, gathered into one buffer, with one transport call.
 
-    Raises ValueError for no plans, or plans whose layers or token_bytes differ (they would
-    not be one set of pieces between the same two pools)."""
+    Raises ValueError for no plans, or plans whose layers, heads or token_bytes differ (they
+    would not be one set of pieces between the same two pools)."""
     if not plans:
         raise ValueError("merge_plans needs at least one plan")
     first = plans[0]
     runs: list[tuple[int, int, int]] = []
     for plan in plans:
-        same = (plan.src_layers, plan.dst_layers, plan.token_bytes)
-        if same != (first.src_layers, first.dst_layers, first.token_bytes):
+        if _pieces(plan) != _pieces(first):
             raise ValueError(
-                f"cannot merge plans of different layers or token rows: {same} vs "
-                f"{(first.src_layers, first.dst_layers, first.token_bytes)}"
+                "cannot merge plans of different layers, heads or token rows: "
+                f"{_pieces(plan)} vs {_pieces(first)}"
             )
         for s, d, n in plan.runs:
             if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
@@ -270,3 +378,8 @@ def merge_plans(plans: Sequence[TransferPlan]) -> TransferPlan:
             else:
                 runs.append((s, d, n))
     return msgspec.structs.replace(first, runs=tuple(runs))
+
+
+def _pieces(plan: TransferPlan) -> tuple[object, ...]:
+    """What the plan's pieces are a part of: its layers, heads and token row."""
+    return (plan.src_layers, plan.dst_layers, plan.src_heads, plan.dst_heads, plan.token_bytes)

@@ -442,7 +442,8 @@ class _Server:
             check_side(req.plan, "source" if op == OP_READ else "destination", served.layout)
         except LayoutMismatchError as e:
             raise _Refusal(Status.LAYOUT, str(e)) from None
-        if req.plan.token_bytes != served.layout.token_bytes or (
+        h0, h1 = req.plan.heads("source" if op == OP_READ else "destination", served.layout)
+        if req.plan.token_bytes != (h1 - h0) * served.layout.head_bytes or (
             op == OP_WRITE and payload != req.plan.nbytes
         ):
             raise _Refusal(Status.LAYOUT, f"the plan's sizes do not fit region {req.region!r}")
@@ -478,8 +479,15 @@ class Chunks:
         tb = layout.token_bytes
         rows = np.arange(2 * lo, 2 * hi, dtype=np.int64) * layout.num_slots  # (layer, K/V)
         slots = runs[:, 0 if side == "source" else 1]
-        offsets = ((rows[:, None] + slots[None, :]) * tb).ravel()
-        lengths = np.broadcast_to(runs[:, 2] * tb, (len(rows), len(runs))).ravel()
+        h0, h1 = plan.heads(side, layout)
+        if (h0, h1) == (0, layout.num_kv_heads):  # whole rows: a run is one piece
+            offsets = ((rows[:, None] + slots[None, :]) * tb).ravel()
+            lengths = np.broadcast_to(runs[:, 2] * tb, (len(rows), len(runs))).ravel()
+        else:  # some heads of each row: a piece a token
+            tokens = np.repeat(slots - np.cumsum(runs[:, 2]) + runs[:, 2], runs[:, 2])
+            tokens += np.arange(len(tokens), dtype=np.int64)
+            offsets = ((rows[:, None] + tokens[None, :]) * tb + h0 * layout.head_bytes).ravel()
+            lengths = np.full(len(offsets), (h1 - h0) * layout.head_bytes, dtype=np.int64)
         new = np.ones(len(offsets), dtype=bool)
         new[1:] = offsets[1:] != offsets[:-1] + lengths[:-1]
         starts = np.flatnonzero(new)

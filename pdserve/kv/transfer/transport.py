@@ -82,12 +82,11 @@ class Transport(ABC):
 
 
 def check_plan(plan: TransferPlan, src: KVLayout, dst: KVLayout, *, can_cast: bool = True) -> None:
-    """LayoutMismatchError unless the plan's layers and slots lie within both pools and the
-    rows match (and, without `can_cast`, the dtypes)."""
-    if src.row_elems != dst.row_elems:
+    """LayoutMismatchError unless the plan's layers, heads and slots lie within both pools and
+    the moved parts of a row match (and, without `can_cast`, the dtypes)."""
+    if src.head_dim != dst.head_dim:
         raise LayoutMismatchError(
-            f"token row differs: source has {src.num_kv_heads}x{src.head_dim}, "
-            f"destination has {dst.num_kv_heads}x{dst.head_dim}"
+            f"head_dim differs: source has {src.head_dim}, destination has {dst.head_dim}"
         )
     if not can_cast and src.dtype != dst.dtype:
         raise LayoutMismatchError(
@@ -96,16 +95,27 @@ def check_plan(plan: TransferPlan, src: KVLayout, dst: KVLayout, *, can_cast: bo
         )
     check_side(plan, "source", src)
     check_side(plan, "destination", dst)
+    (s0, s1), (d0, d1) = plan.heads("source", src), plan.heads("destination", dst)
+    if s1 - s0 != d1 - d0:
+        raise LayoutMismatchError(
+            f"the plan moves {s1 - s0} KV heads from the source and {d1 - d0} into the destination"
+        )
 
 
 def check_side(plan: TransferPlan, side: str, layout: KVLayout) -> None:
-    """LayoutMismatchError unless the plan's `side` ("source" | "destination") layers and
-    slots lie within a pool of `layout`."""
+    """LayoutMismatchError unless the plan's `side` ("source" | "destination") layers, heads
+    and slots lie within a pool of `layout`."""
     lo, hi = plan.src_layers if side == "source" else plan.dst_layers
     col = 0 if side == "source" else 1
     if not (0 <= lo <= hi <= layout.num_layers and hi - lo == plan.num_layers):
         raise LayoutMismatchError(
             f"plan layers [{lo}, {hi}) do not fit the {side} pool of {layout.num_layers} layers"
+        )
+    h0, h1 = plan.heads(side, layout)
+    if not 0 <= h0 < h1 <= layout.num_kv_heads:
+        raise LayoutMismatchError(
+            f"plan KV heads [{h0}, {h1}) do not fit the {side} pool of "
+            f"{layout.num_kv_heads} KV heads"
         )
     slot_lo = min((r[col] for r in plan.runs), default=0)
     slot_hi = max((r[col] + r[2] for r in plan.runs), default=0)
