@@ -395,6 +395,22 @@ def _add_cluster(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="prefill instances: tokens per prefill-only chunk (default: --max-num-batched-tokens)",
     )
+    for role in ("prefill", "decode"):
+        g.add_argument(
+            f"--{role}-tp",
+            type=int,
+            default=None,
+            metavar="T",
+            help=f"{role} instances: --tensor-parallel-size (default: that flag's); the KV "
+            "moves between any two layouts (docs/parallelism.md)",
+        )
+        g.add_argument(
+            f"--{role}-pp",
+            type=int,
+            default=None,
+            metavar="P",
+            help=f"{role} instances: --pipeline-parallel-size (default: that flag's)",
+        )
     g.add_argument(
         "--transfer-mode",
         choices=["pull", "layer-push", "request-push"],

@@ -134,6 +134,11 @@ class CacheConfig:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
 
 
+# The KV transports whose regions are /dev/shm segments another process can map: the only
+# ones a parallel instance can move KV through (its workers compute in their segments).
+SHARED_TRANSPORTS = ("shm", "auto")
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     """KV hand-off between prefill and decode instances (kv/transfer)."""
@@ -279,13 +284,6 @@ class EngineConfig:
                     "microbatch_swap_blocks must be an even number >= 2 (two halves, one "
                     f"micro-batch each), got {self.microbatch_swap_blocks}"
                 )
-        if self.world_size > 1 and self.role is not Role.COLOCATED:
-            raise ValueError(
-                f"a {self.role.value} instance with tensor_parallel_size "
-                f"{self.tensor_parallel_size} and pipeline_parallel_size "
-                f"{self.pipeline_parallel_size}: the KV hand-off between layouts is not built "
-                "yet; parallel instances serve colocated"
-            )
         if self.cpus is not None:
             if not self.cpus:
                 raise ValueError("cpus must name at least one CPU (or be None)")

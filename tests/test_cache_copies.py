@@ -120,7 +120,7 @@ def offered(
     )
     full = len(token_ids) // BS * BS
     region = RegionHandle("shm", "seg", "decode-0", layout)
-    source = KVSource(region, list(range(full // BS)), full, 1e9)
+    source = KVSource((region,), list(range(full // BS)), full, 1e9)
     return KVOffered(offer_id(kind, key), kind, to, token_ids[:full], source)
 
 

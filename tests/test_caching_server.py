@@ -23,9 +23,10 @@ order on the module's servers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -62,8 +63,10 @@ FIVE_TURNS = [
     "Who discovered that moon?",
     "Summarize our conversation.",
 ]
+# (Turns whose greedy answers re-encode to the tokens generated: the next prompt's chat
+# template then starts with the previous prompt and answer, token for token.)
 AGENT_TURNS = [
-    "List three uses of a paperclip.",
+    "List three uses of a rubber band.",
     "Which of them is the most unusual?",
     "Explain how to do it step by step.",
     "Give it a short name.",
@@ -91,8 +94,9 @@ def started(*args: str) -> Iterator[Server]:
     assert not pdkv_segments() - before, "shared-memory segments left behind"
 
 
-# fp32 weights: the answers are compared with the in-process engine of conftest.py
-PD = ("--prefill", "2", "--decode", "2", "--routing", "prefix", "--quantization", "none")
+# The shipped model's defaults (Q4_1 blocks): the answers are compared with an in-process
+# engine over `served_engine`'s weights without a prefix cache (`no_cache_engine`).
+PD = ("--prefill", "2", "--decode", "2", "--routing", "prefix")
 
 
 @pytest.fixture(scope="module")
@@ -193,10 +197,22 @@ def offline(engine: Engine, prompt_ids: list[int]) -> RequestOutput:
     return final
 
 
-def reference_answers(make_engine: Callable[..., Engine], turns: list[Turn]) -> list[RequestOutput]:
-    """Each turn's answer by an engine without any prefix cache, on the server's prompt
-    ids; the server's texts and lengths must be these."""
-    reference = make_engine(enable_prefix_cache=False)
+@pytest.fixture(scope="module")
+def no_cache_engine(served_engine: Engine) -> Engine:
+    """`pdserve serve`'s engine (conftest.py's `served_engine`: its weights) without a
+    prefix cache: every prompt computed whole."""
+    config = served_engine.config
+    cache = dataclasses.replace(config.cache, enable_prefix_cache=False, num_blocks=512)
+    return Engine(
+        dataclasses.replace(config, cache=cache),
+        served_engine.core.model,
+        served_engine.tokenizer,
+    )
+
+
+def reference_answers(reference: Engine, turns: list[Turn]) -> list[RequestOutput]:
+    """Each turn's answer by an engine without any prefix cache (`no_cache_engine`), on
+    the server's prompt ids; the server's texts and lengths must be these."""
     answers = [offline(reference, turn.prompt_ids) for turn in turns]
     assert [t.answer for t in turns] == [a.text for a in answers]
     assert [t.completion_tokens for t in turns] == [len(a.token_ids) for a in answers]
@@ -232,12 +248,12 @@ def assert_history_cached(turns: list[Turn], answers: list[RequestOutput]) -> No
 def test_each_turn_hits_the_whole_history_and_answers_as_without_cache(
     pd_server: Server,
     tokenizer: Tokenizer,
-    make_engine: Callable[..., Engine],
+    no_cache_engine: Engine,
     questions: list[str],
 ) -> None:
     before = caching(pd_server)
     turns = converse(pd_server, tokenizer, questions, pause=True)
-    answers = reference_answers(make_engine, turns)
+    answers = reference_answers(no_cache_engine, turns)
     assert_history_cached(turns, answers)
     c = caching(pd_server)
     assert c["returns_failed"] == before["returns_failed"]
@@ -247,14 +263,14 @@ def test_each_turn_hits_the_whole_history_and_answers_as_without_cache(
 
 
 def test_the_next_turn_sent_at_once_finds_the_previous_answer(
-    pd_server: Server, tokenizer: Tokenizer, make_engine: Callable[..., Engine]
+    pd_server: Server, tokenizer: Tokenizer, no_cache_engine: Engine
 ) -> None:
     """An agent's loop: each turn the moment the previous answer arrives, perhaps while
     that answer's KV is still on its way back to the prefill instance: the turn waits
     for it (or finds it there already) instead of computing it again."""
     before = caching(pd_server)
     turns = converse(pd_server, tokenizer, AGENT_TURNS, pause=False)
-    answers = reference_answers(make_engine, turns)
+    answers = reference_answers(no_cache_engine, turns)
     assert_history_cached(turns, answers)
     wait_for(lambda: returns_done(pd_server) - returns_done_of(before) == len(turns), 30)
     c = caching(pd_server)
@@ -265,12 +281,12 @@ def test_the_next_turn_sent_at_once_finds_the_previous_answer(
 
 
 def test_the_next_turn_waits_for_the_previous_answer_on_its_way(
-    slow_server: Server, tokenizer: Tokenizer, make_engine: Callable[..., Engine]
+    slow_server: Server, tokenizer: Tokenizer, no_cache_engine: Engine
 ) -> None:
     """The same loop while every return takes 0.5 s: each next turn arrives while the
     previous answer's KV is still being copied back, waits for it, and finds all of it."""
     turns = converse(slow_server, tokenizer, AGENT_TURNS, pause=False)
-    answers = reference_answers(make_engine, turns)
+    answers = reference_answers(no_cache_engine, turns)
     assert_history_cached(turns, answers)
     wait_for(lambda: returns_done(slow_server) == len(turns), 30)
     c = caching(slow_server)
@@ -283,14 +299,14 @@ def test_the_next_turn_waits_for_the_previous_answer_on_its_way(
 
 
 def test_failing_copies_cost_only_the_cache_never_the_answer(
-    faulty_server: Server, tokenizer: Tokenizer, make_engine: Callable[..., Engine]
+    faulty_server: Server, tokenizer: Tokenizer, no_cache_engine: Engine
 ) -> None:
     """The same loop while every return fails after 0.5 s: each next turn waits for the
     previous answer's KV, the copy fails, and the prefill instance computes those tokens;
     it served only the previous prompt from its cache (it prefilled that), and the answers
     are those of an engine without cache or faults. Nothing stays held or pinned."""
     turns = converse(faulty_server, tokenizer, AGENT_TURNS, pause=False)
-    reference_answers(make_engine, turns)
+    reference_answers(no_cache_engine, turns)
     for k in range(1, len(turns)):
         previous, prompt = turns[k - 1].prompt_ids, turns[k].prompt_ids
         assert common_prefix(prompt, previous) == len(previous)

@@ -152,7 +152,12 @@ from pdserve.protocol.handoff import KVHandedOff, KVSource
 from pdserve.protocol.wire import EngineMessage
 
 layout = KVLayout(2, 8, 4, 1, 8, "float32")
-source = KVSource(RegionHandle("shm", "seg", "prefill-0", layout), [3, 1], 6, 12.5)
+rank = KVLayout(2, 8, 4, 1, 8, "float32", first_kv_head=1)
+regions = (
+    RegionHandle("shm", "seg", "prefill-0", layout),
+    RegionHandle("shm", "seg1", "prefill-0-rank1", rank),
+)
+source = KVSource(regions, [3, 1], 6, 12.5)
 sent = KVHandedOff("r1", source, None, 1.0, 2.0)
 got = msgspec.msgpack.Decoder(EngineMessage).decode(msgspec.msgpack.encode(sent))
 assert got == sent, got

@@ -722,9 +722,10 @@ def test_a_third_signal_forces_the_exit(tmp_path: Path) -> None:
     /debug/engine request waits on it: the first SIGINT starts the drain, the second
     cancels the stream, and the server then waits for the debug request's connection
     (uvicorn's 5 s grace); the third ends that wait at once - no "timeout graceful
-    shutdown exceeded" - and the server exits 0 once its stopped engine is killed
-    (instance shutdown: 10 s). (Forced, uvicorn skips the application's shutdown and
-    logs its cancelled lifespan task's traceback, as launch.py says: not asserted.)"""
+    shutdown exceeded" - and the server exits 0 once its stopped engine is killed (at
+    once: a stopped process cannot exit by itself). (Forced, uvicorn skips the
+    application's shutdown and logs its cancelled lifespan task's traceback, as launch.py
+    says: not asserted.)"""
     folder = make_tiny_model(tmp_path, "LlamaForCausalLM", max_position_embeddings=8192)
     server = Server(str(folder), "--shutdown-timeout", "600", "--enable-debug-endpoints")
     children = psutil.Process(server.proc.pid).children(recursive=True)

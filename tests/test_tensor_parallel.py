@@ -27,13 +27,14 @@ from test_quant_model import run_cli
 from test_server import sse
 
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
-from pdserve.engine.engine import Engine, check_ranks_fit, stage_swap
+from pdserve.engine.engine import Engine
+from pdserve.engine.mb_swap import stage_swap
 from pdserve.engine.pipeline import Part, microbatches
 from pdserve.model.attention import SeqSpec
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import Quantization, load_config, resolve_model, resolve_quantization
 from pdserve.parallel import group
-from pdserve.parallel.layout import Shard, split_model
+from pdserve.parallel.layout import Shard, check_ranks_fit, split_model
 from pdserve.parallel.shard import load_shard
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.quant.formats import QuantType, QuantWeight
@@ -316,12 +317,26 @@ def test_layouts_the_commands_refuse() -> None:
         "pdserve: error: --tensor-parallel-size 4 is more than the model's 3 KV heads: each "
         "rank holds whole GQA groups (a KV head and its query heads)"
     )
-    proc = run_cli("serve", "--tensor-parallel-size", "2", "--prefill", "1", "--decode", "1")
+    # two instances on this machine's 2 threads: one each, and a TP 2 prefill needs two
+    proc = run_cli("serve", "--prefill-tp", "2", "--prefill", "1", "--decode", "1")
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith(
-        "pdserve: error: --tensor-parallel-size 2 --pipeline-parallel-size 1 serves one "
-        "engine for now (no --prefill/--decode/--colocated/--placement/--ray): the KV "
-        "hand-off between layouts is not built yet (docs/parallelism.md)"
+        "pdserve: error: prefill-0: --tensor-parallel-size 2 x --pipeline-parallel-size 1 = 2 "
+        "ranks, but the instance has 1 threads (each rank takes at least one; --num-threads "
+        "sets them)"
+    )
+    cluster = ["serve", "--decode-pp", "2", "--prefill", "1", "--decode", "1"]
+    proc = run_cli(*cluster, "--kv-transport", "tcp")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(
+        "pdserve: error: --kv-transport tcp: a parallel instance's ranks keep their KV in "
+        "shared memory; use shm or auto"
+    )
+    proc = run_cli(*cluster, "--kv-replication")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(
+        "pdserve: error: --kv-replication with parallel instances in a cluster is not built "
+        "yet: serve one engine, or leave the flag out (docs/parallelism.md)"
     )
     with pytest.raises(ValueError) as e:  # (exit 2 from the commands, as above)
         check_ranks_fit(

@@ -60,6 +60,10 @@ class ClusterConfig:
     # Prefill instances: tokens per prefill-only chunk (TetriInfer ChunkSize); None: the
     # engine's max_num_batched_tokens.
     prefill_chunk_size: int | None = None
+    # (tensor, pipeline) parallel sizes of prefill and of decode instances (--prefill-tp,
+    # --prefill-pp, --decode-tp, --decode-pp); None: the engine config's.
+    prefill_parallel: tuple[int, int] | None = None
+    decode_parallel: tuple[int, int] | None = None
     # Cluster-wide caching (docs/caching.md). `routing`: see Routing. `pd_caching`
     # (MemServe §5.1, with a prefix cache): 1 caches at prefill instances only, 2 also at
     # decode instances (the prompt KV received and the answers' KV), 3 also returns each
@@ -251,8 +255,17 @@ def instance_config(
     scheduler, cache = role_scheduler(cluster, engine, role), engine.cache
     if role is Role.DECODE and cluster.pd_caching == 1:  # PD-Caching-1: caching at P only
         cache = dataclasses.replace(cache, enable_prefix_cache=False)
+    parallel = {Role.PREFILL: cluster.prefill_parallel, Role.DECODE: cluster.decode_parallel}
+    tp, pp = parallel.get(role) or (engine.tensor_parallel_size, engine.pipeline_parallel_size)
     return dataclasses.replace(
-        engine, role=role, instance_name=name, num_threads=threads, scheduler=scheduler, cache=cache
+        engine,
+        role=role,
+        instance_name=name,
+        num_threads=threads,
+        scheduler=scheduler,
+        cache=cache,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
     )
 
 

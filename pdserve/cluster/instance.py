@@ -404,8 +404,10 @@ class Instance:
             await asyncio.to_thread(self.process.join, timeout)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Shutdown, then kill if it does not exit within `timeout`; close the sockets."""
-        if self.process.is_alive():
+        """Shutdown, then kill if it does not exit within `timeout` - at once if its
+        process is stopped (SIGSTOP, a debugger): it cannot read the message, let alone
+        exit; close the sockets."""
+        if self.process.is_alive() and not self.process.stopped():
             with contextlib.suppress(zmq.ZMQError):
                 await self._to.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
             await asyncio.to_thread(self.process.join, timeout)

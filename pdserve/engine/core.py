@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 
 from pdserve.config import EngineConfig, Role
@@ -27,8 +28,10 @@ from pdserve.engine.admission import AdmissionGate
 from pdserve.engine.bursts import DecodeBursts, merged
 from pdserve.engine.features import assemble
 from pdserve.engine.intake import new_request, prefilled_request, stop_status, token_output
+from pdserve.engine.mb_swap import stage_swap
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.participant import Handler, Participant
+from pdserve.engine.ranks import RankGroup
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.roles import (
     ColocatedRole,
@@ -68,6 +71,7 @@ class EngineCore:
         kv_config: KVCacheConfig,
         max_model_len: int,
         eos_token_ids: Sequence[int],
+        ranks: RankGroup | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -76,9 +80,13 @@ class EngineCore:
         self.kv = KVManager(kv_config)
         # Messages for the controller besides step outputs (hand-offs, reservations).
         self.outbox: list[EngineMessage] = []
-        self.link, cache = _open_pool(config, model, kv_config)
+        self.link, cache = _open_pool(config, model, kv_config, ranks)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.device)
         self.runner = ModelRunner(model, cache, self.kv)
+        self.ranks = ranks  # a parallel instance's other ranks (`model`: the driver's shard)
+        if ranks is not None:  # they run every step this core runs
+            swap = stage_swap(config, cache.device_tensor, max_model_len)
+            ranks.attach(self.runner, None if self.link is None else self.link.handles[1:], swap)
         self.bursts = DecodeBursts(config.scheduler, max_model_len, self.eos_token_ids)
         self.admission = AdmissionGate(config.scheduler.decode_admission, self.kv, max_model_len)
         self.requests: dict[str, Request] = {}
@@ -144,15 +152,17 @@ class EngineCore:
 
     def transfer_link(self) -> TransferLink:
         """This core's link; opened on first use: the transport of `config.transfer`, a
-        region of the pool's layout, the transfer thread. The pool is copied into the
-        region and the runner's cache uses the region's tensor from then on; the copy
-        keeps the prefix cache valid (cached blocks keep their KV, the block accounting
-        does not change)."""
+        region of the pool's layout (one a rank, for a parallel instance), the transfer
+        thread. The pool is copied into the region and the runner's cache uses the region's
+        tensor from then on (the workers' likewise, before this returns); the copy keeps
+        the prefix cache valid (cached blocks keep their KV and their accounting)."""
         if self.link is None:
-            cache = self.runner.cache
-            link = open_link(self.config, cache.layout)
+            cache, ranks = self.runner.cache, self.ranks
+            link = open_link(self.config, _rank_layouts(cache.layout, ranks))
             link.region.tensor.copy_(cache.device_tensor)
             cache.device_tensor = link.region.tensor
+            if ranks is not None:
+                ranks.link(link.handles[1:])
             self.link = link
         return self.link
 
@@ -162,8 +172,9 @@ class EngineCore:
 
     @property
     def kv_layout(self) -> KVLayout:
-        """Geometry of this instance's device KV tensor (as the transfer library sees it)."""
-        return self.runner.cache.layout
+        """Geometry of this instance's device KV (as the transfer library sees it): the
+        driver's pool with every rank's layers and KV heads, for a parallel instance."""
+        return _whole(_rank_layouts(self.runner.cache.layout, self.ranks))
 
     def post(self, msg: EngineMessage) -> None:
         self.outbox.append(msg)
@@ -469,11 +480,11 @@ def _holdings(core: EngineCore) -> str | None:
 
 
 def _open_pool(
-    config: EngineConfig, model: CausalLM, kv_config: KVCacheConfig
+    config: EngineConfig, model: CausalLM, kv_config: KVCacheConfig, ranks: RankGroup | None
 ) -> tuple[TransferLink | None, KVCache]:
     """The KV pool of a core: a prefill or decode pool is its transfer region's tensor
-    from the start (peers read and write it in place); a colocated core opens a link only
-    if it ever needs one (`EngineCore.transfer_link`)."""
+    from the start (peers read and write it in place), and so is each of its ranks'; a
+    colocated core opens a link only if it ever needs one (`EngineCore.transfer_link`)."""
     mc = model.config
     layout = KVLayout(
         num_layers=mc.num_hidden_layers,
@@ -483,9 +494,24 @@ def _open_pool(
         head_dim=mc.head_dim,
         dtype=config.kv_dtype(model.quantization.quantized),
     )
-    link = open_link(config, layout) if config.role is not Role.COLOCATED else None
+    link = None
+    if config.role is not Role.COLOCATED:
+        link = open_link(config, _rank_layouts(layout, ranks))
     tensor = link.region.tensor if link is not None else None
     return link, KVCache(layout, kv_config.num_host_blocks, config.device, device_tensor=tensor)
+
+
+def _rank_layouts(driver: KVLayout, ranks: RankGroup | None) -> list[KVLayout]:
+    return [driver] if ranks is None else ranks.kv_layouts(driver)
+
+
+def _whole(ranks: list[KVLayout]) -> KVLayout:
+    """The geometry of the KV an instance's rank pools hold together."""
+    return msgspec.structs.replace(
+        ranks[0],
+        num_layers=max(r.layers.stop for r in ranks),
+        num_kv_heads=max(r.kv_heads.stop for r in ranks),
+    )
 
 
 def _handler_table(

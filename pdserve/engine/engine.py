@@ -13,8 +13,6 @@ import torch
 
 from pdserve.config import EngineConfig, check_device
 from pdserve.engine.core import EngineCore
-from pdserve.engine.mb_swap import MicrobatchSwap
-from pdserve.engine.pipeline import Stage
 from pdserve.engine.ranks import RankGroup, rank_threads
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.layout import DTYPE_SIZES
@@ -29,7 +27,7 @@ from pdserve.model.loader import (
 from pdserve.model.registry import build_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.parallel import group
-from pdserve.parallel.layout import Shard, split_model
+from pdserve.parallel.layout import Shard, check_ranks_fit, split_model
 from pdserve.parallel.shard import load_shard
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.text.output_processor import OutputProcessor
@@ -39,10 +37,16 @@ Prompt = str | Sequence[int]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: CausalLM, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        ranks: RankGroup | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.core = build_core(config, model, tokenizer.stop_token_ids)
+        self.core = build_core(config, model, tokenizer.stop_token_ids, ranks)
         self.processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
 
@@ -50,9 +54,7 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> Engine:
         ranks = start_ranks(config)
         model = load_model(config, None if ranks is None else ranks.shard)
-        engine = cls(config, model, Tokenizer.from_model_path(resolve_model(config.model)))
-        attach_ranks(engine.core, ranks)
-        return engine
+        return cls(config, model, Tokenizer.from_model_path(resolve_model(config.model)), ranks)
 
     @property
     def max_model_len(self) -> int:
@@ -101,60 +103,10 @@ def start_ranks(config: EngineConfig) -> RankGroup | None:
     )
     check_ranks_fit(config)
     port = group.free_port()
-    ranks = RankGroup.start(config, port, shards[0])
+    ranks = RankGroup.start(config, port, shards)
     group.join(0, config.world_size, port, config.device, tp=config.tensor_parallel_size)
     group.watch(ranks.check)
     return ranks
-
-
-def check_ranks_fit(config: EngineConfig) -> None:
-    """Each rank needs a device of its own (CUDA) or a thread of its own (CPU: the
-    instance's threads, `--num-threads`, default the cores it may use, are shared among
-    its ranks; more ranks than cores must be asked for with --num-threads)."""
-    world = config.world_size
-    label = (
-        f"--tensor-parallel-size {config.tensor_parallel_size} x --pipeline-parallel-size "
-        f"{config.pipeline_parallel_size} = {world} ranks"
-    )
-    if config.device.startswith("cuda"):
-        have = torch.cuda.device_count()
-        if world > have:
-            raise ValueError(f"{label}, but this node has {have} CUDA devices")
-    elif world > config.threads:
-        raise ValueError(
-            f"{label}, but the instance has {config.threads} threads (each rank takes at "
-            "least one; --num-threads sets them)"
-        )
-
-
-def attach_ranks(core: EngineCore, ranks: RankGroup | None) -> None:
-    """The core's steps go to `ranks` too, over a pool of the core's geometry; a
-    pipeline's driver runs its steps as stage 0 (engine/pipeline.py)."""
-    if ranks is not None:
-        host = core.cache.host_layout
-        ranks.open(core.cache.layout, 0 if host is None else host.num_blocks)
-        core.runner.peers = ranks
-        if core.config.pipeline_parallel_size > 1:
-            swap = stage_swap(core.config, core.cache.device_tensor, core.max_model_len)
-            core.runner.stage = Stage(ranks.shard, core.model, swap)
-
-
-def stage_swap(
-    config: EngineConfig, pool: torch.Tensor, max_model_len: int
-) -> MicrobatchSwap | None:
-    """A pipeline stage's microbatch swapping over its pool, where configured: a staging
-    half must hold one sequence of `max_model_len` tokens (ValueError naming both)."""
-    if not config.microbatch_swap_blocks:
-        return None
-    half, block = config.microbatch_swap_blocks // 2, pool.shape[3]
-    longest = -(-max_model_len // block)
-    if half < longest:
-        raise ValueError(
-            f"--microbatch-swap-blocks {config.microbatch_swap_blocks}: a half of {half} "
-            f"blocks cannot hold one {max_model_len}-token sequence ({longest} blocks of "
-            f"{block}); give at least {2 * longest} or lower --max-model-len"
-        )
-    return MicrobatchSwap(pool, config.microbatch_swap_blocks, torch.device(config.device))
 
 
 def load_model(config: EngineConfig, shard: Shard | None = None) -> CausalLM:
@@ -181,12 +133,18 @@ def load_model(config: EngineConfig, shard: Shard | None = None) -> CausalLM:
     return model
 
 
-def build_core(config: EngineConfig, model: CausalLM, stop_token_ids: Sequence[int]) -> EngineCore:
-    """The token-level engine over a loaded model; KV pool sized from the config."""
+def build_core(
+    config: EngineConfig,
+    model: CausalLM,
+    stop_token_ids: Sequence[int],
+    ranks: RankGroup | None = None,
+) -> EngineCore:
+    """The token-level engine over a loaded model (the driver's shard, with its `ranks`,
+    for a parallel instance); KV pool sized from the config."""
     kv_config = kv_config_for(config, model.config, model.quantization.quantized)
     max_len = max_model_len_for(config, model.config, kv_config)
     eos = set(stop_token_ids) | set(model.config.eos_token_ids)
-    return EngineCore(config, model, kv_config, max_len, sorted(eos))
+    return EngineCore(config, model, kv_config, max_len, sorted(eos), ranks)
 
 
 def kv_config_for(config: EngineConfig, model: ModelConfig, quantized: bool) -> KVCacheConfig:

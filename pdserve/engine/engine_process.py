@@ -27,7 +27,7 @@ import zmq
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
-from pdserve.engine.engine import attach_ranks, build_core, load_model, start_ranks
+from pdserve.engine.engine import build_core, load_model, start_ranks
 from pdserve.engine.step_trace import StepTrace
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.base import CausalLM
@@ -293,8 +293,7 @@ def run_engine_process(
             pin_process(config.cpus)
         ranks = start_ranks(config)
         model = load_model(config, None if ranks is None else ranks.shard)
-        core = build_core(config, model, _stop_token_ids(config))
-        attach_ranks(core, ranks)
+        core = build_core(config, model, _stop_token_ids(config), ranks)
     except Exception as e:  # report, then exit: the frontend shows the message
         out.send(encoder.encode(EngineFailed(f"engine failed to start: {e}")))
         sys.exit(1)

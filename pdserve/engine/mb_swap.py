@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.config import EngineConfig
 from pdserve.model.attention import SeqSpec
 
 
@@ -144,3 +145,21 @@ class MicrobatchSwap:
                 yield
             self._stream.synchronize()
         self.copy_s += time.perf_counter() - start
+
+
+def stage_swap(
+    config: EngineConfig, pool: torch.Tensor, max_model_len: int
+) -> MicrobatchSwap | None:
+    """A pipeline stage's microbatch swapping over its pool, where configured: a staging
+    half must hold one sequence of `max_model_len` tokens (ValueError naming both)."""
+    if not config.microbatch_swap_blocks:
+        return None
+    half, block = config.microbatch_swap_blocks // 2, pool.shape[3]
+    longest = -(-max_model_len // block)
+    if half < longest:
+        raise ValueError(
+            f"--microbatch-swap-blocks {config.microbatch_swap_blocks}: a half of {half} "
+            f"blocks cannot hold one {max_model_len}-token sequence ({longest} blocks of "
+            f"{block}); give at least {2 * longest} or lower --max-model-len"
+        )
+    return MicrobatchSwap(pool, config.microbatch_swap_blocks, torch.device(config.device))

@@ -6,8 +6,11 @@ Every rank gets the whole step's `StepInputs` (engine/ranks.py) and cuts it the 
 into micro-batches (`microbatches`: contiguous runs of rows, as even as they go, a
 sequence cut between two of them where a run ends inside it). A stage runs its layers
 on micro-batch k, hands the hidden rows on to the next stage and takes micro-batch k + 1
-while the next stage runs k: the stages overlap. The last stage hands back only the rows
-that sample, and the driver turns them into logits.
+while the next stage runs k: the stages overlap. The last stage hands back the rows that
+sample, and the driver turns them into logits; a micro-batch with none (a prompt's chunk
+that samples nothing) is handed back as one row, so every micro-batch comes back: a step
+ends on the driver once every stage has run it, with its KV in every rank's pool (what a
+KV hand-off to another instance reads right after the step).
 
 Why the ends live on the driver: the hand back carries [rows, hidden] instead of [rows,
 vocab] (576 floats a row instead of 49,152 on SmolLM2), and a model with tied
@@ -181,15 +184,17 @@ class Stage:
                 swap.write_back(staged)
             if self.next is not None:
                 pending.append(group.send(h, self.next))
-            elif part.logit_rows and s.tp_rank == 0:
-                out = h[torch.tensor(part.logit_rows)].contiguous()
-                pending.append(group.send(out, 0))
+            elif s.tp_rank == 0:  # its sampling rows, or one row saying the part is done
+                out = h[torch.tensor(part.logit_rows)] if part.logit_rows else h[:1]
+                pending.append(group.send(out.contiguous(), 0))
             sampled.append(len(part.logit_rows))
         final = None
-        if s.rank == 0 and logit_rows:
-            rows = [group.recv(torch.empty(n, hidden), self.last_lead) for n in sampled if n]
-            h = torch.cat(rows) if len(rows) > 1 else rows[0]
-            final = self.model.finish(h, torch.arange(h.shape[0]), per_row)
+        if s.rank == 0:  # every part comes back: the step has run on every stage
+            back = [group.recv(torch.empty(max(n, 1), hidden), self.last_lead) for n in sampled]
+            rows = [h for h, n in zip(back, sampled, strict=True) if n]
+            if rows:
+                h = torch.cat(rows) if len(rows) > 1 else rows[0]
+                final = self.model.finish(h, torch.arange(h.shape[0]), per_row)
         for sending in pending:
             sending.wait()
         if swap is not None:

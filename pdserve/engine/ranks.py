@@ -30,12 +30,18 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from pdserve.config import EngineConfig
-from pdserve.engine.model_runner import StepInputs
-from pdserve.kv.layout import KVLayout
+from pdserve.engine.mb_swap import MicrobatchSwap
+from pdserve.engine.model_runner import ModelRunner, StepInputs
+from pdserve.engine.pipeline import Stage
+from pdserve.kv.layout import KVLayout, RegionHandle
+from pdserve.kv.transfer.shm import map_region
 from pdserve.parallel import group
 from pdserve.parallel.layout import Shard, rank_kv_layout
 
@@ -49,13 +55,17 @@ class RankGroup:
     """The driver's side: the workers' processes and pipes."""
 
     def __init__(
-        self, procs: list[subprocess.Popen[bytes]], pipes: list[mpc.Connection], shard: Shard
+        self,
+        procs: list[subprocess.Popen[bytes]],
+        pipes: list[mpc.Connection],
+        shards: Sequence[Shard],
     ) -> None:
         self._procs, self._pipes = procs, pipes
-        self.shard = shard  # the driver's own: rank 0's
+        self.shards = tuple(shards)  # every rank's, in rank order
+        self.shard = shards[0]  # the driver's own
 
     @classmethod
-    def start(cls, config: EngineConfig, port: int, shard: Shard) -> RankGroup:
+    def start(cls, config: EngineConfig, port: int, shards: Sequence[Shard]) -> RankGroup:
         """Start ranks 1 .. T-1 of `config` (their rendezvous on `port`): fresh Python
         processes (not multiprocessing's spawn, which re-runs the caller's main module: a
         script that builds an `LLM` without a `__main__` guard would start itself), each
@@ -72,12 +82,46 @@ class RankGroup:
             pipe.send(config)
             procs.append(proc)
             pipes.append(pipe)
-        return cls(procs, pipes, shard)
+        return cls(procs, pipes, shards)
 
-    def open(self, layout: KVLayout, num_host_blocks: int) -> None:
-        """The KV pool the workers mirror: the driver's device tier (each its own KV
-        heads) and a host tier of as many blocks (swap plans copy the same ids)."""
-        self._broadcast(("open", (layout, num_host_blocks)))
+    def kv_layouts(self, driver: KVLayout) -> list[KVLayout]:
+        """Every rank's KV pool layout, in rank order, given the driver's: the same blocks
+        and geometry, each rank's own layers and KV heads."""
+        return [rank_kv_layout(shard, driver) for shard in self.shards]
+
+    def attach(
+        self,
+        runner: ModelRunner,
+        regions: Sequence[RegionHandle] | None,
+        swap: MicrobatchSwap | None,
+    ) -> None:
+        """The driver's `runner` sends its steps to the workers, over pools of its own
+        geometry (`regions`: the workers' pools in shared memory, ranks 1.., where the
+        instance moves KV to and from peers; None: each worker allocates its own); a
+        pipeline's driver runs its steps as stage 0 (with `swap`, microbatch swapping)."""
+        host = runner.cache.host_layout
+        num_host = 0 if host is None else host.num_blocks
+        for r, pipe in enumerate(self._pipes, start=1):
+            region = None if regions is None else regions[r - 1]
+            _send(pipe, ("open", (runner.cache.layout, num_host, region)))
+        runner.peers = self
+        if self.shard.pp > 1:
+            runner.stage = Stage(self.shard, runner.model, swap)
+
+    def link(self, regions: Sequence[RegionHandle]) -> None:
+        """Move the workers' pools into `regions` (ranks 1..: shared memory the driver
+        created), their contents copied, and wait until every worker computes in its
+        region: from then on peers reach every rank's KV (`EngineCore.transfer_link`)."""
+        for pipe, region in zip(self._pipes, regions, strict=True):
+            _send(pipe, ("link", region))
+        for rank, pipe in enumerate(self._pipes, start=1):
+            if not pipe.poll(group.WAIT_LIMIT_S):
+                self.check()
+                raise group.RankFailed(
+                    f"rank {rank} of this instance did not move its KV pool into shared "
+                    f"memory within {group.WAIT_LIMIT_S:.0f} s"
+                )
+            pipe.recv_bytes()
 
     def send(self, inputs: StepInputs) -> None:
         """RankFailed, naming it, if a worker has exited (its pipe broke, or before)."""
@@ -124,6 +168,10 @@ class RankGroup:
             pipe.send_bytes(data)
 
 
+def _send(pipe: mpc.Connection, msg: tuple[str, Any]) -> None:
+    pipe.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def worker_entry() -> None:
     """A worker process's start (`RankGroup.start`'s command line: the socket's fd, the
     rank, the rendezvous port, the driver's pid)."""
@@ -136,11 +184,6 @@ def worker_main(
     conn: mpc.Connection, config: EngineConfig, rank: int, port: int, driver: int
 ) -> None:
     """Rank `rank`: join the group, load the shard, then run what the driver sends."""
-    import torch
-
-    from pdserve.engine.mb_swap import MicrobatchSwap
-    from pdserve.engine.model_runner import ModelRunner
-    from pdserve.engine.pipeline import Stage
     from pdserve.kv.cache import KVCache
     from pdserve.model.loader import load_config, resolve_model, resolve_quantization
     from pdserve.parallel.layout import split_model
@@ -174,9 +217,10 @@ def worker_main(
             if kind == "close":
                 return
             if kind == "open":
-                driver_layout, host_blocks = body
+                driver_layout, host_blocks, region = body
                 layout = rank_kv_layout(shard, driver_layout)
-                cache = KVCache(layout, host_blocks, config.device)
+                pool = None if region is None else _mapped(region, layout)
+                cache = KVCache(layout, host_blocks, config.device, device_tensor=pool)
                 runner = ModelRunner(model, cache, kv=None)
                 if pp > 1:  # the driver checked the staging against the longest sequence
                     swap = None
@@ -186,6 +230,12 @@ def worker_main(
                             cache.device_tensor, config.microbatch_swap_blocks, device
                         )
                     runner.stage = Stage(shard, model, swap)
+            elif kind == "link":
+                assert runner is not None
+                pool = _mapped(body, runner.cache.layout)
+                pool.copy_(runner.cache.device_tensor)
+                runner.cache.device_tensor = pool
+                conn.send_bytes(b"linked")
             else:
                 assert runner is not None
                 # The driver samples; a pipeline's last stage hands its sampling rows back.
@@ -194,6 +244,13 @@ def worker_main(
         return
     finally:
         group.leave()
+
+
+def _mapped(region: RegionHandle, layout: KVLayout) -> torch.Tensor:
+    """A worker's pool in the shared-memory region its driver created for it."""
+    if region.layout != layout:
+        raise ValueError(f"{region.describe()} has layout {region.layout}, this rank's is {layout}")
+    return map_region(region)
 
 
 def rank_threads(config: EngineConfig) -> int:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pdserve.config import EngineConfig
 from pdserve.kv.layout import KVLayout
 from pdserve.model.config import ModelConfig
 
@@ -145,3 +146,26 @@ def rank_kv_layout(shard: Shard, whole: KVLayout) -> KVLayout:
         num_kv_heads=shard.num_kv_heads,
         first_kv_head=shard.kv_heads[0],
     )
+
+
+def check_ranks_fit(config: EngineConfig) -> None:
+    """Each rank needs a device of its own (CUDA) or a thread of its own (CPU: the
+    instance's threads, `--num-threads`, default the cores it may use, are shared among
+    its ranks; more ranks than cores must be asked for with --num-threads)."""
+    world = config.world_size
+    label = "" if config.instance_name == "engine" else f"{config.instance_name}: "
+    label += (
+        f"--tensor-parallel-size {config.tensor_parallel_size} x --pipeline-parallel-size "
+        f"{config.pipeline_parallel_size} = {world} ranks"
+    )
+    if config.device.startswith("cuda"):
+        import torch  # the server's flag checks run before torch loads; a CUDA node's need it
+
+        have = torch.cuda.device_count()
+        if world > have:
+            raise ValueError(f"{label}, but this node has {have} CUDA devices")
+    elif world > config.threads:
+        raise ValueError(
+            f"{label}, but the instance has {config.threads} threads (each rank takes at "
+            "least one; --num-threads sets them)"
+        )

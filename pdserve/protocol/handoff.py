@@ -35,16 +35,16 @@ class TransferMode(StrEnum):
 class PushTarget(msgspec.Struct, frozen=True):
     """Blocks a decode instance reserved for a request's prompt KV (push modes)."""
 
-    region: RegionHandle  # the decode instance's pool
-    blocks: list[int]  # its block table for the prompt
+    regions: tuple[RegionHandle, ...]  # the decode instance's pools, one a rank
+    blocks: list[int]  # its block table for the prompt (every rank's)
     start: int  # tokens below this are already in its prefix cache: not sent
 
 
 class KVSource(msgspec.Struct, frozen=True):
     """Where a finished prefill's KV waits to be fetched (pull mode)."""
 
-    region: RegionHandle  # the prefill instance's pool
-    blocks: list[int]  # its block table for the prompt
+    regions: tuple[RegionHandle, ...]  # the prefill instance's pools, one a rank
+    blocks: list[int]  # its block table for the prompt (every rank's)
     num_tokens: int  # tokens with KV: the prompt (and a continuation's earlier tokens)
     lease_deadline: float  # monotonic time after which the prefill side may free it
 

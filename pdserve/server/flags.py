@@ -13,9 +13,10 @@ import argparse
 import os
 import socket
 
-from pdserve.cluster.config import ClusterConfig, DecodePolicy, Routing
+from pdserve.cluster.config import ClusterConfig, DecodePolicy, Routing, instance_configs
 from pdserve.cluster.placement import counts, in_launch_order, read_placement
 from pdserve.config import (
+    SHARED_TRANSPORTS,
     CacheConfig,
     DecodeAdmission,
     EngineConfig,
@@ -34,16 +35,51 @@ def check_serve_flags(args: argparse.Namespace) -> tuple[EngineConfig, ClusterCo
     _check_server_flags(args)
     check_device(args.device)
     engine, cluster = engine_flags(args), cluster_config(args)
-    if engine.world_size > 1:
-        n = cluster.num_prefill + cluster.num_decode + cluster.num_colocated
-        if n > 1 or cluster.placement or args.ray:
-            raise ValueError(
-                f"--tensor-parallel-size {engine.tensor_parallel_size} --pipeline-parallel-"
-                f"size {engine.pipeline_parallel_size} serves one engine for now (no "
-                "--prefill/--decode/--colocated/--placement/--ray): the KV hand-off between "
-                "layouts is not built yet (docs/parallelism.md)"
-            )
+    _check_parallel(engine, cluster, args)
     return engine, cluster
+
+
+def _check_parallel(engine: EngineConfig, cluster: ClusterConfig, args: argparse.Namespace) -> None:
+    """Parallel instances in a cluster: what is not built for them yet is refused (whether
+    each instance's layout splits the model and fits its threads needs the model file:
+    `launch.engine_config`)."""
+    if cluster.num_instances == 1 or not any(
+        c.world_size > 1 for c in instance_configs(cluster, engine)
+    ):
+        return
+    what = (
+        (args.ray or cluster.placement, "--ray and --placement"),
+        (cluster.replicate, "--kv-replication"),
+        (engine.microbatch_swap_blocks, "--microbatch-swap-blocks"),
+    )
+    for given, flags in what:
+        if given:
+            raise ValueError(
+                f"{flags} with parallel instances in a cluster is not built yet: serve one "
+                "engine, or leave the flag out (docs/parallelism.md)"
+            )
+    if engine.transfer.transport not in SHARED_TRANSPORTS:
+        raise ValueError(
+            f"--kv-transport {engine.transfer.transport}: a parallel instance's ranks keep "
+            f"their KV in shared memory; use {' or '.join(SHARED_TRANSPORTS)}"
+        )
+
+
+def _role_parallel(args: argparse.Namespace, role: str) -> tuple[int, int] | None:
+    """(tensor, pipeline) sizes of `role`'s instances: --{role}-tp/--{role}-pp, each
+    defaulting to --tensor-parallel-size/--pipeline-parallel-size; None if neither given."""
+    tp, pp = getattr(args, f"{role}_tp"), getattr(args, f"{role}_pp")
+    if tp is None and pp is None:
+        return None
+    for flag, value in ((f"--{role}-tp", tp), (f"--{role}-pp", pp)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if not (args.prefill or args.decode):
+        raise ValueError(f"--{role}-tp/--{role}-pp need --prefill and --decode instances")
+    return (
+        args.tensor_parallel_size if tp is None else tp,
+        args.pipeline_parallel_size if pp is None else pp,
+    )
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -168,6 +204,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         max_migrations=args.max_migrations,
         replicate=args.kv_replication,
         prefill_chunk_size=args.chunk_size,
+        prefill_parallel=_role_parallel(args, "prefill"),
+        decode_parallel=_role_parallel(args, "decode"),
         routing=Routing(args.routing),
         pd_caching=args.pd_caching,
         prefix_ttl_s=args.prefix_ttl,

@@ -27,7 +27,8 @@ from pdserve.cluster.instance import Launcher
 from pdserve.cluster.replanning import SplitPlanner
 from pdserve.config import EngineConfig
 from pdserve.errors import RequestCancelledError
-from pdserve.model.loader import resolve_model, resolve_quantization
+from pdserve.model.loader import load_config, resolve_model, resolve_quantization
+from pdserve.parallel.layout import check_ranks_fit, split_model
 from pdserve.predictor.shipped import resolve_predictor
 from pdserve.protocol.core import WeightsInfo
 from pdserve.runtime import freeze_startup_heap
@@ -45,13 +46,21 @@ def served_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else Path(path).name
 
 
-def engine_config(args: argparse.Namespace, flags: EngineConfig) -> EngineConfig:
+def engine_config(
+    args: argparse.Namespace, flags: EngineConfig, cluster: ClusterConfig
+) -> EngineConfig:
     """The instances' config: `flags` (server/flags.py) checked against the model file. A
-    --quantization that does not fit the model, or a KV cache dtype its attention cannot
-    read, is a usage error here, before any instance starts."""
+    --quantization that does not fit the model, a KV cache dtype its attention cannot
+    read, or an instance's tensor/pipeline-parallel layout that cannot split it or has
+    fewer threads than ranks, is a usage error here, before any instance starts."""
     quant = resolve_quantization(
         flags.quantization, flags.model, flags.device, flags.activations, flags.dtype
     )
+    model = load_config(resolve_model(flags.model))
+    for instance in instance_configs(cluster, flags):
+        if instance.world_size > 1:
+            split_model(model, instance.tensor_parallel_size, instance.pipeline_parallel_size)
+            check_ranks_fit(instance)
     config = dataclasses.replace(
         flags, length_predictor=resolve_predictor(args.predictor, args.model)
     )
@@ -141,7 +150,7 @@ async def serve(
     death (1). `flags` and `cluster` are `check_serve_flags(args)`'s: the flags were
     checked before this module was imported. `planner`: the distserve flip policy's
     (the entry point builds it from the planner, a layer above this one)."""
-    config = engine_config(args, flags)
+    config = engine_config(args, flags, cluster)
     name = args.served_model_name or served_name(args.model)
     _log_to_stderr()
     client = await start_backend(args, config, cluster, planner)

@@ -110,9 +110,7 @@ class Router:
         def spy(req):  # type: ignore[no-untyped-def]
             blocks = prefill.kv.block_table(req.request_id)
             n = len(req.prompt_token_ids)
-            self.snapshots[req.request_id] = gather(
-                prefill.runner.cache.device_tensor, prefill.kv_layout, blocks, 0, n
-            ).clone()
+            self.snapshots[req.request_id] = instance_kv(prefill, blocks, n)
             original(req)
 
         role.hand_off = spy  # type: ignore[method-assign]
@@ -184,11 +182,28 @@ class Router:
 
     def same_kv(self, rid: str) -> bool:
         want = self.snapshots[rid]
-        blocks = self.decode.kv.block_table(rid)
-        got = gather(
-            self.decode.runner.cache.device_tensor, self.decode.kv_layout, blocks, 0, want.shape[2]
-        )
+        got = instance_kv(self.decode, self.decode.kv.block_table(rid), want.shape[2])
         return bool(torch.equal(want, got))
+
+
+def instance_kv(core: EngineCore, blocks: list[int], n: int) -> torch.Tensor:
+    """Tokens [0, n) of the request whose block table is `blocks`, as one `[layers, 2, n,
+    KV heads, head_dim]` tensor of the whole model: each rank's pool (a parallel instance's,
+    mapped by its driver) gathered into its layers and heads, every element from exactly
+    one rank."""
+    if core.link is None:
+        return gather(core.runner.cache.device_tensor, core.runner.cache.layout, blocks, 0, n)
+    whole = core.kv_layout
+    shape = (whole.num_layers, 2, n, whole.num_kv_heads, whole.head_dim)
+    out = torch.zeros(shape, dtype=core.runner.cache.device_tensor.dtype)
+    held = torch.zeros(shape, dtype=torch.int32)
+    for pool, layout in zip(core.link.tensors, core.link.layouts, strict=True):
+        layers, heads = layout.layers, layout.kv_heads
+        part = gather(pool, layout, blocks, 0, n)
+        out[layers.start : layers.stop, :, :, heads.start : heads.stop] = part
+        held[layers.start : layers.stop, :, :, heads.start : heads.stop] += 1
+    assert bool((held == 1).all()), "the ranks' pools do not cover the model exactly once"
+    return out
 
 
 def assert_clean(*cores: EngineCore) -> None:

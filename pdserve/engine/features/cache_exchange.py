@@ -43,7 +43,9 @@ from pdserve.kv.transfer import (
     TransferState,
     TransferTask,
     Transport,
-    stream_in,
+    fetch_moves,
+    moves_nbytes,
+    plans_between,
 )
 from pdserve.protocol.cache import (
     FetchPrefix,
@@ -122,7 +124,7 @@ class CacheExchange(Participant):
         deadline = time.monotonic() + self.config.lease_s
         blocks = self.kv.block_table(offer_id)[: pinned // bs]
         self.offers[offer_id] = deadline
-        source = KVSource(link.region.handle, blocks, pinned, deadline)
+        source = KVSource(link.handles, blocks, pinned, deadline)
         self._post(KVOffered(offer_id, kind, to, token_ids[:pinned], source))
         return True
 
@@ -196,21 +198,21 @@ class CacheExchange(Participant):
         self, msg: FetchPrefix, hold: str, start: int, end: int
     ) -> tuple[TransferTask, int]:
         link = self._link()
-        plan = stream_in(
-            msg.source.region.layout,
+        moves = plans_between(
+            [h.layout for h in msg.source.regions],
             msg.source.blocks,
-            link.region.handle.layout,
+            link.layouts,
             self.kv.block_table(hold),
             start,
             end,
         )
-        region, local, transport = msg.source.region, link.region.tensor, self._transport(link)
+        remote, local, transport = msg.source.regions, link.tensors, self._transport(link)
         task = link.worker.submit(
-            lambda: transport.fetch(region, plan, local),
-            nbytes=plan.nbytes,
+            lambda: fetch_moves(transport, moves, remote, local),
+            nbytes=moves_nbytes(moves),
             deadline_s=self.config.timeout_s,
         )
-        return task, plan.nbytes
+        return task, moves_nbytes(moves)
 
     def _transport(self, link: TransferLink) -> Transport:
         """The link's transport, behind the faults injected into cache copies only."""

@@ -32,7 +32,9 @@ from pdserve.engine.roles.transfer import TransferRole
 from pdserve.kv.transfer import (
     TransferState,
     TransferTask,
-    stream_in,
+    fetch_moves,
+    moves_nbytes,
+    plans_between,
 )
 from pdserve.protocol.handoff import (
     AddPrefilled,
@@ -175,7 +177,7 @@ class DecodeRole(TransferRole):
             res.granted = True
             res.start = self.kv.num_computed_tokens(res.request_id)
             blocks = self.kv.block_table(res.request_id)
-            self.send(KVReserved(res.request_id, PushTarget(self.region.handle, blocks, res.start)))
+            self.send(KVReserved(res.request_id, PushTarget(self.link.handles, blocks, res.start)))
         while self.queue and free_seq_slots - len(self.fetching) > 0:
             incoming = self.queue[0]
             on_the_way = [*ready, *(i.request for i in self.fetching.values())]
@@ -227,19 +229,19 @@ class DecodeRole(TransferRole):
             self._fail(rid, "the prefill instance's lease on the KV ran out before it was fetched")
             return
         start = self.kv.num_computed_tokens(rid)
-        plan = stream_in(
-            source.region.layout,
+        moves = plans_between(
+            [h.layout for h in source.regions],
             source.blocks,
-            self.layout,
+            self.link.layouts,
             self.kv.block_table(rid),
             start,
             source.num_tokens,
         )
-        local = self.region.tensor
-        incoming.nbytes = plan.nbytes
+        local = self.link.tensors
+        incoming.nbytes = moves_nbytes(moves)
         incoming.task = self.worker.submit(
-            lambda: self.transport.fetch(source.region, plan, local),
-            nbytes=plan.nbytes,
+            lambda: fetch_moves(self.transport, moves, source.regions, local),
+            nbytes=incoming.nbytes,
             deadline_s=self.config.timeout_s,
         )
         self.fetching[rid] = incoming

@@ -15,10 +15,17 @@ Life cycle of a request on a prefill instance (DistServe §4.3, TetriInfer §3.3
      once the decode side has fetched the KV, or gave up) or when the lease expires.
    - layer-push: during every step, the forward hook flushed each layer of the request's
      chunk into the decode instance's reserved blocks right after that layer ran, while
-     the next layers computed. Once the last flush is done the blocks are freed (retired
-     to the prefix cache) and `KVHandedOff` is sent.
+     the next layers computed (a parallel instance's driver so pushes its own layers and
+     heads; its workers' part of the chunk goes once the step is done). Once the last
+     flush is done the blocks are freed (retired to the prefix cache) and `KVHandedOff`
+     is sent.
    - request-push: after the first token one background task gathers the prompt KV into
-     one contiguous buffer and flushes it in one call; then as layer-push.
+     one contiguous buffer (one a rank) and flushes it in one call (one a pair of ranks
+     that share layers and heads); then as layer-push.
+
+Between instances of different layouts (tensor or pipeline parallel, block sizes) every
+move is planned rank to rank (`plans_between`): each of this instance's ranks sends its
+own shard to the decode ranks that hold those layers and heads.
 
 A failed flush sends `HandoffFailed`; the blocks are freed once no task reads them.
 
@@ -42,13 +49,15 @@ from pdserve.engine.request import Request, generator_state
 from pdserve.engine.roles.base import Admissible
 from pdserve.engine.roles.transfer import TransferRole
 from pdserve.engine.scheduler import ScheduledSeq
-from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer import (
+    Move,
     TransferPlan,
     TransferState,
     TransferTask,
+    flush_moves,
     gather,
-    stream_out,
+    moves_nbytes,
+    plans_between,
 )
 from pdserve.model.base import ForwardHooks
 from pdserve.protocol.handoff import (
@@ -90,7 +99,7 @@ class _Chunk:
     """One request's tokens computed this step, planned once for all layers."""
 
     entry: _Outgoing
-    plan: TransferPlan  # every layer; `on_layer_done` narrows it to one
+    moves: list[Move]  # every layer; `on_layer_done` narrows the driver's to one
     end: int
 
 
@@ -187,16 +196,19 @@ class PrefillRole(TransferRole):
         """Forward hook: layer `layer` of this step is in the pool; push it. Runs between
         two layers of the forward pass, so it only narrows a ready plan and queues it."""
         for chunk in self._step_chunks:
-            plan = _one_layer(chunk.plan, layer)
-            if plan is None:
-                continue  # the receiver does not hold this layer
-            task = self._submit_flush(chunk.entry.target, plan)
-            chunk.entry.tasks.append(task)
-            self._step_tasks.append(task)
+            for s, d, whole in chunk.moves:
+                plan = _one_layer(whole, layer) if s == 0 else None
+                if plan is not None:  # else not the driver's, or not held by rank d
+                    self._push(chunk.entry, [(s, d, plan)])
 
     def end_step(self) -> None:
-        """Wait for this step's layer pushes (see the module contract). The wait is the
-        transfer time the forward pass did not hide (`last_tail_s`)."""
+        """Push what the workers of a parallel instance computed this step, then wait for
+        this step's pushes (see the module contract). The wait is the transfer time the
+        forward pass did not hide (`last_tail_s`)."""
+        for chunk in self._step_chunks:
+            theirs = [move for move in chunk.moves if move[0] != 0]
+            if theirs:
+                self._push(chunk.entry, theirs)
         t0 = time.monotonic()
         self._wait(self._step_tasks)
         self.last_tail_s = time.monotonic() - t0 if self._step_tasks else 0.0
@@ -231,13 +243,17 @@ class PrefillRole(TransferRole):
             req.times.first_token,
         )
 
-    def _submit_flush(self, target: PushTarget, plan: TransferPlan) -> TransferTask:
-        local = self.region.tensor
-        return self.worker.submit(
-            lambda: self.transport.flush(target.region, plan, local),
-            nbytes=plan.nbytes,
+    def _push(self, entry: _Outgoing, moves: list[Move]) -> None:
+        """Queue `moves` from this instance's pools into the entry's target, as one of
+        this step's tasks."""
+        local, remote = self.link.tensors, entry.target.regions
+        task = self.worker.submit(
+            lambda: flush_moves(self.transport, moves, local, remote),
+            nbytes=moves_nbytes(moves),
             deadline_s=self.config.timeout_s,
         )
+        entry.tasks.append(task)
+        self._step_tasks.append(task)
 
     def _free_when_idle(self, entry: _Outgoing) -> None:
         if entry.tasks_done():  # otherwise `poll` frees it when its tasks end
@@ -294,7 +310,7 @@ class _Pull(_Mode):
         # (output_token_ids given: a moved request) the tokens streamed before it
         computed = len(req.prompt_token_ids) + len(req.output_token_ids) - 1
         source = KVSource(
-            role.region.handle,
+            role.link.handles,
             role.kv.block_table(req.request_id),
             computed,
             entry.lease_deadline,
@@ -333,15 +349,15 @@ class _LayerPush(_Push):
         end = min(req.num_computed_tokens + seq.num_new_tokens, len(req.prompt_token_ids))
         if end <= start:
             return None
-        plan = stream_out(
-            role.layout,
+        moves = plans_between(
+            role.link.layouts,
             role.kv.block_table(req.request_id),
-            target.region.layout,
+            [h.layout for h in target.regions],
             target.blocks,
             start,
             end,
         )
-        return _Chunk(entry, plan, end)
+        return _Chunk(entry, moves, end)
 
 
 class _RequestPush(_Push):
@@ -352,28 +368,27 @@ class _RequestPush(_Push):
         req, target = entry.request, entry.target
         blocks = role.kv.block_table(req.request_id)
         start, end = target.start, len(req.prompt_token_ids)
-        layout = role.layout
+        n = end - start
+        # Each rank's tokens [start, end) as one buffer: token i in row i - start (a pool
+        # of n blocks of one token, the rank's layers and heads).
+        layouts = [
+            msgspec.structs.replace(layout, num_blocks=n, block_size=1)
+            for layout in role.link.layouts
+        ]
+        buf_blocks = [0] * start + list(range(n))
+        pools = list(zip(role.link.tensors, role.link.layouts, layouts, strict=True))
 
         def run() -> None:
-            buf = gather(role.region.tensor, layout, blocks, start, end)
-            n = end - start
-            buf_layout = KVLayout(
-                num_layers=layout.num_layers,
-                num_blocks=n,
-                block_size=1,
-                num_kv_heads=layout.num_kv_heads,
-                head_dim=layout.head_dim,
-                dtype=layout.dtype,
-                first_layer=layout.first_layer,
+            moves = plans_between(
+                layouts, buf_blocks, [h.layout for h in target.regions], target.blocks, start, end
             )
-            # Token i of the request sits in buffer row i - start (block size 1).
-            buf_blocks = [0] * start + list(range(n))
-            plan = stream_out(
-                buf_layout, buf_blocks, target.region.layout, target.blocks, start, end
-            )
-            role.transport.flush(target.region, plan, buf.view(buf_layout.shape))
+            bufs = [
+                gather(pool, layout, blocks, start, end).view(buf.shape)
+                for pool, layout, buf in pools
+            ]
+            flush_moves(role.transport, moves, bufs, target.regions)
 
-        nbytes = 2 * layout.num_layers * (end - start) * layout.token_bytes
+        nbytes = sum(2 * b.num_layers * n * b.token_bytes for b in layouts)
         entry.tasks.append(role.worker.submit(run, nbytes=nbytes, deadline_s=role.config.timeout_s))
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.config import EngineConfig, TransferConfig
+import torch
+
+from pdserve.config import SHARED_TRANSPORTS, EngineConfig, TransferConfig
 from pdserve.engine.roles.base import EngineRole
-from pdserve.kv.layout import KVLayout
+from pdserve.kv.layout import KVLayout, RegionHandle
 from pdserve.kv.manager import KVManager
 from pdserve.kv.transfer import FaultConfig, Region, TransferWorker, Transport, make_transport
 from pdserve.protocol.wire import EngineMessage
@@ -15,12 +17,32 @@ from pdserve.protocol.wire import EngineMessage
 
 @dataclass(frozen=True, eq=False)
 class TransferLink:
-    """An instance's way to move KV: its pool as a region peers reach, the transport that
-    made the region, and the thread transfers run on. Owned by the core (`close`)."""
+    """An instance's way to move KV: its pools as regions peers reach (one a rank: the
+    driver's first, then its workers', which the driver maps too), the transport that made
+    them, and the thread transfers run on. Owned by the core (`close`)."""
 
-    region: Region  # this instance's pool; its tensor is the device KV tensor
+    regions: tuple[Region, ...]  # rank order; the driver's tensor is its device KV tensor
     transport: Transport
     worker: TransferWorker
+
+    @property
+    def region(self) -> Region:
+        """The driver's (rank 0's) pool."""
+        return self.regions[0]
+
+    @property
+    def handles(self) -> tuple[RegionHandle, ...]:
+        """How peers reach every rank's pool, in rank order."""
+        return tuple(r.handle for r in self.regions)
+
+    @property
+    def layouts(self) -> list[KVLayout]:
+        return [r.handle.layout for r in self.regions]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every rank's pool, mapped in this (the driver's) process."""
+        return [r.tensor for r in self.regions]
 
     def close(self) -> None:
         """Stop the transfer thread and release the region (shared memory)."""
@@ -28,8 +50,10 @@ class TransferLink:
         self.transport.close()
 
 
-def open_link(config: EngineConfig, layout: KVLayout) -> TransferLink:
-    """The transport of `config.transfer`, a zeroed region of `layout`, a transfer thread."""
+def open_link(config: EngineConfig, layouts: Sequence[KVLayout]) -> TransferLink:
+    """The transport of `config.transfer`, a zeroed region of each of `layouts` (one a
+    rank, in rank order), a transfer thread. A parallel instance's regions must be in
+    shared memory (its workers map theirs): another transport is a ValueError."""
     t = config.transfer
     transport = make_transport(
         t.transport,
@@ -39,9 +63,19 @@ def open_link(config: EngineConfig, layout: KVLayout) -> TransferLink:
         faults=fault_config(t, "all"),
         node=t.node,
     )
+    if len(layouts) > 1 and t.transport not in SHARED_TRANSPORTS:
+        transport.close()
+        raise ValueError(
+            f"a parallel instance moves KV through shared memory (--kv-transport "
+            f"{' or '.join(SHARED_TRANSPORTS)}), got {t.transport!r}"
+        )
     worker = TransferWorker(num_threads=1, name=f"{config.instance_name}-kv")
-    region = transport.create_region(config.instance_name, layout)
-    return TransferLink(region, transport, worker)
+    name = config.instance_name
+    regions = tuple(
+        transport.create_region(name if r == 0 else f"{name}-rank{r}", layout)
+        for r, layout in enumerate(layouts)
+    )
+    return TransferLink(regions, transport, worker)
 
 
 def fault_config(t: TransferConfig, scope: str) -> FaultConfig | None:
@@ -70,8 +104,8 @@ class TransferRole(EngineRole):
     ) -> None:
         super().__init__(send)
         self.kv = kv
-        self.region = link.region  # this instance's pool, reachable by peers
-        self.layout: KVLayout = link.region.handle.layout
+        self.link = link  # this instance's pools (one a rank), reachable by peers
+        self.layout: KVLayout = link.region.handle.layout  # the driver's
         self.transport = link.transport
         self.worker = link.worker
         self.config = config

@@ -38,9 +38,13 @@ from pdserve.kv.transfer.plan import (
 from pdserve.kv.transfer.shm import SharedMemoryTransport
 from pdserve.kv.transfer.tcp import TcpTransport
 from pdserve.kv.transfer.transport import (
+    Move,
     Region,
     Transport,
     check_plan,
+    fetch_moves,
+    flush_moves,
+    moves_nbytes,
 )
 from pdserve.kv.transfer.worker import TransferState, TransferTask, TransferWorker
 
@@ -51,6 +55,7 @@ __all__ = [
     "InProcessTransport",
     "KVLayout",
     "LayoutMismatchError",
+    "Move",
     "PeerUnavailableError",
     "Region",
     "RegionHandle",
@@ -68,11 +73,14 @@ __all__ = [
     "check_plan",
     "copy_runs",
     "dtype_name",
+    "fetch_moves",
+    "flush_moves",
     "gather",
     "gather_many",
     "layout_of",
     "make_transport",
     "merge_plans",
+    "moves_nbytes",
     "plan_runs",
     "plans_between",
     "scatter",

@@ -78,6 +78,16 @@ def remove_stale_segments() -> list[str]:
     return removed
 
 
+def map_region(handle: RegionHandle) -> torch.Tensor:
+    """The pool of a region another process created in /dev/shm ("shm" and "auto" handles:
+    the address is the segment), mapped here without taking ownership: a parallel
+    instance's worker rank computes in the segment its driver created (and unlinks).
+    PeerUnavailableError if it is gone; LayoutMismatchError if its size is not the layout's."""
+    if handle.transport not in ("shm", "auto"):
+        raise ValueError(f"{handle.describe()} is not in shared memory")
+    return SharedMemoryTransport.attach_segment(handle)
+
+
 def _map(fd: int, layout: KVLayout) -> torch.Tensor:
     mapping = mmap.mmap(fd, layout.nbytes, flags=_MAP_FLAGS)
     # The tensor keeps `mapping` alive; it is unmapped when the last tensor over it goes.
@@ -176,10 +186,14 @@ class SharedMemoryTransport(Transport):
                 self._attached.pop(segment, None)
             raise PeerUnavailableError(f"{remote.describe()} is gone (its segment was unlinked)")
         if pool is None:
-            pool = self._attach(remote)
+            pool = self.attach_segment(remote)
+            with self._lock:
+                pool = self._attached.setdefault(remote.address, pool)
         return pool
 
-    def _attach(self, remote: RegionHandle) -> torch.Tensor:
+    @staticmethod
+    def attach_segment(remote: RegionHandle) -> torch.Tensor:
+        """Map `remote`'s segment (not cached, not owned)."""
         path = segment_path(remote.address)
         try:
             fd = os.open(path, os.O_RDWR)
@@ -191,8 +205,6 @@ class SharedMemoryTransport(Transport):
                 raise LayoutMismatchError(
                     f"{remote.describe()} has {size} bytes, its layout says {remote.layout.nbytes}"
                 )
-            pool = _map(fd, remote.layout)
+            return _map(fd, remote.layout)
         finally:
             os.close(fd)
-        with self._lock:
-            return self._attached.setdefault(remote.address, pool)

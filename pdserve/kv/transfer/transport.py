@@ -16,6 +16,7 @@ sure no one writes blocks a transfer reads, or reads blocks it writes, until it 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
@@ -79,6 +80,39 @@ class Transport(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+# A move between two instances' ranks: (source rank, destination rank, plan) - what
+# `plans_between` returns. Regions and tensors are indexed by rank.
+Move = tuple[int, int, TransferPlan]
+
+
+def flush_moves(
+    transport: Transport,
+    moves: Sequence[Move],
+    local: Sequence[torch.Tensor],
+    remote: Sequence[RegionHandle],
+) -> None:
+    """Push: each move's plan from this instance's rank pool `local[s]` into the peer's
+    rank region `remote[d]`, one after the other."""
+    for s, d, plan in moves:
+        transport.flush(remote[d], plan, local[s])
+
+
+def fetch_moves(
+    transport: Transport,
+    moves: Sequence[Move],
+    remote: Sequence[RegionHandle],
+    local: Sequence[torch.Tensor],
+) -> None:
+    """Pull: each move's plan from the peer's rank region `remote[s]` into this instance's
+    rank pool `local[d]`, one after the other."""
+    for s, d, plan in moves:
+        transport.fetch(remote[s], plan, local[d])
+
+
+def moves_nbytes(moves: Sequence[Move]) -> int:
+    return sum(plan.nbytes for _, _, plan in moves)
 
 
 def check_plan(plan: TransferPlan, src: KVLayout, dst: KVLayout, *, can_cast: bool = True) -> None:

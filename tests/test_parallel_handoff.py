@@ -1,0 +1,175 @@
+"""The KV hand-off between parallel instances of different layouts (issue 54, item 2;
+docs/parallelism.md), on the shipped SmolLM2 (Q4_1; 30 layers, 3 KV heads: at TP 2 one
+rank holds KV heads 0-1, the other 2; at PP 2 each stage 15 layers).
+
+Engine level: a prefill core and a decode core in this process (tests/helpers/pairs.py's
+router plays the controller), one of them parallel - its worker ranks real processes
+computing in the shared-memory pools their driver made - with block sizes that differ,
+in each transfer mode. Every request's text equals a colocated one-process core's, and
+the KV the decode instance holds for each prompt equals, bit for bit, the KV the prefill
+instance held when it handed the request off: each rank's pool gathered into the layers
+and heads it holds, every element from exactly one rank (`instance_kv`).
+
+Served: `--prefill-tp 2 --decode-pp 2` and `--prefill-pp 2 --decode-tp 2` clusters answer
+as the undisturbed colocated engine does; and a decode instance of TP 2 whose worker rank
+is SIGKILLed mid-stream fails as one instance - its requests move to the other decode
+instance and end with the undisturbed text, no rank process or segment is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+import torch
+from helpers.pairs import Router, assert_clean, colocated_outputs, make_core
+from helpers.reference import run
+from helpers.server import Server, cluster, row_of, wait_clean, wait_dead, wait_for
+from helpers.streams import Streams
+from test_fault_tolerance import assert_identical, bodies
+
+from pdserve.config import CacheConfig, EngineConfig, Role, SchedulerConfig, TransferConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.engine import Engine, build_core, load_model, start_ranks
+from pdserve.model.loader import resolve_model
+from pdserve.protocol.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "Count on: " + ", ".join(str(i) for i in range(30)),
+    "1, 2, 3, 4,",
+]
+
+
+def parallel_core(role: Role, tp: int, pp: int, mode: str, block_size: int) -> EngineCore:
+    """A `role` core of tp x pp ranks (this process the driver) over the shipped model,
+    moving KV through shared memory."""
+    config = EngineConfig(
+        role=role,
+        instance_name=f"{role.value}-tp{tp}-pp{pp}",
+        num_threads=tp * pp,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64),
+        cache=CacheConfig(block_size=block_size, num_blocks=256, num_host_blocks=64),
+        transfer=TransferConfig(mode=mode, transport="shm"),  # type: ignore[arg-type]
+    )
+    ranks = start_ranks(config)
+    assert ranks is not None
+    return build_core(config, load_model(config, ranks.shard), [], ranks)
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    """A parallel core's driver sets this process's torch threads (one a rank): put them
+    back for the tests that run after."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# (prefill tp, pp, block), (decode tp, pp, block), transfer mode: a parallel prefill
+# instance pushing layer by layer (its driver's layers as they run, its worker's after the
+# step), parallel decode instances pulling and pushed to, block sizes both ways.
+HANDOFFS = [
+    ((2, 1, 16), (1, 1, 32), "layer-push"),
+    ((1, 2, 32), (1, 1, 16), "layer-push"),
+    ((1, 1, 32), (1, 2, 16), "pull"),
+    ((1, 1, 16), (2, 1, 32), "request-push"),
+]
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "mode"),
+    HANDOFFS,
+    ids=[f"P{p}-D{d}-{m}".replace(" ", "") for p, d, m in HANDOFFS],
+)
+def test_a_parallel_instance_hands_kv_to_another_layout(
+    served_engine: Engine,
+    threads: None,
+    prefill: tuple[int, int, int],
+    decode: tuple[int, int, int],
+    mode: str,
+) -> None:
+    model, path = served_engine.core.model, resolve_model(None)
+    batch = [served_engine.tokenizer.encode(t) for t in TEXTS]
+    reference = colocated_outputs(make_core(path, model, Role.COLOCATED), batch, GREEDY)
+    sides: list[EngineCore] = []
+    try:
+        for role, (tp, pp, block) in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
+            if tp * pp > 1:
+                sides.append(parallel_core(role, tp, pp, mode, block))
+            else:
+                sides.append(make_core(path, model, role, mode, "shm", block))
+        router = Router(sides[0], sides[1], mode, batch, GREEDY)
+        router.run()
+        assert router.failures == {}
+        assert router.tokens == reference
+        assert router.kv_equal == {f"r{i}": True for i in range(len(batch))}
+        assert_clean(*sides)
+    finally:
+        for core in sides:
+            core.close()
+
+
+def load() -> list[dict]:
+    """The fault-tolerance workload's first 12 requests, greedy, 48 tokens: a tensor-
+    parallel rank's logits are one process's within 1e-4 (the sums' order), which a greedy
+    token does not notice but a seeded draw near a boundary may."""
+    return [{**b, "temperature": 0, "max_tokens": 48} for b in bodies()[:12]]
+
+
+@pytest.fixture(scope="module")
+def reference(served_engine: Engine) -> list:
+    return run(served_engine, load())
+
+
+def test_served_prefill_tp2_to_decode_pp2_answers_as_one_engine(
+    start: Callable[..., Server], reference: list
+) -> None:
+    server = start(
+        "--prefill", "1", "--decode", "1", "--prefill-tp", "2", "--decode-pp", "2",
+        "--num-threads", "4",
+    )  # fmt: skip
+    assert_identical(Streams(server.url, load()).results(), reference)
+    counters = cluster(server)["controller"]
+    assert (counters["migrations"], counters["retries"], counters["failed"]) == (0, 0, 0)
+    wait_clean(server)
+
+
+def test_a_killed_rank_of_a_tp2_decode_instance_moves_its_requests(
+    start: Callable[..., Server], reference: list
+) -> None:
+    """`--prefill-pp 2 --decode-tp 2`, two decode instances: the answers are one engine's;
+    then decode-0's worker rank is SIGKILLed once every stream has 8 tokens. decode-0
+    fails as one instance (its driver names the rank and exits), its requests move to
+    decode-1 and end with the undisturbed text; no rank process of decode-0 is left."""
+    server = start(
+        "--prefill", "1", "--decode", "2", "--prefill-pp", "2", "--decode-tp", "2",
+        "--num-threads", "6", "--instance-timeout", "30",
+    )  # fmt: skip
+    assert_identical(Streams(server.url, load()).results(), reference)
+    driver = psutil.Process(row_of(server, "decode-0")["pid"])
+    (worker,) = [p for p in driver.children() if "worker_entry" in " ".join(p.cmdline())]
+    streams = Streams(server.url, load())
+    streams.wait_tokens(8)
+    held = row_of(server, "decode-0")["assigned_requests"]
+    os.kill(worker.pid, signal.SIGKILL)
+    reason = wait_dead(server, "decode-0")
+    assert reason == (
+        f"engine step failed: RankFailed: rank 1 (pid {worker.pid}) of this instance exited "
+        "with signal SIGKILL"
+    )
+    assert_identical(streams.results(), reference)
+    counters = cluster(server)["controller"]
+    assert counters["instance_failures"] == {"decode": 1}, counters
+    assert counters["failed"] == 0 and counters["migrations"] >= held > 0, (counters, held)
+    wait_for(lambda: not driver.is_running() or driver.status() == psutil.STATUS_ZOMBIE)
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+    wait_clean(server, every_role=False)
