@@ -118,6 +118,38 @@ def test_a_parallel_instance_hands_kv_to_another_layout(
             core.close()
 
 
+def test_a_colocated_parallel_instance_flips_to_prefill_with_its_cache(
+    served_engine: Engine, threads: None
+) -> None:
+    """A colocated TP 2 instance keeps its pools private until its first hand-off: the
+    flip to prefill opens its link, and its worker copies its pool into the shared-memory
+    region the driver made before the driver goes on (`RankGroup.link`). The prompts it
+    cached as a colocated instance are then hits whose KV - both ranks' - reaches a decode
+    instance intact: one process's text again, the KV bit for bit."""
+    model, path = served_engine.core.model, resolve_model(None)
+    batch = [served_engine.tokenizer.encode(t) for t in TEXTS]
+    reference = colocated_outputs(make_core(path, model, Role.COLOCATED), batch, GREEDY)
+    sides = [parallel_core(Role.COLOCATED, 2, 1, "pull", 16)]
+    try:
+        core = sides[0]
+        assert colocated_outputs(core, batch, GREEDY) == reference
+        assert core.link is None
+        hits = core.kv.prefix_cache_hits
+        core.switch_role(Role.PREFILL)
+        assert core.link is not None and len(core.link.regions) == 2
+        sides.append(make_core(path, model, Role.DECODE, "pull", "shm", 32))
+        router = Router(core, sides[1], "pull", batch, GREEDY)
+        router.run()
+        assert core.kv.prefix_cache_hits > hits
+        assert router.failures == {}
+        assert router.tokens == reference
+        assert router.kv_equal == {f"r{i}": True for i in range(len(batch))}
+        assert_clean(*sides)
+    finally:
+        for c in sides:
+            c.close()
+
+
 def load() -> list[dict]:
     """The fault-tolerance workload's first 12 requests, greedy, 48 tokens: a tensor-
     parallel rank's logits are one process's within 1e-4 (the sums' order), which a greedy
