@@ -170,7 +170,13 @@ def test_served_prefill_tp2_to_decode_pp2_answers_as_one_engine(
         "--num-threads", "4",
     )  # fmt: skip
     assert_identical(Streams(server.url, load()).results(), reference)
-    counters = cluster(server)["controller"]
+    status = cluster(server)
+    layouts = {
+        r["name"]: (r["tensor_parallel_size"], r["pipeline_parallel_size"])
+        for r in status["instances"]
+    }
+    assert layouts == {"prefill-0": (2, 1), "decode-0": (1, 2)}
+    counters = status["controller"]
     assert (counters["migrations"], counters["retries"], counters["failed"]) == (0, 0, 0)
     wait_clean(server)
 

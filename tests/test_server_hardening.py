@@ -646,6 +646,8 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
         "role": "colocated",
         "flipping_to": None,
         "node": "local",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
         "pid": engine.pid,
         "alive": True,
         "dead_reason": None,

@@ -102,6 +102,9 @@ def _identity(inst: Instance) -> dict[str, object]:
         # instance flip (cluster/flip.py): the role it drains toward, else None
         "flipping_to": None if inst.flipping_to is None else inst.flipping_to.value,
         "node": inst.node,
+        # its ranks: tensor x pipeline parallel (docs/parallelism.md)
+        "tensor_parallel_size": inst.config.tensor_parallel_size,
+        "pipeline_parallel_size": inst.config.pipeline_parallel_size,
         "pid": inst.process.pid,
         "alive": inst.alive,
         "dead_reason": inst.dead,
