@@ -157,10 +157,17 @@ class ModelRunner:
         ).to(self.device)
 
     def _run_layers(
-        self, h: torch.Tensor, positions: torch.Tensor, specs: list[SeqSpec], pool: torch.Tensor
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        specs: list[SeqSpec],
+        pool: torch.Tensor,
+        last: bool,
     ) -> torch.Tensor:
-        """A pipeline stage's layers over one micro-batch, on `pool` (engine/pipeline.py)."""
-        return self.model.run_layers(h, positions, pool, self._metadata(specs), self.hooks)
+        """A pipeline stage's layers over one micro-batch, on `pool` (engine/pipeline.py);
+        the hooks fire on the step's last micro-batch only (`RunLayers`)."""
+        hooks = self.hooks if last else None
+        return self.model.run_layers(h, positions, pool, self._metadata(specs), hooks)
 
     @property
     def bursts(self) -> bool:

@@ -49,7 +49,10 @@ MIN_PART_ROWS = 32
 
 # The runner's: this stage's layers over one part's rows (it builds the part's metadata),
 # reading and writing the KV pool given (the stage's own, or microbatch swapping's staging).
-RunLayers = Callable[[torch.Tensor, torch.Tensor, list[SeqSpec], torch.Tensor], torch.Tensor]
+# run(h, positions, specs, pool, last): the stage's layers over one micro-batch; `last`:
+# the step's last micro-batch, after which each layer has run on every row of the step
+# (the layer hooks fire then: once a step, as without a pipeline).
+RunLayers = Callable[[torch.Tensor, torch.Tensor, list[SeqSpec], torch.Tensor, bool], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -153,8 +156,8 @@ class Stage:
     ) -> FinalStates | None:
         """This rank's share of one step (see the module docstring); the driver returns
         the sampling rows' final states (None if none sample), the other ranks None.
-        `pool`: the stage's KV pool; `run(h, positions, specs, pool)` runs its layers over
-        a part; `per_row`: on the compiled per-row path (the final norm too)."""
+        `pool`: the stage's KV pool; `run(h, positions, specs, pool, last)` runs its layers
+        over a part (`RunLayers`); `per_row`: on the compiled per-row path (the final norm too)."""
         s, hidden, swap = self.shard, self.model.config.hidden_size, self.swap
         if swap is None:
             parts = microbatches(specs, logit_rows, self.parts, self.min_rows)
@@ -177,10 +180,10 @@ class Stage:
             else:
                 h = group.recv(torch.empty(part.stop - part.start, hidden), self.prev)
             if staged is None:
-                h = run(h, pos, part.specs, pool)
+                h = run(h, pos, part.specs, pool, k == len(parts) - 1)
             else:
                 assert swap is not None
-                h = run(h, pos, staged.specs, swap.staging)
+                h = run(h, pos, staged.specs, swap.staging, k == len(parts) - 1)
                 swap.write_back(staged)
             if self.next is not None:
                 pending.append(group.send(h, self.next))
