@@ -56,9 +56,10 @@ def engine_config(
     quant = resolve_quantization(
         flags.quantization, flags.model, flags.device, flags.activations, flags.dtype
     )
-    model = load_config(resolve_model(flags.model))
-    for instance in instance_configs(cluster, flags):
-        if instance.world_size > 1:
+    parallel = [c for c in instance_configs(cluster, flags) if c.world_size > 1]
+    if parallel:
+        model = load_config(resolve_model(flags.model))
+        for instance in parallel:
             split_model(model, instance.tensor_parallel_size, instance.pipeline_parallel_size)
             check_ranks_fit(instance)
     config = dataclasses.replace(

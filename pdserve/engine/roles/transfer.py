@@ -55,6 +55,11 @@ def open_link(config: EngineConfig, layouts: Sequence[KVLayout]) -> TransferLink
     rank, in rank order), a transfer thread. A parallel instance's regions must be in
     shared memory (its workers map theirs): another transport is a ValueError."""
     t = config.transfer
+    if len(layouts) > 1 and t.transport not in SHARED_TRANSPORTS:
+        raise ValueError(
+            f"a parallel instance moves KV through shared memory (--kv-transport "
+            f"{' or '.join(SHARED_TRANSPORTS)}), got {t.transport!r}"
+        )
     transport = make_transport(
         t.transport,
         host=t.host,
@@ -63,12 +68,6 @@ def open_link(config: EngineConfig, layouts: Sequence[KVLayout]) -> TransferLink
         faults=fault_config(t, "all"),
         node=t.node,
     )
-    if len(layouts) > 1 and t.transport not in SHARED_TRANSPORTS:
-        transport.close()
-        raise ValueError(
-            f"a parallel instance moves KV through shared memory (--kv-transport "
-            f"{' or '.join(SHARED_TRANSPORTS)}), got {t.transport!r}"
-        )
     worker = TransferWorker(num_threads=1, name=f"{config.instance_name}-kv")
     name = config.instance_name
     regions = tuple(

@@ -26,6 +26,7 @@ from pdserve.kv.transfer.faults import FaultConfig, FaultyTransport
 from pdserve.kv.transfer.inproc import InProcessTransport
 from pdserve.kv.transfer.layout import dtype_name, layout_of, token_view, torch_dtype
 from pdserve.kv.transfer.plan import (
+    Move,
     TokenRun,
     TransferPlan,
     merge_plans,
@@ -38,7 +39,6 @@ from pdserve.kv.transfer.plan import (
 from pdserve.kv.transfer.shm import SharedMemoryTransport
 from pdserve.kv.transfer.tcp import TcpTransport
 from pdserve.kv.transfer.transport import (
-    Move,
     Region,
     Transport,
     check_plan,

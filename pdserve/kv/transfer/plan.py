@@ -197,6 +197,11 @@ def _plan(
     )
 
 
+# A move between two instances' ranks: (source rank, destination rank, plan). Their
+# regions and tensors are indexed by rank (`transport.flush_moves` / `fetch_moves`).
+Move = tuple[int, int, TransferPlan]
+
+
 def plans_between(
     srcs: Sequence[KVLayout],
     src_blocks: Sequence[int],
@@ -205,7 +210,7 @@ def plans_between(
     start: int,
     end: int,
     layers: range | None = None,
-) -> list[tuple[int, int, TransferPlan]]:
+) -> list[Move]:
     """Plans moving tokens [start, end) from one instance's rank pools to another's.
 
     `srcs` and `dsts` are the layouts of each instance's ranks (one pool a rank; every rank
@@ -234,7 +239,7 @@ def plans_between(
             _check_block_ids(side, pool, blocks, start, end)
     runs = plan_runs(src_blocks, srcs[0].block_size, dst_blocks, dsts[0].block_size, start, end)
     coalesced = tuple((r.src_slot, r.dst_slot, r.num_tokens) for r in runs)
-    out: list[tuple[int, int, TransferPlan]] = []
+    out: list[Move] = []
     for d, dst in enumerate(dsts):
         want = _clip(dst.layers, layers)
         covered = 0

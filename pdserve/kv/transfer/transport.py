@@ -26,7 +26,7 @@ import torch
 from pdserve.kv.layout import KVLayout, RegionHandle
 from pdserve.kv.transfer.errors import LayoutMismatchError
 from pdserve.kv.transfer.layout import layout_of
-from pdserve.kv.transfer.plan import TransferPlan
+from pdserve.kv.transfer.plan import Move, TransferPlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,11 +80,6 @@ class Transport(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-# A move between two instances' ranks: (source rank, destination rank, plan) - what
-# `plans_between` returns. Regions and tensors are indexed by rank.
-Move = tuple[int, int, TransferPlan]
 
 
 def flush_moves(
