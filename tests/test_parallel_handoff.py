@@ -65,6 +65,30 @@ def parallel_core(role: Role, tp: int, pp: int, mode: str, block_size: int) -> E
     return build_core(config, load_model(config, ranks.shard), [], ranks)
 
 
+OneProcess = tuple[list[list[int]], dict[str, list[int]]]
+
+
+@pytest.fixture(scope="module")
+def one_process(served_engine: Engine) -> OneProcess:
+    """TEXTS' token ids and each one's greedy tokens by a colocated one-process core."""
+    model, path = served_engine.core.model, resolve_model(None)
+    batch = [served_engine.tokenizer.encode(t) for t in TEXTS]
+    return batch, colocated_outputs(make_core(path, model, Role.COLOCATED), batch, GREEDY)
+
+
+def hand_off(prefill: EngineCore, decode: EngineCore, mode: str, one: OneProcess) -> None:
+    """Every prompt through `prefill` to `decode` in `mode`: no failure, one process's
+    tokens, the decode instance's KV for each prompt the prefill instance's at its
+    hand-off bit for bit, both pools clean after."""
+    batch, reference = one
+    router = Router(prefill, decode, mode, batch, GREEDY)
+    router.run()
+    assert router.failures == {}
+    assert router.tokens == reference
+    assert router.kv_equal == {f"r{i}": True for i in range(len(batch))}
+    assert_clean(prefill, decode)
+
+
 @pytest.fixture
 def threads() -> Iterator[None]:
     """A parallel core's driver sets this process's torch threads (one a rank): put them
@@ -92,14 +116,13 @@ HANDOFFS = [
 )
 def test_a_parallel_instance_hands_kv_to_another_layout(
     served_engine: Engine,
+    one_process: OneProcess,
     threads: None,
     prefill: tuple[int, int, int],
     decode: tuple[int, int, int],
     mode: str,
 ) -> None:
     model, path = served_engine.core.model, resolve_model(None)
-    batch = [served_engine.tokenizer.encode(t) for t in TEXTS]
-    reference = colocated_outputs(make_core(path, model, Role.COLOCATED), batch, GREEDY)
     sides: list[EngineCore] = []
     try:
         for role, (tp, pp, block) in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
@@ -107,19 +130,14 @@ def test_a_parallel_instance_hands_kv_to_another_layout(
                 sides.append(parallel_core(role, tp, pp, mode, block))
             else:
                 sides.append(make_core(path, model, role, mode, "shm", block))
-        router = Router(sides[0], sides[1], mode, batch, GREEDY)
-        router.run()
-        assert router.failures == {}
-        assert router.tokens == reference
-        assert router.kv_equal == {f"r{i}": True for i in range(len(batch))}
-        assert_clean(*sides)
+        hand_off(sides[0], sides[1], mode, one_process)
     finally:
         for core in sides:
             core.close()
 
 
 def test_a_colocated_parallel_instance_flips_to_prefill_with_its_cache(
-    served_engine: Engine, threads: None
+    served_engine: Engine, one_process: OneProcess, threads: None
 ) -> None:
     """A colocated TP 2 instance keeps its pools private until its first hand-off: the
     flip to prefill opens its link, and its worker copies its pool into the shared-memory
@@ -127,8 +145,7 @@ def test_a_colocated_parallel_instance_flips_to_prefill_with_its_cache(
     cached as a colocated instance are then hits whose KV - both ranks' - reaches a decode
     instance intact: one process's text again, the KV bit for bit."""
     model, path = served_engine.core.model, resolve_model(None)
-    batch = [served_engine.tokenizer.encode(t) for t in TEXTS]
-    reference = colocated_outputs(make_core(path, model, Role.COLOCATED), batch, GREEDY)
+    batch, reference = one_process
     sides = [parallel_core(Role.COLOCATED, 2, 1, "pull", 16)]
     try:
         core = sides[0]
@@ -138,13 +155,8 @@ def test_a_colocated_parallel_instance_flips_to_prefill_with_its_cache(
         core.switch_role(Role.PREFILL)
         assert core.link is not None and len(core.link.regions) == 2
         sides.append(make_core(path, model, Role.DECODE, "pull", "shm", 32))
-        router = Router(core, sides[1], "pull", batch, GREEDY)
-        router.run()
+        hand_off(core, sides[1], "pull", one_process)
         assert core.kv.prefix_cache_hits > hits
-        assert router.failures == {}
-        assert router.tokens == reference
-        assert router.kv_equal == {f"r{i}": True for i in range(len(batch))}
-        assert_clean(*sides)
     finally:
         for c in sides:
             c.close()
