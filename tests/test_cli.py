@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -77,8 +79,9 @@ def test_a_device_torch_cannot_use_is_a_usage_error() -> None:
         )
 
 
-def test_serve_reports_a_wrong_flag_before_importing_the_server() -> None:
-    """Flags wrong by themselves, and a port already in use, are usage errors before
+def test_serve_reports_a_wrong_flag_before_importing_the_server(tmp_path: Path) -> None:
+    """Flags wrong by themselves, a placement this machine cannot start or that its flags
+    contradict, and a port already in use, are usage errors before
     `pdserve.server.launch` (the front end, FastAPI, the loader and torch: ~5 s) is
     imported (server/flags.py)."""
     code = (
@@ -95,6 +98,23 @@ def test_serve_reports_a_wrong_flag_before_importing_the_server() -> None:
         ("--kv-lease", "1"): "lease_s (1.0) must exceed timeout_s (30.0): a fetch must "
         "never outlive the lease of the KV it reads",
     }
+    two_nodes, few_devices = tmp_path / "two_nodes.json", tmp_path / "few_devices.json"
+    prefill = {"role": "prefill", "node": 0, "devices": 2, "tp": 2}
+    two_nodes.write_text(
+        json.dumps({"instances": [prefill, {**prefill, "role": "decode", "node": 1}]})
+    )
+    few_devices.write_text(json.dumps({"instances": [{**prefill, "devices": 1}]}))
+    cases[("--placement", str(two_nodes))] = (
+        f"--placement {two_nodes}: instances[1] is on node 1; without --ray every instance "
+        "runs on this machine (node 0)"
+    )
+    cases[("--placement", str(few_devices))] = (
+        f"--placement {few_devices}: instances[0]: 2 x 1 ranks need at least 2 devices (one "
+        "each), it names 1"
+    )
+    cases[("--placement", str(two_nodes), "--ray", "--decode-tp", "2")] = (
+        "--decode-tp with --placement: the placement names each instance's tp and pp"
+    )
     with socket.create_server(("127.0.0.1", 0)) as taken:  # a port someone listens on
         port = str(taken.getsockname()[1])
         cases[("--port", port)] = f"cannot listen on 127.0.0.1:{port}: Address already in use"

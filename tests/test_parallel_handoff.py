@@ -10,17 +10,20 @@ the KV the decode instance holds for each prompt equals, bit for bit, the KV the
 instance held when it handed the request off: each rank's pool gathered into the layers
 and heads it holds, every element from exactly one rank (`instance_kv`).
 
-Served: `--prefill-tp 2 --decode-pp 2` and `--prefill-pp 2 --decode-tp 2` clusters answer
-as the undisturbed colocated engine does; and a decode instance of TP 2 whose worker rank
-is SIGKILLed mid-stream fails as one instance - its requests move to the other decode
-instance and end with the undisturbed text, no rank process or segment is left.
+Served: a prefill TP 2 -> decode PP 2 cluster started from a placement file, and a
+`--prefill-pp 2 --decode-tp 2` one from flags, answer as the undisturbed colocated engine
+does; and a decode instance of TP 2 whose worker rank is SIGKILLed mid-stream fails as
+one instance - its requests move to the other decode instance and end with the
+undisturbed text, no rank process or segment is left.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -175,12 +178,17 @@ def reference(served_engine: Engine) -> list:
 
 
 def test_served_prefill_tp2_to_decode_pp2_answers_as_one_engine(
-    start: Callable[..., Server], reference: list
+    start: Callable[..., Server], reference: list, tmp_path: Path
 ) -> None:
-    server = start(
-        "--prefill", "1", "--decode", "1", "--prefill-tp", "2", "--decode-pp", "2",
-        "--num-threads", "4",
-    )  # fmt: skip
+    """Started from a placement (`serve --placement`, this machine: node 0) that names
+    each instance's devices (threads) and ranks."""
+    placement = tmp_path / "placement.json"
+    instances = [
+        {"role": "prefill", "node": 0, "devices": 2, "tp": 2, "pp": 1},
+        {"role": "decode", "node": 0, "devices": 2, "tp": 1, "pp": 2},
+    ]
+    placement.write_text(json.dumps({"instances": instances}))
+    server = start("--placement", str(placement))
     assert_identical(Streams(server.url, load()).results(), reference)
     status = cluster(server)
     layouts = {

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from pdserve.cli import main as cli_main
+from pdserve.cluster.placement import PlacedInstance, lay_out, read_placement
+from pdserve.config import Role
 from pdserve.planner.candidates import (
     InstanceKnobs,
     explain_no_fit,
@@ -417,8 +419,35 @@ def test_cli_plan_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFix
     assert doc["chosen"] == best
     assert doc["verified_attainment"] >= 0.9
     assert doc["instances"]["devices"] <= 2
+    # the placement `serve --placement` starts, read back as written
+    placed = read_placement(tmp_path / "plan.json")
+    assert [p.to_dict() for p in placed] == doc["placement"]["instances"]
+    assert sum(p.devices for p in placed) == doc["instances"]["devices"]
     assert set(doc["curves"]) == {"disaggregated", "colocated"}
     assert (tmp_path / "plan.png").stat().st_size > 1000
+
+
+def test_parallel_instances_are_laid_out_one_device_a_rank_and_read_back(tmp_path: Path) -> None:
+    """A low-affinity unit of a TP 2 prefill and a PP 2 decode instance shares a node: 4
+    devices, one a rank; the JSON `pdserve plan` writes reads back the same instances. A
+    unit larger than a node is refused naming its instances."""
+    unit = [(Role.PREFILL, 2, 1), (Role.DECODE, 1, 2)]
+    placed = lay_out([unit, unit], nodes=2, devices_per_node=4)
+    assert placed == [
+        PlacedInstance(Role.PREFILL, 0, 2, 2, 1),
+        PlacedInstance(Role.PREFILL, 1, 2, 2, 1),
+        PlacedInstance(Role.DECODE, 0, 2, 1, 2),
+        PlacedInstance(Role.DECODE, 1, 2, 1, 2),
+    ]
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"instances": [p.to_dict() for p in placed]}))
+    assert read_placement(path) == placed
+    with pytest.raises(
+        ValueError,
+        match=r"^prefill \(TP2xPP1\) \+ decode \(TP1xPP2\) does "
+        r"not fit on any node of 3 devices \(3 devices left on 1 nodes\)$",
+    ):
+        lay_out([unit], nodes=1, devices_per_node=3)
 
 
 @pytest.mark.parametrize(

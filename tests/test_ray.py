@@ -18,6 +18,7 @@ every test runs alone and in any order.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -27,11 +28,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
 from helpers.elastic import Paced, elastic, roles
 from helpers.reference import Expected, greedy, run
 from helpers.server import Server, row_of, stop, wait_clean, wait_dead, wait_for
 from helpers.streams import Streams
 from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group_table
 from test_disagg_server import PROMPTS, complete, mixed_prompts
 from test_replan_policy import PROFILE, TPOT, TTFT
 from test_scaling import add, gone, leave_under_load
@@ -282,17 +285,88 @@ def test_a_placement_the_cluster_cannot_hold_exits_2(
     assert message in last, last
 
 
-def test_placement_and_ray_flags_need_ray(tmp_path: Path) -> None:
-    path = write_placement(tmp_path / "p.json", ("colocated", 0))
-    for flag, value in (("--placement", str(path)), ("--ray-address", "auto")):
-        out = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "serve", flag, value],
-            capture_output=True,
-            text=True,
-            timeout=120,
+def rank_actors() -> list[int]:
+    """The pids of the processes running a parallel instance's worker rank under Ray (Ray
+    titles an actor's process after the method it runs)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(b"ray::RankActor.run"):
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_a_tensor_parallel_instance_holds_one_placement_group_and_survives_its_rank_kill(
+    ray_cluster: tuple[Cluster, str, str],
+    reference: tuple[list[str], list[Expected]],
+    tmp_path: Path,
+) -> None:
+    """A placement's TP 2 prefill instance on the head node (2 CPUs, a bundle of 1 CPU per
+    rank, STRICT_PACK) hands its two ranks' KV over TCP to a TP 1 decode instance on the
+    worker node: answers as the single-host server. Its worker rank's actor SIGKILLed
+    under 16 streams: one instance failure, every stream completed with the reference
+    text (on the decode instance), and nothing left: no rank actor, no placement group."""
+    cluster, head, worker = ray_cluster
+    path = tmp_path / "p.json"
+    path.write_text(
+        json.dumps(
+            {
+                "instances": [
+                    {"role": "prefill", "node": 0, "devices": 2, "tp": 2},
+                    {"role": "decode", "node": 1, "devices": 1},
+                ]
+            }
         )
-        assert out.returncode == 2
-        assert out.stderr.strip().splitlines()[-1] == f"pdserve: error: {flag} needs --ray"
+    )
+    ray.init(address=cluster.address, logging_level=logging.WARNING)
+    server = ray_server(cluster, "--placement", str(path), "--instance-timeout", "5")
+    try:
+        row = row_of(server, "prefill-0")
+        assert (row["node"], row["tensor_parallel_size"]) == (head, 2), row
+        assert row_of(server, "decode-0")["node"] == worker
+        groups = [
+            g for g in placement_group_table().values() if g["name"].startswith("pdserve-ranks")
+        ]
+        assert [(g["strategy"], g["state"], len(g["bundles"])) for g in groups] == [
+            ("STRICT_PACK", "CREATED", 2)
+        ], groups
+        assert set(groups[0]["bundles_to_node_id"].values()) == {head}
+        assert groups[0]["bundles"][1] == {"CPU": 1.0, "memory": groups[0]["bundles"][0]["memory"]}
+        (rank,) = rank_actors()
+
+        before = routes(server)
+        assert complete(server, PROMPTS, 16) == reference[0]
+        # every prompt's KV pulled across the nodes over TCP, one move from each prefill
+        # rank's pool (its own KV heads)
+        moved = routes(server)
+        pulled = tuple(a - b for a, b in zip(moved["decode-0"], before["decode-0"], strict=True))
+        assert pulled == (0, 2 * len(PROMPTS)), (before, moved)
+        streams = Streams(server.url, stream_bodies())
+        streams.wait_tokens(8)
+        os.kill(rank, signal.SIGKILL)
+        reason = wait_dead(server, "prefill-0")
+        assert reason is not None and "rank 1" in reason, reason
+        results = streams.results()
+        for i, (got, want) in enumerate(zip(results, reference[1], strict=True)):
+            assert (got.status, got.error, got.finish_reason) == (200, None, "length"), (i, got)
+            assert got.text == want.text, (i, got.text, want.text)
+        _, reply = server.get("/debug/cluster")
+        assert reply["controller"]["instance_failures"] == {"prefill": 1}
+        wait_clean(server, every_role=False)
+        deadline = time.monotonic() + 30
+        while (
+            rank_actors()
+            or placement_group_table()[groups[0]["placement_group_id"]]["state"] != "REMOVED"
+        ):
+            assert time.monotonic() < deadline, (rank_actors(), placement_group_table())
+            time.sleep(0.2)
+    finally:
+        stop(server)
+        ray.shutdown()
 
 
 def wait_restarted(server: Server, name: str, old_pid: int, timeout: float = 180.0) -> dict:

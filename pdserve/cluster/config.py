@@ -225,7 +225,7 @@ class ClusterConfig:
 
 def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[EngineConfig]:
     """One EngineConfig per instance: role, name, and its share of the CPU threads (or, with
-    a placement, the devices it names)."""
+    a placement, the devices and the tensor x pipeline ranks it names)."""
     roles = (
         [Role.PREFILL] * cluster.num_prefill
         + [Role.DECODE] * cluster.num_decode
@@ -235,10 +235,12 @@ def instance_configs(cluster: ClusterConfig, engine: EngineConfig) -> list[Engin
     shares = [p.devices for p in cluster.placement] if cluster.placement else [even] * len(roles)
     counts: dict[Role, int] = {}
     configs = []
-    for role, threads in zip(roles, shares, strict=True):
+    placed: list[tuple[int, int] | None] = [(p.tp, p.pp) for p in cluster.placement]
+    placed = placed or [None] * len(roles)
+    for role, threads, ranks in zip(roles, shares, placed, strict=True):
         index = counts[role] = counts.get(role, -1) + 1
         name = "engine" if len(roles) == 1 else f"{role.value}-{index}"
-        configs.append(instance_config(cluster, engine, role, name, threads))
+        configs.append(instance_config(cluster, engine, role, name, threads, ranks))
     return configs
 
 
@@ -249,14 +251,22 @@ def even_threads(cluster: ClusterConfig, engine: EngineConfig) -> int:
 
 
 def instance_config(
-    cluster: ClusterConfig, engine: EngineConfig, role: Role, name: str, threads: int
+    cluster: ClusterConfig,
+    engine: EngineConfig,
+    role: Role,
+    name: str,
+    threads: int,
+    ranks: tuple[int, int] | None = None,
 ) -> EngineConfig:
-    """The EngineConfig of one `role` instance named `name` running `threads` threads."""
+    """The EngineConfig of one `role` instance named `name` running `threads` threads on
+    `ranks` (tensor, pipeline; default: the role's, else the engine's)."""
     scheduler, cache = role_scheduler(cluster, engine, role), engine.cache
     if role is Role.DECODE and cluster.pd_caching == 1:  # PD-Caching-1: caching at P only
         cache = dataclasses.replace(cache, enable_prefix_cache=False)
     parallel = {Role.PREFILL: cluster.prefill_parallel, Role.DECODE: cluster.decode_parallel}
-    tp, pp = parallel.get(role) or (engine.tensor_parallel_size, engine.pipeline_parallel_size)
+    tp, pp = (
+        ranks or parallel.get(role) or (engine.tensor_parallel_size, engine.pipeline_parallel_size)
+    )
     return dataclasses.replace(
         engine,
         role=role,

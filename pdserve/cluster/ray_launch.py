@@ -15,9 +15,10 @@ runs, a value (its exit code) once it returned, a `RayActorError` once Ray saw t
 or its node die. Heartbeat silence is still watched by `Instance` as for any instance,
 so a node that vanishes is seen by whichever comes first.
 
-Why no placement group: an instance is one process, and one actor's resource request
-is already granted on a single node, all or nothing; a placement group would add a
-reservation step and nothing else until an instance spans processes.
+An instance of one rank is one actor: its resource request is granted on a single node,
+all or nothing. An instance of T x P ranks first reserves a placement group, one bundle
+per rank on one node (cluster/ray_ranks.py); its engine actor runs in bundle 0 and
+starts the other ranks as actors in the others.
 
 The actors are owned by the server's Ray driver: if the server exits, Ray ends them.
 """
@@ -36,12 +37,18 @@ from typing import Any
 import ray
 from ray._private import state as ray_state
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.instance import EngineProcess
 from pdserve.cluster.placement import PlacedInstance
+from pdserve.cluster.ray_ranks import first_line, rank_bundles, spawn_in_group
 from pdserve.config import EngineConfig
+from pdserve.engine.ranks import rank_threads
 from pdserve.errors import EngineDeadError
 from pdserve.model.loader import resolve_model
 
@@ -84,6 +91,7 @@ def connect(address: str | None) -> None:
 
 
 HEAD_RESOURCE = "node:__internal_head__"  # what Ray puts in the head node's resources
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
 
 
 def all_nodes() -> list[RayNode]:
@@ -132,21 +140,23 @@ def driver_address() -> str:
 
 
 def instance_resources(config: EngineConfig) -> Resources:
-    """An instance's request: its threads as CPUs, one GPU on a CUDA engine, and memory
-    for its KV budget, its weights and the runtime. Ray uses it to choose nodes; it is
-    not a limit. Weights: the model file's size, times 8 for fp32 from a GGUF (4-bit
-    blocks dequantized), times 2 for a GGUF's blocks as the kernels hold them (5/6-bit
-    values widened to bytes and fp32 scales: up to 1.8x the file, pdserve/quant), times
-    3 with `--activations int8` (the int8 records beside the blocks: up to 2.5x)."""
+    """An instance's request, all its ranks': their threads as CPUs, one GPU per rank on
+    a CUDA engine, and memory for its KV budget, its weights and each rank's runtime. Ray
+    uses it to choose nodes; it is not a limit. Weights: the model file's size, times 8
+    for fp32 from a GGUF (4-bit blocks dequantized), times 2 for a GGUF's blocks as the
+    kernels hold them (5/6-bit values widened to bytes and fp32 scales: up to 1.8x the
+    file, pdserve/quant), times 3 with `--activations int8` (the int8 records beside the
+    blocks: up to 2.5x)."""
     weights = resolve_model(config.model)
     size = sum(f.stat().st_size for f in ([weights] if weights.is_file() else weights.iterdir()))
     if weights.suffix == ".gguf":
         size *= 8 if config.quantization == "none" else 3 if config.activations == "int8" else 2
     kv = int(config.cache.kv_cache_memory_gib * _GIB)
+    world = config.world_size
     return Resources(
-        cpus=config.threads,
-        gpus=1 if config.device.startswith("cuda") else 0,
-        memory_bytes=kv + size + RUNTIME_BYTES,
+        cpus=rank_threads(config) * world,
+        gpus=world if config.device.startswith("cuda") else 0,
+        memory_bytes=kv + size + RUNTIME_BYTES * world,
     )
 
 
@@ -199,8 +209,9 @@ class EngineActor:
         """The engine's life, as in a spawned child; returns its exit code."""
         from pdserve.engine.engine_process import run_engine_process
 
+        spawn = spawn_in_group if config.world_size > 1 else None
         try:
-            run_engine_process(config, input_addr, output_addr, report)
+            run_engine_process(config, input_addr, output_addr, report, spawn=spawn)
         except SystemExit as e:
             return e.code if isinstance(e.code, int) else 1
         return 0
@@ -280,6 +291,7 @@ class RayEngineProcess:
         self._pinned = node
         self._start_timeout_s = start_timeout_s
         self._actor: Any = None  # the actor's handle, once created
+        self._group: PlacementGroup | None = None  # a parallel instance's ranks' reservation
         self._run: Any = None  # the ObjectRef of its `run`, once started
         self._node = ""
         self._pid: int | None = None
@@ -299,21 +311,32 @@ class RayEngineProcess:
         return self._ended()[0] if self._done() else None
 
     def start(self) -> None:
-        """Create the actor (blocking until Ray placed it), then start the engine in it
-        with this node's identity for the auto transport. EngineDeadError if Ray cannot
-        place it within the start timeout."""
+        """Create the actor (blocking until Ray placed it; a parallel instance's placement
+        group first), then start the engine in it with this node's identity for the auto
+        transport. EngineDeadError if Ray cannot place it within the start timeout."""
         res = instance_resources(self.config)
-        strategy = (
-            NodeAffinitySchedulingStrategy(self._pinned.node_id, soft=self._soft)
-            if self._pinned is not None
-            else "DEFAULT"
+        need = (
+            f"{res.cpus} CPUs, {res.gpus} GPUs, {res.memory_bytes / _GIB:.1f} GiB"
+            f"{' on one node' if self.config.world_size > 1 else ''}"
         )
+        if self.config.world_size > 1:
+            self._group = self._reserve(res, need)
+            bundle = self._group.bundle_specs[0]
+            cpus, gpus = bundle.get("CPU", 0.0), bundle.get("GPU", 0.0)
+            memory = bundle.get("memory", 0.0)
+            strategy: Any = PlacementGroupSchedulingStrategy(self._group, 0)
+        else:
+            cpus, gpus, memory = res.cpus, res.gpus, res.memory_bytes
+            strategy = (
+                NodeAffinitySchedulingStrategy(self._pinned.node_id, soft=self._soft)
+                if self._pinned is not None
+                else "DEFAULT"
+            )
         actor: Any = _RemoteEngineActor.options(
-            # the front end's pid and a count: a restarted instance gets a new actor
-            name=f"pdserve-{self.config.instance_name}-{os.getpid()}-{next(_actor_ids)}",
-            num_cpus=res.cpus,
-            num_gpus=res.gpus,
-            memory=res.memory_bytes,
+            name=self._unique("pdserve"),
+            num_cpus=cpus,
+            num_gpus=gpus,
+            memory=memory,
             max_restarts=0,
             scheduling_strategy=strategy,
         ).remote()
@@ -324,24 +347,51 @@ class RayEngineProcess:
             self.kill()
             raise EngineDeadError(
                 f"Ray placed no actor for {self.config.instance_name} within "
-                f"{self._start_timeout_s:g} s (it asked for {res.cpus} CPUs, {res.gpus} GPUs, "
-                f"{res.memory_bytes / _GIB:.1f} GiB)"
+                f"{self._start_timeout_s:g} s (it asked for {need})"
             ) from None
         except RayActorError as e:
-            raise EngineDeadError(f"the Ray actor died before starting: {_first_line(e)}") from None
+            raise EngineDeadError(f"the Ray actor died before starting: {first_line(e)}") from None
         self._node = node
         transfer = dataclasses.replace(self.config.transfer, node=node, host=address)
         config = dataclasses.replace(self.config, transfer=transfer, cpus=None)
         self._run = actor.run.remote(config, *self._addrs)
 
+    def _unique(self, prefix: str) -> str:
+        """A name of this instance's for Ray: the front end's pid and a count (a restarted
+        instance gets new ones)."""
+        return f"{prefix}-{self.config.instance_name}-{os.getpid()}-{next(_actor_ids)}"
+
+    def _reserve(self, res: Resources, need: str) -> PlacementGroup:
+        """A parallel instance's placement group (cluster/ray_ranks.py), on its pinned node
+        (only preferably for a restart), once Ray has reserved it."""
+        bundles = rank_bundles(self.config, res.memory_bytes)
+        pin: dict[str, Any] = {}
+        if self._pinned is not None and self._soft:
+            pin["_soft_target_node_id"] = self._pinned.node_id
+        elif self._pinned is not None:
+            pin["bundle_label_selector"] = [{NODE_ID_LABEL: self._pinned.node_id}] * len(bundles)
+        pg = placement_group(bundles, "STRICT_PACK", self._unique("pdserve-ranks"), **pin)
+        if not pg.wait(self._start_timeout_s):
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+            raise EngineDeadError(
+                f"Ray reserved no placement group for {self.config.instance_name} within "
+                f"{self._start_timeout_s:g} s (it asked for {need})"
+            )
+        return pg
+
     def is_alive(self) -> bool:
         return self._run is not None and not self._done()
 
     def kill(self) -> None:
+        # Each raises when it is already gone (its node died): nothing left to end.
         if self._actor is not None:
-            # Raises when it is already gone (its node died): nothing left to kill.
             with contextlib.suppress(Exception):
                 ray.kill(self._actor, no_restart=True)
+        if self._group is not None:  # ends the ranks' actors in it too
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._group)
+            self._group = None
 
     def join(self, timeout: float | None = None) -> None:
         if self._run is not None:
@@ -372,15 +422,8 @@ class RayEngineProcess:
                     code = ray.get(self._run, timeout=5)
                     self._exit = (code, f"process exited (exit code {code})")
                 except RayError as e:  # the actor or its node died; or `run` raised
-                    self._exit = (None, f"Ray: {_first_line(e)}")
+                    self._exit = (None, f"Ray: {first_line(e)}")
             return self._exit
-
-
-def _first_line(e: BaseException) -> str:
-    """The line of Ray's (long) message that says why, else its first."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    why = [line for line in lines if "because" in line]
-    return (why or lines or [type(e).__name__])[0]
 
 
 def make_launcher(
@@ -392,10 +435,12 @@ def make_launcher(
     found = nodes()
     pinned: list[RayNode | None] = [None] * len(configs)
     if cluster.placement:
-        if any(c.device.startswith("cuda") for c in configs) and any(
-            p.devices > 1 for p in cluster.placement
-        ):
-            raise ValueError("placement: an instance holds one GPU (tensor parallelism is not in)")
+        for c, p in zip(configs, cluster.placement, strict=True):
+            if c.device.startswith("cuda") and p.devices != p.world_size:
+                raise ValueError(
+                    f"placement: instance {c.instance_name} names {p.devices} GPUs for "
+                    f"{p.tp} x {p.pp} ranks; on a GPU engine each rank holds one GPU"
+                )
         pinned = list(nodes_of(list(cluster.placement), found))
     check_fits(
         [(c.instance_name, instance_resources(c), n) for c, n in zip(configs, pinned, strict=True)],

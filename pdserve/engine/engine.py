@@ -13,7 +13,7 @@ import torch
 
 from pdserve.config import EngineConfig, check_device
 from pdserve.engine.core import EngineCore
-from pdserve.engine.ranks import RankGroup, rank_threads
+from pdserve.engine.ranks import RankGroup, Spawn, rank_threads
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.layout import DTYPE_SIZES
 from pdserve.model.base import CausalLM
@@ -90,10 +90,10 @@ class Engine:
         return results
 
 
-def start_ranks(config: EngineConfig) -> RankGroup | None:
-    """A parallel instance's other ranks, started (they load their shards while this
-    process loads rank 0's: `load_model`); this process joins their group. None for one
-    rank."""
+def start_ranks(config: EngineConfig, spawn: Spawn | None = None) -> RankGroup | None:
+    """A parallel instance's other ranks, started with `spawn` (default: subprocesses;
+    they load their shards while this process loads rank 0's: `load_model`); this process
+    joins their group. None for one rank."""
     if config.world_size == 1:
         return None
     path = resolve_model(config.model)
@@ -103,7 +103,7 @@ def start_ranks(config: EngineConfig) -> RankGroup | None:
     )
     check_ranks_fit(config)
     port = group.free_port()
-    ranks = RankGroup.start(config, port, shards)
+    ranks = RankGroup.start(config, port, shards, spawn)
     group.join(0, config.world_size, port, config.device, tp=config.tensor_parallel_size)
     group.watch(ranks.check)
     return ranks

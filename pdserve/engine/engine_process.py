@@ -28,6 +28,7 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model, start_ranks
+from pdserve.engine.ranks import Spawn
 from pdserve.engine.step_trace import StepTrace
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.base import CausalLM
@@ -272,10 +273,12 @@ def run_engine_process(
     output_addr: str,
     report: bool = False,
     client: int | None = None,
+    spawn: Spawn | None = None,
 ) -> None:
     """Process entry point (spawned by a cluster `Instance`).
     `report`: send a `LoadReport` every `config.report_interval_s`. `client`: the pid of
     the process it serves (default: its parent); the engine exits when that ends.
+    `spawn`: how a parallel instance starts its worker ranks (default: subprocesses).
 
     Ctrl-C in a terminal signals the whole process group: the server drains and then
     shuts its engines down, so an engine ignores SIGINT rather than die mid-drain."""
@@ -291,7 +294,7 @@ def run_engine_process(
     try:
         if config.cpus is not None:
             pin_process(config.cpus)
-        ranks = start_ranks(config)
+        ranks = start_ranks(config, spawn)
         model = load_model(config, None if ranks is None else ranks.shard)
         core = build_core(config, model, _stop_token_ids(config), ranks)
     except Exception as e:  # report, then exit: the frontend shows the message

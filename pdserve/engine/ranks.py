@@ -1,8 +1,9 @@
 """A parallel instance's ranks as processes: the driver (rank 0, the engine process: it
 schedules, samples and holds the KV manager) and T x P - 1 workers that only execute.
 
-The driver starts the workers (`RankGroup.start`: fresh processes over socket pairs, each
-joining the group and loading its shard while the driver loads its own), tells them the KV
+The driver starts the workers (`RankGroup.start`: fresh processes over socket pairs, or
+under `serve --ray` actors in the instance's placement group, each joining the group and
+loading its shard while the driver loads its own), tells them the KV
 pool's geometry once the core has sized it (`open`: the device tier's layout and the host
 tier's block count), then sends each step's inputs (`send`, `StepInputs`: swaps, tokens,
 block tables) before running the same step itself; every rank's forward meets the
@@ -30,9 +31,9 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -56,8 +57,8 @@ class RankGroup:
 
     def __init__(
         self,
-        procs: list[subprocess.Popen[bytes]],
-        pipes: list[mpc.Connection],
+        procs: Sequence[RankProcess],
+        pipes: Sequence[mpc.Connection],
         shards: Sequence[Shard],
     ) -> None:
         self._procs, self._pipes = procs, pipes
@@ -65,23 +66,14 @@ class RankGroup:
         self.shard = shards[0]  # the driver's own
 
     @classmethod
-    def start(cls, config: EngineConfig, port: int, shards: Sequence[Shard]) -> RankGroup:
-        """Start ranks 1 .. T-1 of `config` (their rendezvous on `port`): fresh Python
-        processes (not multiprocessing's spawn, which re-runs the caller's main module: a
-        script that builds an `LLM` without a `__main__` guard would start itself), each
-        given one end of a socket pair and sent the config over it."""
-        world = config.world_size
-        procs, pipes = [], []
-        for rank in range(1, world):
-            mine, theirs = socket.socketpair()
-            code = "from pdserve.engine.ranks import worker_entry; worker_entry()"
-            args = [str(theirs.fileno()), str(rank), str(port), str(os.getpid())]
-            proc = subprocess.Popen([sys.executable, "-c", code, *args], pass_fds=[theirs.fileno()])
-            theirs.close()
-            pipe = mpc.Connection(mine.detach())
+    def start(
+        cls, config: EngineConfig, port: int, shards: Sequence[Shard], spawn: Spawn | None = None
+    ) -> RankGroup:
+        """Start ranks 1 .. T x P - 1 of `config` (their rendezvous on `port`) with `spawn`
+        (default `spawn_local`: subprocesses of this one) and send each its config."""
+        procs, pipes = (spawn or spawn_local)(range(1, config.world_size), port)
+        for pipe in pipes:
             pipe.send(config)
-            procs.append(proc)
-            pipes.append(pipe)
         return cls(procs, pipes, shards)
 
     def kv_layouts(self, driver: KVLayout) -> list[KVLayout]:
@@ -136,16 +128,9 @@ class RankGroup:
         """RankFailed if a worker process has exited (a waitpid each, and a look at its
         /proc entry: a few us)."""
         for rank, proc in enumerate(self._procs, start=1):
-            code = proc.poll()
-            if code is None and group.gone(proc.pid):
-                # A killed process of many threads shows as a zombie a moment before
-                # its last thread is gone and waitpid reports it.
-                code = proc.wait(_REAP_S)
-            if code is not None:
-                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
-                raise group.RankFailed(
-                    f"rank {rank} (pid {proc.pid}) of this instance exited with {how}"
-                )
+            how = proc.ended(_REAP_S)
+            if how is not None:
+                raise group.RankFailed(f"rank {rank} (pid {proc.pid}) of this instance {how}")
 
     def close(self) -> None:
         """Tell the workers to leave and wait for them (then kill what is left); leave
@@ -153,11 +138,7 @@ class RankGroup:
         with contextlib.suppress(OSError):
             self._broadcast(("close", None))
         for proc in self._procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.stop(10.0)
         for pipe in self._pipes:
             pipe.close()
         group.leave()  # the driver's own membership: another engine may join a new group
@@ -166,6 +147,75 @@ class RankGroup:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for pipe in self._pipes:
             pipe.send_bytes(data)
+
+
+class RankProcess(Protocol):
+    """A worker rank's process, as its driver watches it."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def ended(self, wait_s: float) -> str | None:
+        """None while it runs; once it has exited, how ("exited with signal SIGKILL").
+        A process seen gone but not yet reaped is waited for up to `wait_s`."""
+        ...
+
+    def stop(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for it to exit (it was told to), then kill it."""
+        ...
+
+
+# Starts the worker ranks named (on the rendezvous port): their processes and pipes, in
+# rank order, each worker waiting for its `EngineConfig` on its pipe (`worker_main`).
+# `spawn_local` here; Ray's actors in the instance's placement group under
+# `serve --ray` (cluster/ray_ranks.py).
+Spawn = Callable[[range, int], tuple[list[RankProcess], list[mpc.Connection]]]
+
+
+class LocalRank:
+    """A worker started by `spawn_local`: a child of the driver's process."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self._proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def ended(self, wait_s: float) -> str | None:
+        code = self._proc.poll()
+        if code is None and group.gone(self._proc.pid):
+            # A killed process of many threads shows as a zombie a moment before its
+            # last thread is gone and waitpid reports it.
+            code = self._proc.wait(wait_s)
+        if code is None:
+            return None
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+        return f"exited with {how}"
+
+    def stop(self, grace_s: float) -> None:
+        try:
+            self._proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def spawn_local(ranks: range, port: int) -> tuple[list[RankProcess], list[mpc.Connection]]:
+    """Fresh Python processes (not multiprocessing's spawn, which re-runs the caller's
+    main module: a script that builds an `LLM` without a `__main__` guard would start
+    itself), each given one end of a socket pair."""
+    procs: list[RankProcess] = []
+    pipes = []
+    for rank in ranks:
+        mine, theirs = socket.socketpair()
+        code = "from pdserve.engine.ranks import worker_entry; worker_entry()"
+        args = [str(theirs.fileno()), str(rank), str(port), str(os.getpid())]
+        proc = subprocess.Popen([sys.executable, "-c", code, *args], pass_fds=[theirs.fileno()])
+        theirs.close()
+        procs.append(LocalRank(proc))
+        pipes.append(mpc.Connection(mine.detach()))
+    return procs, pipes
 
 
 def _send(pipe: mpc.Connection, msg: tuple[str, Any]) -> None:

@@ -125,32 +125,27 @@ def _no_placement(why: str) -> dict[str, Any]:
     return {"placement": None, "placement_note": why}
 
 
-def _instance_groups(p: Placement, sizing: dict[str, int]) -> list[list[tuple[Role, int]]]:
-    """The sized instances as groups that share a node (one instance per group, but a
-    low-affinity unit's segments together). ValueError for a pipeline across processes."""
+def _instance_groups(p: Placement, sizing: dict[str, int]) -> list[list[tuple[Role, int, int]]]:
+    """The sized instances as groups of (role, tp, pp) that share a node (one instance per
+    group, but a low-affinity unit's segments together)."""
     if p.kind == "colocated":
         (r,) = p.results
-        return [[(Role.COLOCATED, _one_process(r.task.par))]] * sizing["colocated"]
+        return [[(Role.COLOCATED, *_ranks(r.task.par))]] * sizing["colocated"]
     if p.kind.startswith("disaggregated (high"):
         pre, dec = p.results
-        return [[(Role.PREFILL, _one_process(pre.task.par))]] * sizing["prefill"] + [
-            [(Role.DECODE, _one_process(dec.task.par))]
+        return [[(Role.PREFILL, *_ranks(pre.task.par))]] * sizing["prefill"] + [
+            [(Role.DECODE, *_ranks(dec.task.par))]
         ] * sizing["decode"]
     (r,) = p.results
     assert r.task.decode_par is not None
-    unit = [(Role.PREFILL, _one_process(r.task.par))] * r.task.num_prefill + [
-        (Role.DECODE, _one_process(r.task.decode_par))
+    unit = [(Role.PREFILL, *_ranks(r.task.par))] * r.task.num_prefill + [
+        (Role.DECODE, *_ranks(r.task.decode_par))
     ] * r.task.num_decode
     return [unit] * sizing["units"]
 
 
-def _one_process(par: Parallelism) -> int:
-    if par.pp > 1:
-        raise ValueError(
-            f"{par}: a pdserve instance is one process; pipeline stages on separate "
-            "processes are not supported, so this plan cannot be started as written"
-        )
-    return par.devices
+def _ranks(par: Parallelism) -> tuple[int, int]:
+    return par.tp, par.pp
 
 
 def _dict(p: Placement | None) -> dict[str, Any] | None:

@@ -87,10 +87,9 @@ class SearchContext:
 
     @property
     def max_pp(self) -> int | None:
-        """1 on a CPU profile, else no cap: there a plan is for pdserve itself to start
-        (`serve --ray --placement`), and a pdserve instance is one process, so pipeline
-        stages would have to be separate instances. Datasheet GPU profiles keep
-        DistServe's pipeline search (its Table 3)."""
+        """1 when the hardware has no measured link between ranks (a CPU profile: its
+        stage hand-off cost is not measured, so pipelines are not searched), else no
+        cap: datasheet GPU profiles keep DistServe's pipeline search (its Table 3)."""
         return 1 if self.hw.tp_bandwidth <= 0 else None
 
 

@@ -14,7 +14,7 @@ import os
 import socket
 
 from pdserve.cluster.config import ClusterConfig, DecodePolicy, Routing, instance_configs
-from pdserve.cluster.placement import counts, in_launch_order, read_placement
+from pdserve.cluster.placement import PlacedInstance, counts, in_launch_order, read_placement
 from pdserve.config import (
     SHARED_TRANSPORTS,
     CacheConfig,
@@ -48,7 +48,6 @@ def _check_parallel(engine: EngineConfig, cluster: ClusterConfig, args: argparse
     ):
         return
     what = (
-        (args.ray or cluster.placement, "--ray and --placement"),
         (cluster.replicate, "--kv-replication"),
         (engine.microbatch_swap_blocks, "--microbatch-swap-blocks"),
     )
@@ -62,6 +61,35 @@ def _check_parallel(engine: EngineConfig, cluster: ClusterConfig, args: argparse
         raise ValueError(
             f"--kv-transport {engine.transfer.transport}: a parallel instance's ranks keep "
             f"their KV in shared memory; use {' or '.join(SHARED_TRANSPORTS)}"
+        )
+
+
+def _check_placement_flags(args: argparse.Namespace, placement: list[PlacedInstance]) -> None:
+    """A placement names each instance's node and ranks: without --ray every instance
+    runs here (node 0), and the parallel flags would say it twice."""
+    if not args.ray:
+        away = [(i, p.node) for i, p in enumerate(placement) if p.node != 0]
+        if away:
+            i, node = away[0]
+            raise ValueError(
+                f"--placement {args.placement}: instances[{i}] is on node {node}; without "
+                "--ray every instance runs on this machine (node 0)"
+            )
+    given = [
+        flag
+        for flag, value, unset in (
+            ("--tensor-parallel-size", args.tensor_parallel_size, 1),
+            ("--pipeline-parallel-size", args.pipeline_parallel_size, 1),
+            ("--prefill-tp", args.prefill_tp, None),
+            ("--prefill-pp", args.prefill_pp, None),
+            ("--decode-tp", args.decode_tp, None),
+            ("--decode-pp", args.decode_pp, None),
+        )
+        if value != unset
+    ]
+    if given:
+        raise ValueError(
+            f"{given[0]} with --placement: the placement names each instance's tp and pp"
         )
 
 
@@ -118,7 +146,7 @@ def _check_server_flags(args: argparse.Namespace) -> None:
             name = "--" + flag.replace("_", "-")
             raise ValueError(f"{name} must be greater than 0, got {getattr(args, flag)}")
     if not args.ray:
-        for flag in ("ray_address", "placement", "ray_restart"):
+        for flag in ("ray_address", "ray_restart"):
             if getattr(args, flag) not in (None, False):
                 raise ValueError(f"--{flag.replace('_', '-')} needs --ray")
     elif args.engine_cpus is not None:
@@ -173,6 +201,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """The instances to run: by default one engine (no --prefill/--decode/--colocated);
     with --placement, the instances it names (flags given too must agree with it)."""
     placement = read_placement(args.placement) if args.placement else []
+    if placement:
+        _check_placement_flags(args, placement)
     flags = bool(args.prefill or args.decode or args.colocated is not None)
     if placement and not flags:
         n = counts(placement)
