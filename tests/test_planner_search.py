@@ -19,6 +19,7 @@ from pdserve.planner.candidates import (
     explain_no_fit,
     kv_capacity_tokens,
     parallel_configs,
+    tp_options,
 )
 from pdserve.planner.goodput import max_rate
 from pdserve.planner.hardware import (
@@ -140,16 +141,44 @@ def test_opt_sizes_match_the_paper() -> None:
 
 
 def test_tensor_parallelism_divides_work_and_adds_all_reduces() -> None:
+    """TP 2 halves the weights, FLOPs and KV reads and adds two all-reduces a layer."""
+    c = TOY_HW.coefficients
     link = Interconnect(tp_bandwidth=100e9, tp_latency_s=1e-5, pp_bandwidth=10e9)
-    one = step_cost(TOY, TOY_HW.coefficients, Parallelism(1, 1), link)
-    two = step_cost(TOY, TOY_HW.coefficients, Parallelism(2, 1), link)
+    one = step_cost(TOY, c, Parallelism(1, 1), link)
+    two = step_cost(TOY, c, Parallelism(2, 1), link)
     act = TOY.hidden_size * TOY.dtype_bytes
     all_reduce = 2 * TOY.num_layers * (2 * 1 / 2) * act / 100e9
     assert two.prompt_token == pytest.approx(one.prompt_token / 2 + all_reduce)
-    assert two.base == pytest.approx(
-        TOY_HW.coefficients.c3 + (one.base - TOY_HW.coefficients.c3) / 2 + 2 * 4 * 1e-5
-    )
+    assert one.base == pytest.approx(c.c3 + c.c4 * TOY.weight_bytes)
+    assert two.base == pytest.approx(c.c3 + c.c4 * TOY.weight_bytes / 2 + 2 * 4 * 1e-5)
+    assert two.prompt_seq == pytest.approx(one.prompt_seq / 2)
     assert two.context_token == pytest.approx(one.context_token / 2)
+
+
+def test_an_uneven_tensor_split_is_priced_by_its_largest_rank() -> None:
+    """SmolLM2's shape at TP 2: rank 0 holds 2 of the 3 GQA groups (6 of 9 query heads)
+    and 24 of the 48 MLP column blocks, as parallel/layout.py splits it; TP 4 is more
+    ranks than KV heads, refused with the engine's message."""
+    smol = dataclasses.replace(
+        TOY, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576, intermediate_size=1536
+    )
+    c = TOY_HW.coefficients
+    link = Interconnect(tp_bandwidth=100e9)
+    one = step_cost(smol, c, Parallelism(1, 1), link)
+    two = step_cost(smol, c, Parallelism(2, 1), link)
+    h = smol.hidden_size
+    attn = 2 * h * smol.q_size + 2 * h * smol.kv_size
+    mlp = smol.ffn_matrices * h * smol.intermediate_size
+    assert one.decode_token / c.c6 == pytest.approx(
+        2 * (attn + mlp) * smol.num_layers + 2 * h * smol.vocab_size
+    )
+    assert two.decode_token / c.c6 == pytest.approx(
+        2 * (attn * 2 / 3 + mlp / 2) * smol.num_layers + 2 * h * smol.vocab_size / 2
+    )
+    assert two.prompt_unit == pytest.approx(one.prompt_unit * 2 / 3)
+    assert two.context_token == pytest.approx(one.context_token * 2 / 3)
+    with pytest.raises(PlanInputError, match="tensor-parallel-size 4 is more than the model's 3"):
+        step_cost(smol, c, Parallelism(4, 1), link)
 
 
 def test_pipeline_parallelism_splits_layers_into_stages() -> None:
@@ -161,8 +190,11 @@ def test_pipeline_parallelism_splits_layers_into_stages() -> None:
     hop = TOY.hidden_size * TOY.dtype_bytes / 10e9
     st = two.stage_time(100, 100**2, 1)
     assert two.prefill_time([100]) == pytest.approx(2 * st + hop * 100)
-    with pytest.raises(PlanInputError, match="4 layers do not split into 3"):
-        step_cost(TOY, TOY_HW.coefficients, Parallelism(1, 3), link)
+    # 3 stages of 4 layers: 2, 1, 1 - the first stage's 2 set the pace
+    three = step_cost(TOY, TOY_HW.coefficients, Parallelism(1, 3), link)
+    assert three.prompt_unit == pytest.approx(two.prompt_unit)
+    with pytest.raises(PlanInputError, match="pipeline-parallel-size 5 is more than the model's 4"):
+        step_cost(TOY, TOY_HW.coefficients, Parallelism(1, 5), link)
 
 
 # ---- hardware profiles and cluster ----------------------------------------------------------
@@ -221,9 +253,15 @@ def test_parallel_configs_respect_memory_heads_and_layers() -> None:
     assert all(p.devices >= 2 for p in configs)
     assert Parallelism(2, 1) in configs and Parallelism(1, 2) in configs
     assert Parallelism(1, 1) not in configs
-    # 72 heads: TP 1, 2, 3, 4, 6, 8 (a node need not be divisible by TP); 64 layers
-    assert {p.tp for p in configs} == {1, 2, 3, 4, 6, 8}
+    # 72 heads: every TP up to the node's 8 (a rank holds whole heads, evenly or not; a
+    # node need not be divisible by TP); 64 layers into even stages
+    assert {p.tp for p in configs} == set(range(1, 9))
     assert all(64 % p.pp == 0 and p.devices <= 8 for p in configs)
+    # SmolLM2's 3 KV heads: TP 1 to 3 (vLLM refuses 2: 9 query heads do not divide)
+    smol = dataclasses.replace(
+        TOY, num_heads=9, num_kv_heads=3, intermediate_size=1536, name="smollm2-like"
+    )
+    assert tp_options(smol, 8) == [1, 2, 3]
     cap = kv_capacity_tokens(PRESETS["opt-66b"], Parallelism(2, 1), 72e9)
     assert cap == int((144e9 - PRESETS["opt-66b"].weight_bytes) // (2 * 64 * 9216 * 2))
 
@@ -269,12 +307,13 @@ def test_max_rate_is_zero_when_nothing_passes() -> None:
 
 def _all_configs_by_hand() -> list[Parallelism]:
     """Every (tp, pp) on the toy 1 x 4 cluster, enumerated independently of the planner:
-    tp splits the 4 heads, pp the 4 layers, at most 4 devices, the weights and one
-    2048-token request fit in 0.9 x 0.05 GB per device."""
+    tp up to the 4 KV heads (whole heads a rank, evenly or not: TP 3 holds 2, 1 and 1),
+    pp dividing the 4 layers, at most 4 devices, the weights and one 2048-token request
+    fit in 0.9 x 0.05 GB per device."""
     out = []
     for tp in (1, 2, 3, 4):
         for pp in (1, 2, 3, 4):
-            if 4 % tp or 4 % pp or tp * pp > 4:
+            if 4 % pp or tp * pp > 4:
                 continue
             room = tp * pp * 0.045e9 - TOY.weight_bytes
             if room >= 2048 * TOY.kv_bytes_per_token:
@@ -286,7 +325,7 @@ def test_search_finds_the_exhaustive_optimum_on_a_small_cluster() -> None:
     ctx = toy_context()
     outcome = search(ctx, "both", workers=1)
     configs = _all_configs_by_hand()
-    assert len(configs) == 6  # (1,1) (1,2) (1,4) (2,1) (2,2) (4,1)
+    assert len(configs) == 7  # (1,1) (1,2) (1,4) (2,1) (2,2) (3,1) (4,1)
     goodput = {}
     for par in configs:
         for kind in ("prefill", "decode"):
@@ -295,8 +334,8 @@ def test_search_finds_the_exhaustive_optimum_on_a_small_cluster() -> None:
             t = Task("colocated", par, chunked)
             goodput[t] = run_task(ctx, t).goodput
     # Alg. 2 units by hand: pp stages in the single node -> pp = 1; segments inside 4 devices
-    for tp_p in (1, 2, 4):
-        for tp_d in (1, 2, 4):
+    for tp_p in (1, 2, 3, 4):
+        for tp_d in (1, 2, 3, 4):
             for n_p in range(1, 5):
                 n_d = (4 - n_p * tp_p) // tp_d
                 if n_d >= 1:

@@ -89,6 +89,34 @@ def _even(n: int, parts: int, part: int) -> tuple[int, int]:
     return start, start + base + (1 if part < extra else 0)
 
 
+def largest_part(n: int, parts: int) -> int:
+    """The largest of `parts` contiguous runs `n` items are dealt into (the first ones,
+    one larger where they do not divide): what the slowest rank or stage holds."""
+    return -(-n // parts)
+
+
+def split_problem(kv_heads: int, intermediate: int, layers: int, tp: int, pp: int) -> str | None:
+    """Why a model of `kv_heads` KV heads, `intermediate` MLP columns and `layers` layers
+    cannot be split into `pp` stages of `tp` tensor ranks; None when it can. The one rule
+    `split_model` applies and the planner searches under (planner/candidates.py)."""
+    if pp > layers:
+        return (
+            f"--pipeline-parallel-size {pp} is more than the model's {layers} layers: each "
+            "stage holds at least one"
+        )
+    if tp > kv_heads:
+        return (
+            f"--tensor-parallel-size {tp} is more than the model's {kv_heads} KV heads: each "
+            "rank holds whole GQA groups (a KV head and its query heads)"
+        )
+    if intermediate % COLUMN_BLOCK or intermediate // COLUMN_BLOCK < tp:
+        return (
+            f"--tensor-parallel-size {tp}: the MLP's {intermediate} intermediate columns do "
+            f"not split into {tp} runs of whole {COLUMN_BLOCK}-column blocks"
+        )
+    return None
+
+
 def split_model(config: ModelConfig, world: int, stages: int = 1) -> list[Shard]:
     """Every rank's shard of `config` at tensor-parallel size `world` and pipeline-parallel
     size `stages`, in rank order (stage-major)."""
@@ -97,24 +125,11 @@ def split_model(config: ModelConfig, world: int, stages: int = 1) -> list[Shard]
     if stages < 1:
         raise ValueError(f"--pipeline-parallel-size must be at least 1, got {stages}")
     layers = config.num_hidden_layers
-    if stages > layers:
-        raise ValueError(
-            f"--pipeline-parallel-size {stages} is more than the model's {layers} layers: "
-            "each stage holds at least one"
-        )
     kv, q = config.num_key_value_heads, config.num_attention_heads
-    if world > kv:
-        raise ValueError(
-            f"--tensor-parallel-size {world} is more than the model's {kv} KV heads: each "
-            "rank holds whole GQA groups (a KV head and its query heads)"
-        )
+    problem = split_problem(kv, config.intermediate_size, layers, world, stages)
+    if problem is not None:
+        raise ValueError(problem)
     blocks = config.intermediate_size // COLUMN_BLOCK
-    if config.intermediate_size % COLUMN_BLOCK or blocks < world:
-        raise ValueError(
-            f"--tensor-parallel-size {world}: the MLP's {config.intermediate_size} "
-            f"intermediate columns do not split into {world} runs of whole "
-            f"{COLUMN_BLOCK}-column blocks"
-        )
     group = q // kv
     shards = []
     for s in range(stages):

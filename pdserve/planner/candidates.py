@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pdserve.parallel.layout import split_problem
 from pdserve.planner.hardware import ClusterSpec, HardwareProfile
 from pdserve.planner.latency import Parallelism, StepCost, step_cost
 from pdserve.planner.model_spec import ModelSpec, PlanInputError
@@ -32,16 +33,14 @@ def divisors_up_to(n: int, limit: int) -> list[int]:
 
 
 def tp_options(spec: ModelSpec, devices_per_node: int, max_tp: int | None = None) -> list[int]:
-    """Tensor-parallel sizes inside one node that split the attention heads. They need
+    """Tensor-parallel sizes inside one node that pdserve can split the model into (whole
+    GQA groups and MLP column blocks per rank, evenly or not: `split_problem`). They need
     not divide the node: DistServe places a TP-3 prefill and a TP-4 decode segment in
     one 8-device node for OPT-175B (Table 3). `max_tp` caps them (1 for hardware
     whose profile has no all-reduce link, e.g. a CPU profile)."""
     top = devices_per_node if max_tp is None else min(max_tp, devices_per_node)
-    return [
-        tp
-        for tp in range(1, top + 1)
-        if spec.num_heads % tp == 0 and (spec.num_kv_heads % tp == 0 or tp % spec.num_kv_heads == 0)
-    ]
+    kv, columns = spec.num_kv_heads, spec.intermediate_size
+    return [tp for tp in range(1, top + 1) if split_problem(kv, columns, 1, tp, 1) is None]
 
 
 def kv_capacity_tokens(spec: ModelSpec, par: Parallelism, usable_per_device: float) -> int:
@@ -97,7 +96,8 @@ def parallel_configs(
 ) -> list[Parallelism]:
     """Every (tp, pp) with tp inside a node (at most `max_tp`), pp splitting the layers
     evenly (at most `max_pp` stages), the model fitting in memory, and at most
-    `max_devices` devices (default: the cluster)."""
+    `max_devices` devices (default: the cluster). pdserve serves uneven pipelines too,
+    but their first stage sets the pace with no device saved: the search leaves them out."""
     limit = cluster.num_devices if max_devices is None else max_devices
     out = []
     for tp in tp_options(spec, cluster.devices_per_node, max_tp):

@@ -32,11 +32,19 @@ Attention "units" of a prompt chunk of c new tokens after k already computed are
 (k + c)^2 - k^2, so a whole prompt of l tokens costs l^2 however it is chunked:
 DistServe's t2 = sum of l_i^2.
 
-Parallelism (App. A: "h, n and m divided by the tensor-parallel size"): every
-per-device count is divided by tp; each tp > 1 step adds two ring all-reduces of the
-step's hidden states per layer. A pipeline of pp stages holds num_layers / pp layers
-per stage; a request crosses every stage, so its latency is pp stage times plus the
-activation sends between stages, while a new batch can enter every stage time.
+Parallelism (App. A: "h, n and m divided by the tensor-parallel size"), priced as
+pdserve splits a model (parallel/layout.py, `split_problem`): a tensor rank holds whole
+GQA groups and whole 32-column blocks of the MLP, dealt as evenly as they go, so where
+tp does not divide them the slowest rank holds the larger share (`largest_part`: SmolLM2's
+3 KV heads at tp 2 -> 2 of 3 groups on rank 0); each tp > 1 step adds two ring
+all-reduces of the step's hidden states per layer. A pipeline of pp stages deals the
+layers into pp runs, the first ones one larger; the first stage (the most layers) sets
+the stage time. The LM head and the embedding are priced as DistServe's and DejaVu's
+systems run them - split over the tensor ranks, spread over the stages - which pdserve
+does not do (it runs them whole on the first stage's rank 0): under 1% of a large
+model's step, and DejaVu's stage model (planner/dejavu.py) relies on the spread. A
+request crosses every stage, so its latency is pp stage times plus the activation sends
+between stages, while a new batch can enter every stage time.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pdserve.parallel.layout import COLUMN_BLOCK, largest_part, split_problem
 from pdserve.planner.model_spec import ModelSpec, PlanInputError
 
 COEFFICIENTS = ("c1", "c2", "c3", "c4", "c5", "c6")
@@ -180,30 +189,34 @@ def step_cost(
     link: Interconnect = Interconnect(),
 ) -> StepCost:
     """Per-count prices for `spec` on hardware with `coeffs`, split as `par` says."""
-    if spec.num_layers % par.pp:
-        raise PlanInputError(
-            f"{spec.name}: {spec.num_layers} layers do not split into {par.pp} pipeline stages"
-        )
-    if spec.num_heads % par.tp or (spec.num_kv_heads % par.tp and par.tp % spec.num_kv_heads):
-        raise PlanInputError(
-            f"{spec.name}: {spec.num_heads} heads ({spec.num_kv_heads} KV heads) do not split "
-            f"over tensor-parallel size {par.tp}"
-        )
+    problem = split_problem(
+        spec.num_kv_heads, spec.intermediate_size, spec.num_layers, par.tp, par.pp
+    )
+    if problem is not None:
+        raise PlanInputError(f"{spec.name}: {problem}")
     if par.tp > 1 and link.tp_bandwidth <= 0:
         raise PlanInputError(f"tensor parallelism {par.tp} needs an all-reduce bandwidth")
-    layers = spec.num_layers // par.pp
+    layers = largest_part(spec.num_layers, par.pp)  # the first stage's
     tp = par.tp
-    act_bytes = spec.hidden_size * spec.dtype_bytes  # one token's hidden state
+    heads = largest_part(spec.num_kv_heads, tp) / spec.num_kv_heads  # rank 0's GQA groups
+    blocks = spec.intermediate_size // COLUMN_BLOCK
+    columns = largest_part(blocks, tp) / blocks  # rank 0's MLP columns
+    h = spec.hidden_size
+    params = (2 * h * spec.q_size + 2 * h * spec.kv_size) * heads
+    params += spec.ffn_matrices * h * spec.intermediate_size * columns
+    act_bytes = h * spec.dtype_bytes  # one token's hidden state
     allreduce_token = 0.0
     allreduce_fixed = 0.0
     if tp > 1:
         ring = 2 * (tp - 1) / tp
         allreduce_token = 2 * layers * ring * act_bytes / link.tp_bandwidth
         allreduce_fixed = 2 * layers * link.tp_latency_s
-    flops_token = 2 * spec.linear_params_per_layer / tp * layers
-    head_flops = 2 * spec.hidden_size * spec.vocab_size / tp  # LM head, last stage only
-    stage_weights = spec.layer_weight_bytes * layers / tp + spec.embedding_bytes / tp / par.pp
-    kv_token = max(spec.kv_bytes_per_token_per_layer // tp, 2 * spec.head_dim * spec.dtype_bytes)
+    flops_token = 2 * params * layers
+    head_flops = 2 * h * spec.vocab_size / tp  # LM head, last stage only
+    stage_weights = params * spec.dtype_bytes * layers + spec.embedding_bytes / tp / par.pp
+    kv_token = max(
+        int(spec.kv_bytes_per_token_per_layer * heads), 2 * spec.head_dim * spec.dtype_bytes
+    )
     hop = act_bytes / link.pp_bandwidth if par.pp > 1 and link.pp_bandwidth > 0 else 0.0
     if par.pp > 1 and link.pp_bandwidth <= 0:
         raise PlanInputError(f"pipeline parallelism {par.pp} needs a stage-to-stage bandwidth")
@@ -211,7 +224,7 @@ def step_cost(
     return StepCost(
         base=coeffs.c3 + coeffs.c4 * stage_weights + allreduce_fixed,
         prompt_token=coeffs.c1 * flops_token + allreduce_token,
-        prompt_unit=coeffs.c2 * spec.q_size / tp * layers,
+        prompt_unit=coeffs.c2 * spec.q_size * heads * layers,
         prompt_seq=coeffs.c1 * head_flops * head_share,
         decode_token=coeffs.c6 * (flops_token + head_flops * head_share),
         context_token=coeffs.c5 * kv_token * layers,
