@@ -80,47 +80,49 @@ def measure(quant: str, tp: int, pp: int, threads: int) -> dict[str, float]:
         engine.core.close()
 
 
-def _comm_rank(rank: int, port: int, hidden: int, out: mp.Queue) -> None:
+def _comm_rank(rank: int, port: int, hidden: int, rows: tuple[int, ...], out: mp.Queue) -> None:
     torch.set_num_threads(1)
     group.join(rank, 2, port)
-    t = torch.randn(1, hidden)
+    found: dict[str, list[float]] = {"reduce": [], "handoff": []}
+    for n in rows:
+        t = torch.randn(n, hidden)
 
-    def reduce() -> None:
-        group.all_reduce_sum(t)
+        def reduce(t: torch.Tensor = t) -> None:
+            group.all_reduce_sum(t)
 
-    def ping_pong() -> None:  # two one-way hand-offs
-        if rank == 0:
-            group.send(t, 1).wait()
-            group.recv(t, 1)
-        else:
-            group.recv(t, 0)
-            group.send(t, 0).wait()
+        def ping_pong(t: torch.Tensor = t) -> None:  # two one-way hand-offs
+            if rank == 0:
+                group.send(t, 1).wait()
+                group.recv(t, 1)
+            else:
+                group.recv(t, 0)
+                group.send(t, 0).wait()
 
-    times = []
-    for op in (reduce, ping_pong):
-        for _ in range(100):
-            op()
-        start = time.perf_counter()
-        for _ in range(REPEATS):
-            op()
-        times.append((time.perf_counter() - start) / REPEATS)
+        for name, op, per in (("reduce", reduce, 1), ("handoff", ping_pong, 2)):
+            for _ in range(100):
+                op()
+            start = time.perf_counter()
+            for _ in range(REPEATS):
+                op()
+            found[name].append((time.perf_counter() - start) / REPEATS / per)
     if rank == 0:
-        out.put((times[0], times[1] / 2))
+        out.put(found)
     group.leave()
 
 
-def communication_s(hidden: int = 576) -> tuple[float, float]:
-    """(an all-reduce, a one-way stage hand-off) of [1, hidden] fp32 between two ranks."""
+def communication(hidden: int = 576, rows: tuple[int, ...] = (1,)) -> dict[str, list[float]]:
+    """Seconds of one all-reduce ("reduce") and one one-way stage hand-off ("handoff") of
+    [n, hidden] fp32 between two ranks of one thread, for each n in `rows`."""
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     port = group.free_port()
-    procs = [ctx.Process(target=_comm_rank, args=(r, port, hidden, out)) for r in range(2)]
+    procs = [ctx.Process(target=_comm_rank, args=(r, port, hidden, rows, out)) for r in range(2)]
     for p in procs:
         p.start()
-    result = out.get(timeout=120)
+    found: dict[str, list[float]] = out.get(timeout=300)
     for p in procs:
         p.join(30)
-    return float(result[0]), float(result[1])
+    return found
 
 
 def main() -> None:
@@ -139,7 +141,8 @@ def main() -> None:
                 r = measure(quant, tp, pp, args.threads)
                 for k, v in r.items():
                     results.setdefault(f"{quant} {tp}x{pp}", {}).setdefault(k, []).append(v)
-    reduce_s, handoff_s = communication_s()
+    comm = communication()
+    reduce_s, handoff_s = comm["reduce"][0], comm["handoff"][0]
     print(f"threads {args.threads} in all; medians of {args.rounds} rounds, alternating")
     for quant in args.quantization.split(","):
         base = {k: statistics.median(v) for k, v in results[f"{quant} 1x1"].items()}

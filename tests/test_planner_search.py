@@ -190,6 +190,9 @@ def test_pipeline_parallelism_splits_layers_into_stages() -> None:
     hop = TOY.hidden_size * TOY.dtype_bytes / 10e9
     st = two.stage_time(100, 100**2, 1)
     assert two.prefill_time([100]) == pytest.approx(2 * st + hop * 100)
+    # a fixed cost a hand-off (`pp_latency_s`): once per stage boundary
+    fixed = step_cost(TOY, TOY_HW.coefficients, Parallelism(1, 2), Interconnect(0, 0, 10e9, 1e-3))
+    assert fixed.prefill_time([100]) == pytest.approx(2 * st + hop * 100 + 1e-3)
     # 3 stages of 4 layers: 2, 1, 1 - the first stage's 2 set the pace
     three = step_cost(TOY, TOY_HW.coefficients, Parallelism(1, 3), link)
     assert three.prompt_unit == pytest.approx(two.prompt_unit)

@@ -3,6 +3,7 @@ reference, queueing theory, workloads and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ def cost(
     stages: int = 1,
     knee: float = 0.0,
     decode_comm: float = 0.0,
+    hop_fixed: float = 0.0,
 ) -> StepCost:
     return StepCost(
         base,
@@ -45,6 +47,7 @@ def cost(
         stages,
         knee=knee,
         decode_comm=decode_comm,
+        hop_fixed=hop_fixed,
     )
 
 
@@ -104,6 +107,11 @@ def test_pipeline_stages_wait_for_activation_hops() -> None:
     r = simulate_prefill(inst, wl([0.0, 0.0], [400, 100], [1, 1]))
     # A: [0, 0.4], hop 0.2, [0.6, 1.0]; B: [0.4, 0.5], hop 0.05, stage 2 free at 1.0: [1.0, 1.1]
     assert r.first_token.tolist() == pytest.approx([1.0, 1.1], abs=1e-12)
+    # a fixed 0.1 s a hand-off: A [0, 0.4], hop 0.3, [0.7, 1.1]; B [0.4, 0.5], hop 0.15,
+    # stage 2 free at 1.1: [1.1, 1.2]
+    fixed = InstanceSpec(dataclasses.replace(c, hop_fixed=0.1), 10_000, 256, 400, chunked=False)
+    r = simulate_prefill(fixed, wl([0.0, 0.0], [400, 100], [1, 1]))
+    assert r.first_token.tolist() == pytest.approx([1.1, 1.2], abs=1e-12)
 
 
 def test_prefill_queueing_is_fcfs_across_idle_gaps() -> None:
@@ -353,7 +361,8 @@ def naive_decode(
             continue
         ctx = sum(inp[i] + g for i, g in running.items())
         rows = max(0, len(running) - c.knee)
-        dt = c.stages * c.base + c.decode_token * rows + c.decode_comm * len(running)
+        dt = c.stages * c.base + (c.stages - 1) * c.hop_fixed
+        dt += c.decode_token * rows + c.decode_comm * len(running)
         dt += c.context_token * ctx
         t += dt * (speed.at(t) if speed is not None else 1.0)
         for i in list(running):
@@ -383,6 +392,7 @@ def test_jumps_match_the_naive_loop(seed: int) -> None:
         stages=1 + seed % 2,
         knee=2 * (seed % 3),  # 0, 2, 4
         decode_comm=1e-4 * (seed % 2),
+        hop_fixed=3e-3 * (seed % 2),  # two stages: one hand-off a step
     )
     cap, batch = 400 + 50 * seed, 4 + seed
     got = simulate_decode(InstanceSpec(c, cap, max_batch_size=batch), w)

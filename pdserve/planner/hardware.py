@@ -63,6 +63,7 @@ class HardwareProfile:
     device_memory_bytes: float
     tp_bandwidth: float = 0.0  # bytes/s for all-reduce inside a node
     tp_latency_s: float = 0.0
+    pp_latency_s: float = 0.0  # fixed cost of a stage-to-stage hand-off
     source: str = ""
     fit: dict[str, Any] = field(default_factory=dict)
 
@@ -87,7 +88,7 @@ class HardwareProfile:
         return self.tp_bandwidth or 1.0 / max(self.coefficients.c4, 1e-30)
 
     def interconnect(self, pp_bandwidth: float) -> Interconnect:
-        return Interconnect(self.tp_bandwidth, self.tp_latency_s, pp_bandwidth)
+        return Interconnect(self.tp_bandwidth, self.tp_latency_s, pp_bandwidth, self.pp_latency_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +98,7 @@ class HardwareProfile:
             "device_memory_gb": self.device_memory_bytes / GB,
             "tp_bandwidth_gbps": self.tp_bandwidth / GB,
             "tp_latency_s": self.tp_latency_s,
+            "pp_latency_s": self.pp_latency_s,
             "source": self.source,
             "fit": self.fit,
         }
@@ -116,6 +118,7 @@ class HardwareProfile:
                 device_memory_bytes=float(d["device_memory_gb"]) * GB,
                 tp_bandwidth=float(d.get("tp_bandwidth_gbps", 0.0)) * GB,
                 tp_latency_s=float(d.get("tp_latency_s", 0.0)),
+                pp_latency_s=float(d.get("pp_latency_s", 0.0)),
                 source=str(d.get("source", "")),
                 fit=dict(d.get("fit") or {}),
             )

@@ -124,6 +124,7 @@ class Interconnect:
     tp_bandwidth: float = 0.0  # bytes/s of an all-reduce link (0: tp must be 1)
     tp_latency_s: float = 0.0  # fixed cost of one all-reduce
     pp_bandwidth: float = 0.0  # bytes/s between pipeline stages (0: pp must be 1)
+    pp_latency_s: float = 0.0  # fixed cost of one stage-to-stage hand-off
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class StepCost:
     (decode rows past the knee, `decode_rows`) + decode_comm * (decode tokens: the
     all-reduces every row pays, knee or not) + context_token * (context tokens the
     decode tokens attend to). A request's latency through the pipeline is `stages`
-    stage times plus `hop_token * tokens` per stage boundary.
+    stage times plus `hop_fixed + hop_token * tokens` per stage boundary.
     """
 
     base: float
@@ -148,6 +149,7 @@ class StepCost:
     hop_token: float = 0.0
     knee: float = 0.0
     decode_comm: float = 0.0
+    hop_fixed: float = 0.0
 
     def stage_time(
         self,
@@ -169,7 +171,9 @@ class StepCost:
 
     def latency(self, stage_time: float, tokens: float) -> float:
         """Time for one batch to cross all stages, given its stage time."""
-        return self.stages * stage_time + (self.stages - 1) * self.hop_token * tokens
+        return self.stages * stage_time + (self.stages - 1) * (
+            self.hop_fixed + self.hop_token * tokens
+        )
 
     def prefill_time(self, lengths: list[int]) -> float:
         """Latency of one prefill-only batch of fresh prompts (DistServe's T_prefill)."""
@@ -232,6 +236,7 @@ def step_cost(
         hop_token=hop,
         knee=coeffs.knee,  # per device, tp divides weights and FLOPs alike: the ridge stays
         decode_comm=allreduce_token,
+        hop_fixed=link.pp_latency_s if par.pp > 1 else 0.0,
     )
 
 

@@ -238,7 +238,7 @@ class _Prefill:
         c = spec.cost
         self.spec, self.reqs, self.name, self.hold = spec, reqs, name, hold
         self.base, self.pt, self.pu, self.ps = c.base, c.prompt_token, c.prompt_unit, c.prompt_seq
-        self.stages, self.hop = c.stages, c.hop_token
+        self.stages, self.hop, self.hop_fixed = c.stages, c.hop_token, c.hop_fixed
         self.t = 0.0
         self.busy = 0.0
         self.queue: deque[int] = deque()
@@ -409,14 +409,14 @@ class _Prefill:
 
     def _through_stages(self, st: float, tokens: int) -> float:
         """The batch enters stage 1 now; it enters stage k once it left stage k - 1 and
-        its activations arrived (`hop * tokens`), and stage k has finished the batch
+        its activations arrived (`hop_fixed + hop * tokens`), and stage k has finished the batch
         before (DistServe §3.3: a stage runs one micro-batch at a time, so a long batch
         holds a short one behind it: a bubble). Each stage takes `st`. Returns when the
         batch leaves the last stage; batches of equal `st` and tokens never wait."""
         free = self.stage_free
         end = self.t + st
         free[0] = end
-        hop = self.hop * tokens
+        hop = self.hop_fixed + self.hop * tokens
         for k in range(1, self.stages):
             start = end + hop
             if free[k] > start:
@@ -435,7 +435,7 @@ class _Decoder:
     def __init__(self, spec: InstanceSpec, reqs: _Requests, name: str) -> None:
         c = spec.cost
         self.spec, self.reqs, self.name = spec, reqs, name
-        self.base = c.stages * c.base
+        self.base = c.stages * c.base + (c.stages - 1) * c.hop_fixed  # a step's fixed cost
         self.d = c.decode_token  # per decode row past the knee
         self.knee = c.knee
         self.every = c.decode_comm + (c.stages - 1) * c.hop_token  # per decode row
