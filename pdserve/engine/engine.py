@@ -101,7 +101,8 @@ def start_ranks(config: EngineConfig, spawn: Spawn | None = None) -> RankGroup |
     shards = split_model(
         load_config(path), config.tensor_parallel_size, config.pipeline_parallel_size
     )
-    check_ranks_fit(config)
+    if spawn is None:  # a placement group (`spawn_in_group`) reserved a device a rank
+        check_ranks_fit(config)
     port = group.free_port()
     ranks = RankGroup.start(config, port, shards, spawn)
     group.join(0, config.world_size, port, config.device, tp=config.tensor_parallel_size)

@@ -240,6 +240,7 @@ def worker_main(
     from pdserve.parallel.shard import load_shard
     from pdserve.runtime import ended
 
+    config = replace(config, device=group.rank_device(config.device, rank))
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     torch.set_num_threads(rank_threads(config))
     group.join(rank, tp * pp, port, config.device, tp=tp)

@@ -82,6 +82,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rank_device(device: str, rank: int) -> str:
+    """The device rank `rank` computes on: a bare "cuda" is its own GPU among those this
+    process sees (rank r on cuda:r; under Ray each rank's process sees only the GPU of
+    its bundle: cuda:0); "cpu" and "cuda:N" as given."""
+    if device != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    return f"cuda:{rank % count}" if count else device
+
+
 def join(
     rank: int,
     world: int,
@@ -102,6 +112,9 @@ def join(
             "(EngineCore.close) before starting another"
         )
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        # NCCL's communicators bind to the current device: this rank's own
+        torch.cuda.set_device(torch.device(rank_device(device, rank)))
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",

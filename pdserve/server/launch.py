@@ -61,7 +61,8 @@ def engine_config(
         model = load_config(resolve_model(flags.model))
         for instance in parallel:
             split_model(model, instance.tensor_parallel_size, instance.pipeline_parallel_size)
-            check_ranks_fit(instance)
+            if not args.ray:  # under Ray its node's devices: cluster/ray_launch.check_fits
+                check_ranks_fit(instance)
     config = dataclasses.replace(
         flags, length_predictor=resolve_predictor(args.predictor, args.model)
     )
