@@ -243,4 +243,8 @@ class Recovery(Feature):
         if self.hub.closed:
             await fresh.shutdown()
             return None
+        if why := self.hub.layout_conflict(fresh):
+            log.warning("instance %s refused: %s", dead.name, why)
+            await fresh.shutdown()
+            return None
         return fresh

@@ -99,6 +99,10 @@ class Scaling(Feature):
         if hub.closed:
             await inst.shutdown()
             raise InstanceFailedError("the server is shutting down")
+        if why := hub.layout_conflict(inst):
+            await inst.shutdown()
+            self._names.discard(name)
+            raise InstanceFailedError(f"{name} refused: {why}")
         hub.admit(inst)
         report = ScaleReport("add", name, role, inst.node, time.monotonic() - t0)
         return self._done(report)

@@ -116,6 +116,23 @@ class KVLayout(msgspec.Struct, frozen=True):
             f"of {self.head_dim} {self.dtype}, blocks of {self.block_size}"
         )
 
+    def handoff_mismatch(self, other: KVLayout) -> str | None:
+        """Why two instances whose whole pools have these layouts cannot hand KV to each
+        other (a different model: its layers, KV heads or head size; a different KV
+        dtype), None when they can. Block sizes may differ, and how each instance splits
+        its pool over its ranks is the plans' business (`plans_between`)."""
+        differs = [
+            f"{what} {mine} vs {theirs}"
+            for what, mine, theirs in (
+                ("layers", self.num_layers, other.num_layers),
+                ("KV heads", self.num_kv_heads, other.num_kv_heads),
+                ("head size", self.head_dim, other.head_dim),
+                ("KV dtype", self.dtype, other.dtype),
+            )
+            if mine != theirs
+        ]
+        return "; ".join(differs) or None
+
     @property
     def nbytes(self) -> int:
         """Bytes of the whole pool."""
