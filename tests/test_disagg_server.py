@@ -273,7 +273,16 @@ def freeze_holding(server: Server, victim: str, timeout: float = 120.0) -> dict:
             time.sleep(0.05)
             continue
         os.kill(pid, signal.SIGSTOP)
-        row = row_of(server, victim, stats_timeout=0.1)  # its counters will not come
+        # What it sent before it stopped (a hand-off, a finished request) may still be on
+        # its way to the controller: read its row (its counters will not come) until two
+        # reads 0.3 s apart agree, so what it holds is what it holds while stopped.
+        row = row_of(server, victim, stats_timeout=0.1)
+        while True:
+            time.sleep(0.3)
+            again = row_of(server, victim, stats_timeout=0.1)
+            if holds(again) == holds(row):
+                break
+            row = again
         if holds(row) > 0:
             return row
         os.kill(pid, signal.SIGCONT)  # it finished them meanwhile: again

@@ -209,10 +209,10 @@ def test_split_rule_the_plans_follow() -> None:
 def test_instances_of_different_models_or_kv_dtypes_are_refused_at_registration() -> None:
     """`KVLayout.handoff_mismatch` names what differs between two instances' whole pools
     (block sizes may differ: plans map them); the controller's check as an instance
-    registers names both instances and both layouts (`Cluster.layout_conflict`)."""
+    registers names both instances and both layouts (`cluster.instance.layout_conflict`)."""
     from types import SimpleNamespace
 
-    from pdserve.cluster.controller import Cluster
+    from pdserve.cluster.instance import layout_conflict
 
     smol = KVLayout(30, 64, 16, 3, 64, "float16")
     assert smol.handoff_mismatch(msgspec.structs.replace(smol, block_size=32)) is None
@@ -222,14 +222,14 @@ def test_instances_of_different_models_or_kv_dtypes_are_refused_at_registration(
     )
     prefill = SimpleNamespace(name="prefill-0", alive=True, kv_layout=smol)
     decode = SimpleNamespace(name="decode-0", alive=True, kv_layout=other)
-    hub = SimpleNamespace(instances=[prefill, decode])
-    assert Cluster.layout_conflict(hub, decode) == (  # type: ignore[arg-type]
+    instances = [prefill, decode]
+    assert layout_conflict(decode, instances) == (  # type: ignore[arg-type]
         "decode-0 (layers [0, 24), KV heads [0, 4) of 128 float32, blocks of 16) cannot "
         "exchange KV with prefill-0 (layers [0, 30), KV heads [0, 3) of 64 float16, blocks "
         "of 16): layers 24 vs 30; KV heads 4 vs 3; head size 128 vs 64; KV dtype float32 vs "
         "float16"
     )
     decode.kv_layout = msgspec.structs.replace(smol, block_size=32)
-    assert Cluster.layout_conflict(hub, decode) is None  # type: ignore[arg-type]
+    assert layout_conflict(decode, instances) is None  # type: ignore[arg-type]
     prefill.alive, decode.kv_layout = False, other  # a dead instance is not compared
-    assert Cluster.layout_conflict(hub, decode) is None  # type: ignore[arg-type]
+    assert layout_conflict(decode, instances) is None  # type: ignore[arg-type]

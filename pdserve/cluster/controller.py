@@ -30,7 +30,7 @@ from pdserve.cluster.config import ClusterConfig, instance_configs
 from pdserve.cluster.faults import FaultCounters
 from pdserve.cluster.features import assemble
 from pdserve.cluster.hub import Feature, Handler, MessageBus
-from pdserve.cluster.instance import Instance, Launcher, LocalLauncher
+from pdserve.cluster.instance import Instance, Launcher, LocalLauncher, layout_conflict
 from pdserve.cluster.outputs import OutputRelay
 from pdserve.cluster.policies import DecodeChooser
 from pdserve.cluster.replanning import SplitPlanner
@@ -146,7 +146,7 @@ class Cluster:
         ]
         await asyncio.gather(*(self._start_instance(i, timeout) for i in self.instances))
         for inst in self.instances:
-            if why := self.layout_conflict(inst):
+            if why := layout_conflict(inst, self.instances):
                 raise EngineDeadError(why)
         self.max_model_len = min(i.max_model_len for i in self.instances)
         self.vocab_size = self.instances[0].vocab_size
@@ -158,22 +158,6 @@ class Cluster:
         silence = None if self.single_engine else self.config.instance_timeout_s
         report = self.router.on_report  # the prompt trees and load of each instance
         return Instance(config, self._ctx, self._bus.deliver, silence, report, self.launcher)
-
-    def layout_conflict(self, inst: Instance) -> str | None:
-        """Why ready instance `inst` cannot exchange KV with the cluster's others (a
-        different model or KV dtype: `KVLayout.handoff_mismatch`), naming both sides;
-        None when it can. Checked as an instance registers (starts, is added or is
-        started again), so a mismatch is refused there, not per request."""
-        mine = inst.kv_layout
-        for other in self.instances:
-            if other is inst or not other.alive or other.kv_layout is None or mine is None:
-                continue
-            if why := mine.handoff_mismatch(other.kv_layout):
-                return (
-                    f"{inst.name} ({mine.describe()}) cannot exchange KV with {other.name} "
-                    f"({other.kv_layout.describe()}): {why}"
-                )
-        return None
 
     async def _start_instance(self, inst: Instance, timeout: float) -> None:
         try:

@@ -98,11 +98,6 @@ class Hub(Protocol):
         """An instance of `config` (not started), wired to this hub."""
         ...
 
-    def layout_conflict(self, inst: Instance) -> str | None:
-        """Why ready `inst` cannot exchange KV with the other instances (naming both
-        sides), None when it can: checked before it joins."""
-        ...
-
     def admit(self, inst: Instance) -> None:
         """`inst`, new and ready, joins the instances (cluster/scaling.py)."""
         ...

@@ -38,7 +38,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
@@ -469,6 +469,23 @@ class Instance:
 
     def _on_failed(self, msg: EngineFailed) -> None:
         self.mark_dead(msg.message)
+
+
+def layout_conflict(inst: Instance, instances: Iterable[Instance]) -> str | None:
+    """Why ready instance `inst` cannot exchange KV with the live ones of `instances` (a
+    different model or KV dtype: `KVLayout.handoff_mismatch`), naming both sides; None
+    when it can. Checked as an instance registers (the server starts, an instance is added
+    or started again), so a mismatch is refused there, not per request."""
+    mine = inst.kv_layout
+    for other in instances:
+        if other is inst or not other.alive or other.kv_layout is None or mine is None:
+            continue
+        if why := mine.handoff_mismatch(other.kv_layout):
+            return (
+                f"{inst.name} ({mine.describe()}) cannot exchange KV with {other.name} "
+                f"({other.kv_layout.describe()}): {why}"
+            )
+    return None
 
 
 def _ignore(msg: Heartbeat) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pdserve.cluster.costs import RecoveryCost
 from pdserve.cluster.dispatch import Dispatch
 from pdserve.cluster.hub import Feature, Handler, Hub
-from pdserve.cluster.instance import Instance
+from pdserve.cluster.instance import Instance, layout_conflict
 from pdserve.cluster.replication import Replica, take_replica
 from pdserve.cluster.table import Phase, Record
 from pdserve.config import Role
@@ -243,7 +243,7 @@ class Recovery(Feature):
         if self.hub.closed:
             await fresh.shutdown()
             return None
-        if why := self.hub.layout_conflict(fresh):
+        if why := layout_conflict(fresh, self.hub.instances):
             log.warning("instance %s refused: %s", dead.name, why)
             await fresh.shutdown()
             return None

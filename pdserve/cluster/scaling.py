@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pdserve.cluster.config import even_threads, instance_config
 from pdserve.cluster.flip import Flip
 from pdserve.cluster.hub import Feature, Hub
+from pdserve.cluster.instance import layout_conflict
 from pdserve.cluster.routing import Router
 from pdserve.config import Role
 from pdserve.errors import ConflictError, EngineDeadError, InstanceFailedError
@@ -99,9 +100,8 @@ class Scaling(Feature):
         if hub.closed:
             await inst.shutdown()
             raise InstanceFailedError("the server is shutting down")
-        if why := hub.layout_conflict(inst):
+        if why := layout_conflict(inst, hub.instances):
             await inst.shutdown()
-            self._names.discard(name)
             raise InstanceFailedError(f"{name} refused: {why}")
         hub.admit(inst)
         report = ScaleReport("add", name, role, inst.node, time.monotonic() - t0)

@@ -29,9 +29,7 @@ import msgspec
 from pdserve.config import EngineConfig
 from pdserve.kv.layout import KVLayout
 from pdserve.model.config import ModelConfig
-
-# A quantized weight's rows are cut only between blocks of this many values.
-COLUMN_BLOCK = 32
+from pdserve.parallel.split import COLUMN_BLOCK, split_problem
 
 
 @dataclass(frozen=True)
@@ -87,34 +85,6 @@ def _even(n: int, parts: int, part: int) -> tuple[int, int]:
     base, extra = divmod(n, parts)
     start = part * base + min(part, extra)
     return start, start + base + (1 if part < extra else 0)
-
-
-def largest_part(n: int, parts: int) -> int:
-    """The largest of `parts` contiguous runs `n` items are dealt into (the first ones,
-    one larger where they do not divide): what the slowest rank or stage holds."""
-    return -(-n // parts)
-
-
-def split_problem(kv_heads: int, intermediate: int, layers: int, tp: int, pp: int) -> str | None:
-    """Why a model of `kv_heads` KV heads, `intermediate` MLP columns and `layers` layers
-    cannot be split into `pp` stages of `tp` tensor ranks; None when it can. The one rule
-    `split_model` applies and the planner searches under (planner/candidates.py)."""
-    if pp > layers:
-        return (
-            f"--pipeline-parallel-size {pp} is more than the model's {layers} layers: each "
-            "stage holds at least one"
-        )
-    if tp > kv_heads:
-        return (
-            f"--tensor-parallel-size {tp} is more than the model's {kv_heads} KV heads: each "
-            "rank holds whole GQA groups (a KV head and its query heads)"
-        )
-    if intermediate % COLUMN_BLOCK or intermediate // COLUMN_BLOCK < tp:
-        return (
-            f"--tensor-parallel-size {tp}: the MLP's {intermediate} intermediate columns do "
-            f"not split into {tp} runs of whole {COLUMN_BLOCK}-column blocks"
-        )
-    return None
 
 
 def split_model(config: ModelConfig, world: int, stages: int = 1) -> list[Shard]:

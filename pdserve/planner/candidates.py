@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.parallel.layout import split_problem
+from pdserve.parallel.split import split_problem
 from pdserve.planner.hardware import ClusterSpec, HardwareProfile
 from pdserve.planner.latency import Parallelism, StepCost, step_cost
 from pdserve.planner.model_spec import ModelSpec, PlanInputError

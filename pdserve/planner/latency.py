@@ -33,7 +33,7 @@ Attention "units" of a prompt chunk of c new tokens after k already computed are
 DistServe's t2 = sum of l_i^2.
 
 Parallelism (App. A: "h, n and m divided by the tensor-parallel size"), priced as
-pdserve splits a model (parallel/layout.py, `split_problem`): a tensor rank holds whole
+pdserve splits a model (parallel/split.py, `split_problem`): a tensor rank holds whole
 GQA groups and whole 32-column blocks of the MLP, dealt as evenly as they go, so where
 tp does not divide them the slowest rank holds the larger share (`largest_part`: SmolLM2's
 3 KV heads at tp 2 -> 2 of 3 groups on rank 0); each tp > 1 step adds two ring
@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pdserve.parallel.layout import COLUMN_BLOCK, largest_part, split_problem
+from pdserve.parallel.split import COLUMN_BLOCK, largest_part, split_problem
 from pdserve.planner.model_spec import ModelSpec, PlanInputError
 
 COEFFICIENTS = ("c1", "c2", "c3", "c4", "c5", "c6")
