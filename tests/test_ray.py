@@ -10,7 +10,10 @@ placement written by `pdserve plan` from this machine's profile starts as writte
 killing a worker node's raylet under 16 concurrent streams loses none of them. Scaling
 (cluster/scaling.py): an instance added while serving is placed by Ray and serves, one
 removed under 16 streams loses none of them, and the distserve policy adds and removes
-instances as the observed workload needs. The tests share the cluster and each leaves
+instances as the observed workload needs. A TP 2 instance holds one STRICT_PACK placement
+group of a bundle per rank, its worker rank a Ray actor; that rank SIGKILLed under 16
+streams is one instance failure, every stream ends with the reference text, and no rank
+actor or placement group is left. The tests share the cluster and each leaves
 it as it found it: the node-kill test adds a node of its own and kills that one, so
 every test runs alone and in any order.
 """
