@@ -31,6 +31,7 @@ from helpers.server import (
     KEY,
     Server,
     cluster,
+    cluster_rows,
     prometheus,
     row_of,
     wait_clean,
@@ -164,7 +165,8 @@ def test_colocated_instances_flip_to_prefill_and_decode_under_load(
     and decode pair, and the workload runs through both, an even share each - then the
     last colocated instance -> decode (a pair remains: allowed). Every text equals the
     undisturbed colocated run's; nothing retried, migrated or failed; pools clean. (The
-    busiest instance, not a fixed one: routing by load may leave one idle a moment.)"""
+    instance running the most requests, by its own count, not a fixed one: routing by
+    prefill load may leave one idle a moment.)"""
     server = start("--colocated", "3", "--kv-wait", "30")
     load = bodies()[:16]
     reference = run(served_engine, load)
@@ -172,8 +174,9 @@ def test_colocated_instances_flip_to_prefill_and_decode_under_load(
     def flip_under_load(names: list[str], role: str) -> tuple[str, dict]:
         streams = Streams(server.url, load)
         streams.wait_tokens(8)
-        held = {n: row_of(server, n, stats_timeout=0.1)["assigned_requests"] for n in names}
-        name = max(names, key=lambda n: held[n])
+        rows = {r["name"]: r for r in cluster_rows(server)}
+        running = {n: rows[n]["stats"]["num_running"] for n in names}
+        name = max(names, key=lambda n: running[n])
         status, report = flip(server, name, role)
         assert status == 200, report
         assert (report["previous_role"], report["role"]) == ("colocated", role), report
