@@ -50,15 +50,20 @@ TEXTS = [
 ]
 
 
-def parallel_core(role: Role, tp: int, pp: int, mode: str, block_size: int) -> EngineCore:
+def parallel_core(
+    role: Role, tp: int, pp: int, mode: str, block_size: int, swap: int = 0
+) -> EngineCore:
     """A `role` core of tp x pp ranks (this process the driver) over the shipped model,
-    moving KV through shared memory."""
+    moving KV through shared memory (`swap`: its stages' microbatch swapping staging
+    blocks, over sequences of at most 128 tokens)."""
     config = EngineConfig(
         role=role,
         instance_name=f"{role.value}-tp{tp}-pp{pp}",
         num_threads=tp * pp,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        microbatch_swap_blocks=swap,
+        max_model_len=128 if swap else None,
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64),
         cache=CacheConfig(block_size=block_size, num_blocks=256, num_host_blocks=64),
         transfer=TransferConfig(mode=mode, transport="shm"),  # type: ignore[arg-type]
@@ -139,17 +144,21 @@ def test_a_parallel_instance_hands_kv_to_another_layout(
             core.close()
 
 
+@pytest.mark.parametrize(("tp", "pp", "swap"), [(2, 1, 0), (1, 2, 16)], ids=["tp2", "pp2-swap"])
 def test_a_colocated_parallel_instance_flips_to_prefill_with_its_cache(
-    served_engine: Engine, one_process: OneProcess, threads: None
+    served_engine: Engine, one_process: OneProcess, threads: None, tp: int, pp: int, swap: int
 ) -> None:
-    """A colocated TP 2 instance keeps its pools private until its first hand-off: the
-    flip to prefill opens its link, and its worker copies its pool into the shared-memory
-    region the driver made before the driver goes on (`RankGroup.link`). The prompts it
-    cached as a colocated instance are then hits whose KV - both ranks' - reaches a decode
-    instance intact: one process's text again, the KV bit for bit."""
+    """A colocated TP 2 (or PP 2 swapping its micro-batches) instance keeps its pools
+    private until its first hand-off: the flip to prefill opens its link, and its worker
+    copies its pool into the shared-memory region the driver made before the driver goes
+    on (`RankGroup.link`). The prompts it cached as a colocated instance are then hits
+    whose KV - both ranks' - reaches a decode instance intact: one process's text again,
+    the KV bit for bit. With swapping, each stage's staging copies from and writes back
+    to the pool where it now is (a stage that kept the private pool would hand off stale
+    KV)."""
     model, path = served_engine.core.model, resolve_model(None)
     batch, reference = one_process
-    sides = [parallel_core(Role.COLOCATED, 2, 1, "pull", 16)]
+    sides = [parallel_core(Role.COLOCATED, tp, pp, "pull", 16, swap)]
     try:
         core = sides[0]
         assert colocated_outputs(core, batch, GREEDY) == reference
@@ -160,6 +169,9 @@ def test_a_colocated_parallel_instance_flips_to_prefill_with_its_cache(
         sides.append(make_core(path, model, Role.DECODE, "pull", "shm", 32))
         hand_off(core, sides[1], "pull", one_process)
         assert core.kv.prefix_cache_hits > hits
+        stage = core.runner.stage
+        staged = 0 if stage is None or stage.swap is None else stage.swap.peak_blocks
+        assert 0 < staged <= swap if swap else staged == 0, staged
     finally:
         for c in sides:
             c.close()
@@ -181,14 +193,22 @@ def test_served_prefill_tp2_to_decode_pp2_answers_as_one_engine(
     start: Callable[..., Server], reference: list, tmp_path: Path
 ) -> None:
     """Started from a placement (`serve --placement`, this machine: node 0) that names
-    each instance's devices (threads) and ranks."""
+    each instance's devices (threads) and ranks; the decode pipeline's stages swap their
+    micro-batches (DéjàVu) through 32-block staging areas - every block lives in the pool
+    the prefill instance's KV arrives in, moved into shared memory at the first hand-off
+    - while the one-stage prefill instance takes no staging. The 12 streams hold up to 59
+    blocks at the decode instance (ceil((prompt + 48) / 16) each), its driver's stage at
+    most the 32 of its staging area."""
     placement = tmp_path / "placement.json"
     instances = [
         {"role": "prefill", "node": 0, "devices": 2, "tp": 2, "pp": 1},
         {"role": "decode", "node": 0, "devices": 2, "tp": 1, "pp": 2},
     ]
     placement.write_text(json.dumps({"instances": instances}))
-    server = start("--placement", str(placement))
+    server = start(
+        "--placement", str(placement), "--microbatch-swap-blocks", "32",
+        "--max-model-len", "256",
+    )  # fmt: skip
     assert_identical(Streams(server.url, load()).results(), reference)
     status = cluster(server)
     layouts = {
@@ -196,6 +216,8 @@ def test_served_prefill_tp2_to_decode_pp2_answers_as_one_engine(
         for r in status["instances"]
     }
     assert layouts == {"prefill-0": (2, 1), "decode-0": (1, 2)}
+    staged = {r["name"]: r["stats"]["staged_peak_blocks"] for r in status["instances"]}
+    assert staged["prefill-0"] == 0 and 0 < staged["decode-0"] <= 32, staged
     counters = status["controller"]
     assert (counters["migrations"], counters["retries"], counters["failed"]) == (0, 0, 0)
     wait_clean(server)

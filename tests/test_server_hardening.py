@@ -681,6 +681,7 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     idle += ("num_predicted_decodes", "predicted_decode_tokens")  # decodes nothing prefilled
     idle += ("num_role_switches",)  # never flipped
     idle += ("kv_routes_shm", "kv_routes_tcp")  # a lone engine moves no KV
+    idle += ("staged_peak_blocks",)  # one stage: no microbatch swapping
     assert stats == {**dict.fromkeys(idle, 0), "integrity_error": None}
 
 

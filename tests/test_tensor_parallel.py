@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -311,33 +312,37 @@ def test_a_server_on_two_stages_answers_as_one_engine_and_names_a_killed_rank(
 
 
 def test_layouts_the_commands_refuse() -> None:
-    proc = run_cli("generate", "hi", "--tensor-parallel-size", "4")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().endswith(
-        "pdserve: error: --tensor-parallel-size 4 is more than the model's 3 KV heads: each "
-        "rank holds whole GQA groups (a KV head and its query heads)"
-    )
-    # two instances on this machine's 2 threads: one each, and a TP 2 prefill needs two
-    proc = run_cli("serve", "--prefill-tp", "2", "--prefill", "1", "--decode", "1")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().endswith(
-        "pdserve: error: prefill-0: --tensor-parallel-size 2 x --pipeline-parallel-size 1 = 2 "
-        "ranks, but the instance has 1 threads (each rank takes at least one; --num-threads "
-        "sets them)"
-    )
-    cluster = ["serve", "--decode-pp", "2", "--prefill", "1", "--decode", "1"]
-    proc = run_cli(*cluster, "--kv-transport", "tcp")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().endswith(
-        "pdserve: error: --kv-transport tcp: a parallel instance's ranks keep their KV in "
-        "shared memory; use shm or auto"
-    )
-    proc = run_cli(*cluster, "--kv-replication")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().endswith(
-        "pdserve: error: --kv-replication with parallel instances in a cluster is not built "
-        "yet: serve one engine, or leave the flag out (docs/parallelism.md)"
-    )
+    """Each a usage error (exit 2) before any instance starts, its message exact."""
+    cluster = ("serve", "--decode-pp", "2", "--prefill", "1", "--decode", "1")
+    cases = {
+        ("generate", "hi", "--tensor-parallel-size", "4"): "--tensor-parallel-size 4 is "
+        "more than the model's 3 KV heads: each rank holds whole GQA groups (a KV head and "
+        "its query heads)",
+        # two instances on this machine's 2 threads: one each, and a TP 2 prefill needs two
+        ("serve", "--prefill-tp", "2", "--prefill", "1", "--decode", "1"): "prefill-0: "
+        "--tensor-parallel-size 2 x --pipeline-parallel-size 1 = 2 ranks, but the instance "
+        "has 1 threads (each rank takes at least one; --num-threads sets them)",
+        (*cluster, "--kv-transport", "tcp"): "--kv-transport tcp: a parallel instance's "
+        "ranks keep their KV in shared memory; use shm or auto",
+        (*cluster, "--kv-replication"): "--kv-replication with parallel instances in a "
+        "cluster is not built yet: serve one engine, or leave the flag out "
+        "(docs/parallelism.md)",
+        ("serve", "--prefill", "1", "--decode", "1", "--microbatch-swap-blocks", "16"): (
+            "--microbatch-swap-blocks swaps a pipeline stage's micro-batches: no instance has "
+            "more than one stage (--pipeline-parallel-size, --prefill-pp, --decode-pp or a "
+            "placement's pp)"
+        ),
+        (*cluster, "--num-threads", "4", "--microbatch-swap-blocks", "4"): (
+            "--microbatch-swap-blocks 4: a half of 2 blocks cannot hold one 8192-token "
+            "sequence (512 blocks of 16); give at least 1024 or lower --max-model-len"
+        ),
+    }
+    for args, message in cases.items():
+        proc = run_cli(*args)
+        assert (proc.returncode, proc.stderr.strip().splitlines()[-1]) == (
+            2,
+            f"pdserve: error: {message}",
+        ), proc.stderr
     with pytest.raises(ValueError) as e:  # (exit 2 from the commands, as above)
         check_ranks_fit(
             EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=3)
@@ -483,7 +488,7 @@ def test_microbatch_swapping_refuses_what_it_cannot_stage() -> None:
     )
     with pytest.raises(ValueError, match=r"an even number >= 2 .*got 7"):
         EngineConfig(pipeline_parallel_size=2, microbatch_swap_blocks=7)
-    pool = torch.zeros(2, 2, 8, 16, 1, 8)
+    pool = SimpleNamespace(device_tensor=torch.zeros(2, 2, 8, 16, 1, 8))  # a stage's pool
     config = EngineConfig(pipeline_parallel_size=2, microbatch_swap_blocks=8)
     with pytest.raises(ValueError) as e:
         stage_swap(config, pool, 65)

@@ -64,6 +64,11 @@ class ClusterConfig:
     # --prefill-pp, --decode-tp, --decode-pp); None: the engine config's.
     prefill_parallel: tuple[int, int] | None = None
     decode_parallel: tuple[int, int] | None = None
+    # DéjàVu's microbatch swapping (--microbatch-swap-blocks S): every instance of more than
+    # one pipeline stage swaps through a staging area of S blocks a stage; 0: off. Set
+    # here, not on the engine config, because one cluster mixes pipeline instances with
+    # one-stage ones (which take none: `instance_config`).
+    microbatch_swap_blocks: int = 0
     # Cluster-wide caching (docs/caching.md). `routing`: see Routing. `pd_caching`
     # (MemServe §5.1, with a prefix cache): 1 caches at prefill instances only, 2 also at
     # decode instances (the prompt KV received and the answers' KV), 3 also returns each
@@ -276,6 +281,7 @@ def instance_config(
         cache=cache,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        microbatch_swap_blocks=cluster.microbatch_swap_blocks if pp > 1 else 0,
     )
 
 

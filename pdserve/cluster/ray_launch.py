@@ -40,13 +40,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
-    PlacementGroupSchedulingStrategy,
 )
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.instance import EngineProcess
 from pdserve.cluster.placement import PlacedInstance
-from pdserve.cluster.ray_ranks import first_line, rank_bundles, spawn_in_group
+from pdserve.cluster.ray_ranks import bundle_options, first_line, rank_bundles, spawn_in_group
 from pdserve.config import EngineConfig
 from pdserve.engine.ranks import rank_threads
 from pdserve.errors import EngineDeadError
@@ -321,24 +320,21 @@ class RayEngineProcess:
         )
         if self.config.world_size > 1:
             self._group = self._reserve(res, need)
-            bundle = self._group.bundle_specs[0]
-            cpus, gpus = bundle.get("CPU", 0.0), bundle.get("GPU", 0.0)
-            memory = bundle.get("memory", 0.0)
-            strategy: Any = PlacementGroupSchedulingStrategy(self._group, 0)
+            options = bundle_options(self._group, 0)
         else:
-            cpus, gpus, memory = res.cpus, res.gpus, res.memory_bytes
-            strategy = (
+            strategy: Any = (
                 NodeAffinitySchedulingStrategy(self._pinned.node_id, soft=self._soft)
                 if self._pinned is not None
                 else "DEFAULT"
             )
+            options = {
+                "num_cpus": res.cpus,
+                "num_gpus": res.gpus,
+                "memory": res.memory_bytes,
+                "scheduling_strategy": strategy,
+            }
         actor: Any = _RemoteEngineActor.options(
-            name=self._unique("pdserve"),
-            num_cpus=cpus,
-            num_gpus=gpus,
-            memory=memory,
-            max_restarts=0,
-            scheduling_strategy=strategy,
+            name=self._unique("pdserve"), max_restarts=0, **options
         ).remote()
         self._actor = actor
         try:

@@ -30,6 +30,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayError
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import EngineConfig
@@ -95,6 +96,18 @@ class RayRank:
             ray.kill(self._actor, no_restart=True)
 
 
+def bundle_options(pg: PlacementGroup, index: int) -> dict[str, Any]:
+    """The Ray options of an actor that takes bundle `index` of `pg`: what the bundle
+    reserves, and scheduling into it."""
+    bundle = pg.bundle_specs[index]
+    return {
+        "num_cpus": bundle.get("CPU", 0.0),
+        "num_gpus": bundle.get("GPU", 0.0),
+        "memory": bundle.get("memory", 0.0),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, index),
+    }
+
+
 def spawn_in_group(ranks: range, port: int) -> tuple[list[RankProcess], list[mpc.Connection]]:
     """Ranks `ranks` as `RankActor`s in this actor's placement group, bundle i for rank
     i (the engine actor's `Spawn`); returns once each has connected. RuntimeError naming
@@ -105,14 +118,7 @@ def spawn_in_group(ranks: range, port: int) -> tuple[list[RankProcess], list[mpc
     started = []
     for rank in ranks:
         listener = socket.create_server(("127.0.0.1", 0))
-        bundle = pg.bundle_specs[rank]
-        actor: Any = _RemoteRankActor.options(
-            num_cpus=bundle.get("CPU", 0.0),
-            num_gpus=bundle.get("GPU", 0.0),
-            memory=bundle.get("memory", 0.0),
-            max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
-        ).remote()
+        actor: Any = _RemoteRankActor.options(max_restarts=0, **bundle_options(pg, rank)).remote()
         run = actor.run.remote(listener.getsockname(), rank, port, os.getpid())
         started.append((rank, listener, actor, run))
     procs: list[RankProcess] = []

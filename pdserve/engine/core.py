@@ -85,7 +85,7 @@ class EngineCore:
         self.runner = ModelRunner(model, cache, self.kv)
         self.ranks = ranks  # a parallel instance's other ranks (`model`: the driver's shard)
         if ranks is not None:  # they run every step this core runs
-            swap = stage_swap(config, cache.device_tensor, max_model_len)
+            swap = stage_swap(config, cache, max_model_len)
             ranks.attach(self.runner, None if self.link is None else self.link.handles[1:], swap)
         self.bursts = DecodeBursts(config.scheduler, max_model_len, self.eos_token_ids)
         self.admission = AdmissionGate(config.scheduler.decode_admission, self.kv, max_model_len)

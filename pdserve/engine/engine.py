@@ -13,6 +13,7 @@ import torch
 
 from pdserve.config import EngineConfig, check_device
 from pdserve.engine.core import EngineCore
+from pdserve.engine.mb_swap import check_staging
 from pdserve.engine.ranks import RankGroup, Spawn, rank_threads
 from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.layout import DTYPE_SIZES
@@ -146,6 +147,13 @@ def build_core(
     max_len = max_model_len_for(config, model.config, kv_config)
     eos = set(stop_token_ids) | set(model.config.eos_token_ids)
     return EngineCore(config, model, kv_config, max_len, sorted(eos), ranks)
+
+
+def check_staging_fits(config: EngineConfig, model: ModelConfig, quantized: bool) -> None:
+    """A pipeline instance's --microbatch-swap-blocks against the context limit its core
+    will have (ValueError, as `stage_swap` would raise once the instance started)."""
+    kv = kv_config_for(config, model, quantized)
+    check_staging(config, kv.block_size, max_model_len_for(config, model, kv))
 
 
 def kv_config_for(config: EngineConfig, model: ModelConfig, quantized: bool) -> KVCacheConfig:

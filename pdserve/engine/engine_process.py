@@ -200,6 +200,8 @@ class _Loop:
     def stats(self, request_id: int, check: bool) -> EngineStats:
         s, kv = self.core.scheduler, self.core.kv
         routes = self.core.link.transport.routes() if self.core.link is not None else {}
+        stage = self.core.runner.stage
+        swap = None if stage is None else stage.swap
         error = None
         if check:
             try:
@@ -227,6 +229,7 @@ class _Loop:
             num_burst_steps=self.core.bursts.num_burst_steps,
             kv_routes_shm=routes.get("shm", 0),
             kv_routes_tcp=routes.get("tcp", 0),
+            staged_peak_blocks=0 if swap is None else swap.peak_blocks,
             **self.core.stats(),  # the role's and the features' fields
         )
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -49,21 +50,30 @@ class Staged:
     staging_rows: torch.Tensor
 
 
+class HomePool(Protocol):
+    """Where a stage's blocks live (a `KVCache`): `device_tensor` is [layers, 2, blocks,
+    block_size, kv heads, head dim], contiguous. In a cluster it moves into a shared region
+    once the instance first moves KV (`EngineCore.transfer_link`, a worker's "link"), its
+    contents copied and its shape kept: the swap reads it at every copy, never keeps it."""
+
+    device_tensor: torch.Tensor
+
+
 class MicrobatchSwap:
-    def __init__(self, home: torch.Tensor, num_blocks: int, device: torch.device) -> None:
-        """`home`: the stage's pool, [layers, 2, blocks, block_size, kv heads, head dim],
-        contiguous; `num_blocks`: the staging area's blocks (two halves), on `device`."""
+    def __init__(self, pool: HomePool, num_blocks: int, device: torch.device) -> None:
+        """`pool`: the stage's home pool; `num_blocks`: the staging area's blocks (two
+        halves), on `device`."""
         if num_blocks < 2 or num_blocks % 2:
             raise ValueError(
                 f"microbatch swapping needs an even staging area of >= 2 blocks, got {num_blocks}"
             )
+        home = pool.device_tensor
         layers, _, _, self.block_size, heads, dim = home.shape
-        self.home = home
+        self.pool = pool
         self.staging = torch.zeros(
             layers, 2, num_blocks, self.block_size, heads, dim, dtype=home.dtype, device=device
         )
         self.half_blocks = num_blocks // 2
-        self._home_rows = home.view(layers, 2, -1, heads * dim)
         self._staging_rows = self.staging.view(layers, 2, -1, heads * dim)
         self._held = [0, 0]  # blocks staged in each half this step
         self.peak_blocks = 0  # the most blocks staged at once, over the stage's life
@@ -121,7 +131,8 @@ class MicrobatchSwap:
         src = torch.tensor(list(ids), dtype=torch.long)
         dst = torch.tensor(list(ids.values()), dtype=torch.long)
         with self._copying():
-            blocks = self.home[:, :, src].to(self.staging.device, non_blocking=True)
+            home = self.pool.device_tensor
+            blocks = home[:, :, src].to(self.staging.device, non_blocking=True)
             self.staging.index_copy_(2, dst.to(self.staging.device), blocks)
         self._held[half] = len(ids)
         self.peak_blocks = max(self.peak_blocks, sum(self._held))
@@ -132,8 +143,10 @@ class MicrobatchSwap:
         if done is not None and self._stream is not None:
             self._stream.wait_event(done)
         with self._copying():
+            home = self.pool.device_tensor
+            home_rows = home.view(*self._staging_rows.shape[:2], -1, self._staging_rows.shape[3])
             rows = self._staging_rows[:, :, staged.staging_rows.to(self.staging.device)]
-            self._home_rows[:, :, staged.home_rows] = rows.to(self.home.device, non_blocking=True)
+            home_rows[:, :, staged.home_rows] = rows.to(home.device, non_blocking=True)
 
     @contextlib.contextmanager
     def _copying(self) -> Iterator[None]:
@@ -147,19 +160,23 @@ class MicrobatchSwap:
         self.copy_s += time.perf_counter() - start
 
 
-def stage_swap(
-    config: EngineConfig, pool: torch.Tensor, max_model_len: int
-) -> MicrobatchSwap | None:
-    """A pipeline stage's microbatch swapping over its pool, where configured: a staging
-    half must hold one sequence of `max_model_len` tokens (ValueError naming both)."""
-    if not config.microbatch_swap_blocks:
-        return None
-    half, block = config.microbatch_swap_blocks // 2, pool.shape[3]
-    longest = -(-max_model_len // block)
+def check_staging(config: EngineConfig, block_size: int, max_model_len: int) -> None:
+    """A staging half must hold one sequence of `max_model_len` tokens in blocks of
+    `block_size`: ValueError naming both numbers where it cannot."""
+    half = config.microbatch_swap_blocks // 2
+    longest = -(-max_model_len // block_size)
     if half < longest:
         raise ValueError(
             f"--microbatch-swap-blocks {config.microbatch_swap_blocks}: a half of {half} "
             f"blocks cannot hold one {max_model_len}-token sequence ({longest} blocks of "
-            f"{block}); give at least {2 * longest} or lower --max-model-len"
+            f"{block_size}); give at least {2 * longest} or lower --max-model-len"
         )
+
+
+def stage_swap(config: EngineConfig, pool: HomePool, max_model_len: int) -> MicrobatchSwap | None:
+    """A pipeline stage's microbatch swapping over its pool, where configured
+    (`check_staging` first)."""
+    if not config.microbatch_swap_blocks:
+        return None
+    check_staging(config, pool.device_tensor.shape[3], max_model_len)
     return MicrobatchSwap(pool, config.microbatch_swap_blocks, torch.device(config.device))

@@ -277,9 +277,7 @@ def worker_main(
                     swap = None
                     if config.microbatch_swap_blocks:
                         device = torch.device(config.device)
-                        swap = MicrobatchSwap(
-                            cache.device_tensor, config.microbatch_swap_blocks, device
-                        )
+                        swap = MicrobatchSwap(cache, config.microbatch_swap_blocks, device)
                     runner.stage = Stage(shard, model, swap)
             elif kind == "link":
                 assert runner is not None

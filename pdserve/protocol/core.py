@@ -162,6 +162,9 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     kv_routes_shm: int = 0
     kv_routes_tcp: int = 0
     num_role_switches: int = 0  # since start: instance flips this instance made
+    # since start, a pipeline instance with microbatch swapping (engine/mb_swap.py): the
+    # most blocks its driver's stage held staged at once (its staging area's use)
+    staged_peak_blocks: int = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

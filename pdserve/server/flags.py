@@ -43,20 +43,20 @@ def _check_parallel(engine: EngineConfig, cluster: ClusterConfig, args: argparse
     """Parallel instances in a cluster: what is not built for them yet is refused (whether
     each instance's layout splits the model and fits its threads needs the model file:
     `launch.engine_config`)."""
-    if cluster.num_instances == 1 or not any(
-        c.world_size > 1 for c in instance_configs(cluster, engine)
-    ):
+    instances = instance_configs(cluster, engine)  # each checked by its dataclass
+    if cluster.microbatch_swap_blocks and not any(c.microbatch_swap_blocks for c in instances):
+        raise ValueError(
+            "--microbatch-swap-blocks swaps a pipeline stage's micro-batches: no instance "
+            "has more than one stage (--pipeline-parallel-size, --prefill-pp, --decode-pp "
+            "or a placement's pp)"
+        )
+    if cluster.num_instances == 1 or not any(c.world_size > 1 for c in instances):
         return
-    what = (
-        (cluster.replicate, "--kv-replication"),
-        (engine.microbatch_swap_blocks, "--microbatch-swap-blocks"),
-    )
-    for given, flags in what:
-        if given:
-            raise ValueError(
-                f"{flags} with parallel instances in a cluster is not built yet: serve one "
-                "engine, or leave the flag out (docs/parallelism.md)"
-            )
+    if cluster.replicate:
+        raise ValueError(
+            "--kv-replication with parallel instances in a cluster is not built yet: serve "
+            "one engine, or leave the flag out (docs/parallelism.md)"
+        )
     if engine.transfer.transport not in SHARED_TRANSPORTS:
         raise ValueError(
             f"--kv-transport {engine.transfer.transport}: a parallel instance's ranks keep "
@@ -166,7 +166,6 @@ def engine_flags(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
-        microbatch_swap_blocks=args.microbatch_swap_blocks,
         cpus=args.engine_cpus,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -236,6 +235,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         prefill_chunk_size=args.chunk_size,
         prefill_parallel=_role_parallel(args, "prefill"),
         decode_parallel=_role_parallel(args, "decode"),
+        microbatch_swap_blocks=args.microbatch_swap_blocks,
         routing=Routing(args.routing),
         pd_caching=args.pd_caching,
         prefix_ttl_s=args.prefix_ttl,

@@ -63,6 +63,10 @@ def engine_config(
             split_model(model, instance.tensor_parallel_size, instance.pipeline_parallel_size)
             if not args.ray:  # under Ray its node's devices: cluster/ray_launch.check_fits
                 check_ranks_fit(instance)
+            if instance.microbatch_swap_blocks:
+                from pdserve.engine.engine import check_staging_fits  # torch: only here
+
+                check_staging_fits(instance, model, quant.quantized)
     config = dataclasses.replace(
         flags, length_predictor=resolve_predictor(args.predictor, args.model)
     )
