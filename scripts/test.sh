@@ -16,8 +16,10 @@ bash scripts/setup.sh --dev
 export OMP_WAIT_POLICY=PASSIVE
 export PYTHONPATH="tests/plugins${PYTHONPATH:+:$PYTHONPATH}"
 # In a random order (pytest-randomly; the seed is in the header: `-p randomly
-# --randomly-seed=N` repeats an order, `-p no:randomly` runs in file order).
-.venv/bin/python -m pytest -p no_skips -q --durations=25 "$@"
+# --randomly-seed=N` repeats an order, `-p no:randomly` runs in file order), in two
+# processes (pytest-xdist), each taking a whole file at a time: a module's servers are
+# started once, and its tests never run beside each other. `-n 0` runs in this one.
+.venv/bin/python -m pytest -p no_skips -q -n 2 --dist loadfile --durations=25 "$@"
 if [ $# -eq 0 ]; then
     # The fallback path, as on a machine where the kernels could not be built: the tests
     # whose outcome depends on how the shipped model computes (marked `fallback` by
@@ -26,7 +28,7 @@ if [ $# -eq 0 ]; then
     # tests of the compiled path itself (`kernels`) are deselected. Tiny fp32 models and
     # the server's lifecycle take the same path either way. `PDSERVE_NO_KERNELS=1 bash
     # .ci/run` runs the whole suite so.
-    PDSERVE_NO_KERNELS=1 .venv/bin/python -m pytest -p no_skips -q -m fallback \
+    PDSERVE_NO_KERNELS=1 .venv/bin/python -m pytest -p no_skips -q -n 2 --dist loadfile -m fallback \
         tests/test_engine_schedules.py tests/test_engine_process.py tests/test_server.py \
         tests/test_quant_model.py tests/test_model_vs_hf.py
 fi

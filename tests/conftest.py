@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.server import KEY, Server, pdkv_segments, stop
+from helpers.server import KEY, Server, pdkv_segments, segments_left, stop
 
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from pdserve.engine.engine import Engine
@@ -181,5 +181,5 @@ def start() -> Iterator[Callable[..., Server]]:
     yield go
     for server in started:
         stop(server)
-    leaked = pdkv_segments() - before
+    leaked = segments_left(before)
     assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"

@@ -38,6 +38,7 @@ from helpers.server import (
     pdkv_segments,
     prometheus,
     row_of,
+    segments_left,
     stop,
     wait_clean,
     wait_for,
@@ -91,7 +92,7 @@ def started(*args: str) -> Iterator[Server]:
     server = Server(*args, "--enable-debug-endpoints", "--kv-cache-memory-gib", "0.5")
     yield server
     stop(server)
-    assert not pdkv_segments() - before, "shared-memory segments left behind"
+    assert not segments_left(before), "shared-memory segments left behind"
 
 
 # The shipped model's defaults (Q4_1 blocks): the answers are compared with an in-process

@@ -26,6 +26,7 @@ from helpers.server import (
     cluster_rows,
     pdkv_segments,
     row_of,
+    segments_left,
     stop,
     wait_clean,
     wait_dead,
@@ -108,7 +109,7 @@ def run_concurrently(server: Server, prompts: list[str]) -> list[tuple[int, dict
 def _no_leaked_segments() -> Iterator[None]:
     before = pdkv_segments()
     yield
-    leaked = pdkv_segments() - before
+    leaked = segments_left(before)
     assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
 
 
@@ -314,7 +315,7 @@ def kill_cluster(request: pytest.FixtureRequest) -> Iterator[Server]:
     )
     yield server
     stop(server)
-    leaked = pdkv_segments() - before
+    leaked = segments_left(before)
     assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
 
 

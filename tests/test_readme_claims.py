@@ -36,6 +36,7 @@ from helpers.server import (
     cluster,
     pdkv_segments,
     row_of,
+    segments_left,
     stop,
     wait_clean,
     wait_dead,
@@ -77,7 +78,7 @@ def serving(*flags: str) -> Iterator[Server]:
         raise
     finally:
         stop(server)
-    assert not pdkv_segments() - before, "shared-memory segments left behind"
+    assert not segments_left(before), "shared-memory segments left behind"
 
 
 def instance_pid(server: Server, name: str) -> int:

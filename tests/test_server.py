@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers.server import KEY, MODEL, Server, auth, pdkv_segments, wait_for
+from helpers.server import KEY, MODEL, Server, auth, pdkv_segments, segments_left, wait_for
 from openai import BadRequestError, NotFoundError, OpenAI
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -735,7 +735,7 @@ def test_a_killed_server_leaves_no_process_and_no_segment_behind() -> None:
     s.proc.wait(10)
     _, alive = psutil.wait_procs(children, timeout=30)
     assert alive == []
-    assert not pdkv_segments() - before
+    assert not segments_left(before)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_with_no_child_left() -> None:

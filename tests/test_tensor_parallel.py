@@ -8,7 +8,6 @@ fp32 weights and its Q4_1 blocks."""
 
 from __future__ import annotations
 
-import glob
 import json
 import multiprocessing as mp
 import threading
@@ -22,7 +21,7 @@ import pytest
 import torch
 from helpers.forward import run_steps, workload
 from helpers.reference import greedy, run
-from helpers.server import Server, wait_for
+from helpers.server import Server, segments_left, wait_for
 from helpers.tiny_models import make_tiny_model
 from test_quant_model import run_cli
 from test_server import sse
@@ -308,7 +307,7 @@ def test_a_server_on_two_stages_answers_as_one_engine_and_names_a_killed_rank(
         assert status == 500 and reply["error"]["message"].startswith("the engine is not available")
     finally:
         s.stop()
-    assert glob.glob("/dev/shm/pdtp-*") == []
+    assert segments_left(set(), "pdtp-") == set()
 
 
 def test_layouts_the_commands_refuse() -> None:
@@ -420,7 +419,7 @@ def test_a_rank_killed_mid_step_fails_the_instance_at_once(tp: int, pp: int, pha
     finally:
         engine.core.close()
     assert rank_processes() == []
-    assert glob.glob("/dev/shm/pdtp-*") == []
+    assert segments_left(set(), "pdtp-") == set()
 
 
 def test_a_rank_gone_between_steps_is_named_before_the_next() -> None:

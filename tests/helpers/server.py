@@ -143,14 +143,33 @@ def stop(server: Server) -> None:
     psutil.wait_procs(children, timeout=60)
 
 
-def pdkv_segments() -> set[str]:
+def pdkv_segments(prefix: str = "pdkv-") -> set[str]:
     """KV segments in /dev/shm that this test process answers for: those of its own
     processes (descendants) and of dead ones (a leak). A live process of another program
     (a server someone else runs on the machine, another test worker's) owns its segments;
     they are not counted. Segment names carry the creating process's pid
-    (`pdkv-<pid>-<random>-<name>`, kv/transfer/shm.py)."""
+    (`pdkv-<pid>-<random>-<name>`, kv/transfer/shm.py; `pdtp-<pid>-...`, a tensor-parallel
+    group's sums, parallel/group.py)."""
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
-    return {f for f in os.listdir("/dev/shm") if f.startswith("pdkv-") and _ours(f, mine)}
+    return {f for f in os.listdir("/dev/shm") if f.startswith(prefix) and _ours(f, mine)}
+
+
+# A segment whose owner was SIGKILLed is unlinked by the owner's resource tracker a moment
+# later (kv/transfer/shm.py); meanwhile it looks like a leak to every test process on the
+# machine, the other test worker's included.
+TRACKER_GRACE_S = 10.0
+
+
+def segments_left(before: set[str], prefix: str = "pdkv-") -> set[str]:
+    """The segments this test process answers for (`pdkv_segments`) that were not there
+    `before`, once those of owners that just died had TRACKER_GRACE_S to be unlinked: what
+    is still there then is a leak, whoever made it."""
+    deadline = time.monotonic() + TRACKER_GRACE_S
+    while True:
+        left = pdkv_segments(prefix) - before
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def _ours(segment: str, mine: set[int]) -> bool:
