@@ -226,13 +226,16 @@ def test_served_prefill_tp2_to_decode_pp2_answers_as_one_engine(
 def test_a_killed_rank_of_a_tp2_decode_instance_moves_its_requests(
     start: Callable[..., Server], reference: list
 ) -> None:
-    """`--prefill-pp 2 --decode-tp 2`, two decode instances: the answers are one engine's;
-    then decode-0's worker rank is SIGKILLed once every stream has 8 tokens. decode-0
-    fails as one instance (its driver names the rank and exits), its requests move to
-    decode-1 and end with the undisturbed text; no rank process of decode-0 is left."""
+    """`--prefill-pp 2 --decode-tp 2 --kv-replication`, two decode instances replicating
+    to each other (DéjàVu): the answers are one engine's; then decode-0's worker rank is
+    SIGKILLed once every stream has 8 tokens. decode-0 fails as one instance (its driver
+    names the rank and exits), its requests move to decode-1 and end with the undisturbed
+    text, every one resumed from its replica - which decode-0's two ranks wrote, each its
+    KV heads, into decode-1's store, and which decode-1 copied into both its ranks' pools
+    - and no rank process of decode-0 is left."""
     server = start(
         "--prefill", "1", "--decode", "2", "--prefill-pp", "2", "--decode-tp", "2",
-        "--num-threads", "6", "--instance-timeout", "30",
+        "--num-threads", "6", "--instance-timeout", "30", "--kv-replication",
     )  # fmt: skip
     assert_identical(Streams(server.url, load()).results(), reference)
     driver = psutil.Process(row_of(server, "decode-0")["pid"])
@@ -250,6 +253,7 @@ def test_a_killed_rank_of_a_tp2_decode_instance_moves_its_requests(
     counters = cluster(server)["controller"]
     assert counters["instance_failures"] == {"decode": 1}, counters
     assert counters["failed"] == 0 and counters["migrations"] >= held > 0, (counters, held)
+    assert counters["resumed_from_replica"] == counters["migrations"], counters
     wait_for(lambda: not driver.is_running() or driver.status() == psutil.STATUS_ZOMBIE)
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
     wait_clean(server, every_role=False)

@@ -323,9 +323,6 @@ def test_layouts_the_commands_refuse() -> None:
         "has 1 threads (each rank takes at least one; --num-threads sets them)",
         (*cluster, "--kv-transport", "tcp"): "--kv-transport tcp: a parallel instance's "
         "ranks keep their KV in shared memory; use shm or auto",
-        (*cluster, "--kv-replication"): "--kv-replication with parallel instances in a "
-        "cluster is not built yet: serve one engine, or leave the flag out "
-        "(docs/parallelism.md)",
         ("serve", "--prefill", "1", "--decode", "1", "--microbatch-swap-blocks", "16"): (
             "--microbatch-swap-blocks swaps a pipeline stage's micro-batches: no instance has "
             "more than one stage (--pipeline-parallel-size, --prefill-pp, --decode-pp or a "

@@ -20,7 +20,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-import msgspec
 import torch
 
 from pdserve.config import EngineConfig, Role
@@ -47,7 +46,7 @@ from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.kv.cache import KVCache
 from pdserve.kv.config import KVCacheConfig
-from pdserve.kv.layout import KVLayout
+from pdserve.kv.layout import KVLayout, whole_layout
 from pdserve.kv.manager import KVManager
 from pdserve.model.base import CausalLM
 from pdserve.protocol.core import EngineOutput, RequestRejected
@@ -174,7 +173,7 @@ class EngineCore:
     def kv_layout(self) -> KVLayout:
         """Geometry of this instance's device KV (as the transfer library sees it): the
         driver's pool with every rank's layers and KV heads, for a parallel instance."""
-        return _whole(_rank_layouts(self.runner.cache.layout, self.ranks))
+        return whole_layout(_rank_layouts(self.runner.cache.layout, self.ranks))
 
     def post(self, msg: EngineMessage) -> None:
         self.outbox.append(msg)
@@ -503,15 +502,6 @@ def _open_pool(
 
 def _rank_layouts(driver: KVLayout, ranks: RankGroup | None) -> list[KVLayout]:
     return [driver] if ranks is None else ranks.kv_layouts(driver)
-
-
-def _whole(ranks: list[KVLayout]) -> KVLayout:
-    """The geometry of the KV an instance's rank pools hold together."""
-    return msgspec.structs.replace(
-        ranks[0],
-        num_layers=max(r.layers.stop for r in ranks),
-        num_kv_heads=max(r.kv_heads.stop for r in ranks),
-    )
 
 
 def _handler_table(

@@ -14,6 +14,8 @@ consecutive rows: a run of slots is one contiguous piece of memory per (layer, K
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 # The supported KV dtypes, by name, and their element size in bytes. The one dtype table:
@@ -137,6 +139,18 @@ class KVLayout(msgspec.Struct, frozen=True):
     def nbytes(self) -> int:
         """Bytes of the whole pool."""
         return 2 * self.num_layers * self.num_slots * self.token_bytes
+
+
+def whole_layout(ranks: Sequence[KVLayout]) -> KVLayout:
+    """The geometry of the KV an instance's rank pools hold together (one pool a rank,
+    the driver's first): every layer and KV head any of them holds, from 0."""
+    return msgspec.structs.replace(
+        ranks[0],
+        num_layers=max(r.layers.stop for r in ranks),
+        num_kv_heads=max(r.kv_heads.stop for r in ranks),
+        first_layer=0,
+        first_kv_head=0,
+    )
 
 
 class RegionHandle(msgspec.Struct, frozen=True):

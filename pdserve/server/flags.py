@@ -40,9 +40,9 @@ def check_serve_flags(args: argparse.Namespace) -> tuple[EngineConfig, ClusterCo
 
 
 def _check_parallel(engine: EngineConfig, cluster: ClusterConfig, args: argparse.Namespace) -> None:
-    """Parallel instances in a cluster: what is not built for them yet is refused (whether
-    each instance's layout splits the model and fits its threads needs the model file:
-    `launch.engine_config`)."""
+    """Microbatch swapping needs a pipeline instance, and parallel instances in a cluster
+    move KV through shared memory (whether each instance's layout splits the model and
+    fits its threads needs the model file: `launch.engine_config`)."""
     instances = instance_configs(cluster, engine)  # each checked by its dataclass
     if cluster.microbatch_swap_blocks and not any(c.microbatch_swap_blocks for c in instances):
         raise ValueError(
@@ -52,11 +52,6 @@ def _check_parallel(engine: EngineConfig, cluster: ClusterConfig, args: argparse
         )
     if cluster.num_instances == 1 or not any(c.world_size > 1 for c in instances):
         return
-    if cluster.replicate:
-        raise ValueError(
-            "--kv-replication with parallel instances in a cluster is not built yet: serve "
-            "one engine, or leave the flag out (docs/parallelism.md)"
-        )
     if engine.transfer.transport not in SHARED_TRANSPORTS:
         raise ValueError(
             f"--kv-transport {engine.transfer.transport}: a parallel instance's ranks keep "

@@ -27,7 +27,7 @@ def assemble(core: CoreAccess, model: CausalLM) -> list[Participant]:
         head = load_length_head(config.length_predictor, model)
     return [
         # DéjàVu replication, source side: running requests' KV streamed to a holder.
-        Replicator(core.kv, core.cache, core.transfer_link, core.post, transfer.timeout_s),
+        Replicator(core.kv, core.transfer_link, core.post, transfer.timeout_s),
         # MemServe's cluster caching: KV offered to and fetched from peers.
         CacheExchange(config.instance_name, core.kv, core.transfer_link, core.post, transfer),
         # DéjàVu replication, holder side: other instances' replicas, resumed on death.

@@ -1,8 +1,8 @@
 """`ReplicaStore`: the holder side of DéjàVu's KV replication (protocol/replica.py).
 
-The holder keeps, per source instance, one host-memory region of the source's pool layout
-(`OpenReplicaStore`), created through this core's transfer link so the source can write
-into it with its transport. Contracts:
+The holder keeps, per source instance, one host-memory region of the source's KV geometry
+(`OpenReplicaStore`: a parallel source's ranks' layers and KV heads together), created
+through this core's transfer link so the source can write into it with its transport. Contracts:
 
 - Who writes: only the source writes its region, into blocks it allocates itself; the
   holder never writes a replica and reads one only to resume it (`take`), after the
@@ -35,7 +35,7 @@ from pdserve.engine.request import Request
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.kv.block_pool import integrity_check
 from pdserve.kv.layout import KVLayout, RegionHandle
-from pdserve.kv.transfer import LayoutMismatchError, Region, apply_plan, stream_in
+from pdserve.kv.transfer import LayoutMismatchError, Region, apply_plan, plans_between
 from pdserve.protocol.core import RequestRejected
 from pdserve.protocol.replica import (
     DropReplicas,
@@ -240,15 +240,19 @@ class ReplicaStore(Participant):
     def _copy(
         self, request_id: str, region: Region, replica: ReplicaBlocks, start: int, end: int
     ) -> None:
-        """Copy tokens [start, end) from the replica region into the request's blocks
-        (both are tensors of this process). LayoutMismatchError if the replica's table or
-        geometry does not fit."""
+        """Copy tokens [start, end) from the replica region into the request's blocks of
+        every rank's pool, each taking its layers and KV heads (all are tensors of this
+        process: a parallel instance's driver maps its workers' pools). LayoutMismatchError
+        if the replica's table or geometry does not fit."""
         if end <= start:
             return
-        cache = self.core.cache
+        link = self.core.transfer_link()  # open: the store's region came from it
         table = self.core.kv.block_table(request_id)
-        plan = stream_in(region.handle.layout, replica.blocks, cache.layout, table, start, end)
-        apply_plan(plan, region.tensor, cache.device_tensor)
+        moves = plans_between(
+            [region.handle.layout], replica.blocks, link.layouts, table, start, end
+        )
+        for _, rank, plan in moves:
+            apply_plan(plan, region.tensor, link.tensors[rank])
 
     # ---- integrity --------------------------------------------------------------
 

@@ -41,13 +41,13 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from pdserve.engine.participant import Admissible, Handler, Participant
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.roles.transfer import TransferLink
-from pdserve.kv.cache import KVCache
-from pdserve.kv.layout import KVLayout, RegionHandle
+from pdserve.kv.layout import KVLayout, RegionHandle, whole_layout
 from pdserve.kv.manager import KVManager
 from pdserve.kv.transfer import (
     TransferPlan,
@@ -55,6 +55,7 @@ from pdserve.kv.transfer import (
     TransferTask,
     gather_many,
     merge_plans,
+    shared_plan,
 )
 from pdserve.kv.transfer.plan import check_table, runs_between, token_slots
 from pdserve.protocol.replica import KVReplicated, ReplicaBlocks, ReplicateTo
@@ -109,13 +110,11 @@ class Replicator(Participant):
     def __init__(
         self,
         kv: KVManager,
-        cache: KVCache,
         link: Callable[[], TransferLink],
         send: Callable[[EngineMessage], None],
         timeout_s: float,
     ) -> None:
         self.kv = kv
-        self.cache = cache  # the pool: `device_tensor` may move into a region later
         self._link = link  # the core's transfer link, opened on first use
         self.send = send
         self.timeout_s = timeout_s
@@ -174,8 +173,9 @@ class Replicator(Participant):
 
     def start(self, holder: str, region: RegionHandle, link: TransferLink) -> None:
         """Replicate into `region` from token 0 of every running request. ValueError
-        (and nothing changes) when the region's geometry is not the pool's."""
-        self._check_geometry(region.layout)
+        (and nothing changes) when the region's geometry is not the instance's pools'
+        together (`whole_layout`: a parallel instance's ranks each hold a shard)."""
+        self._check_geometry(region.layout, whole_layout(link.layouts))
         self.stop()
         self._target = _Target(holder, region, link)
         self._free = list(range(region.layout.num_blocks - 1, -1, -1))
@@ -187,8 +187,8 @@ class Replicator(Participant):
         self._replicas.clear()
         self._free = []
 
-    def _check_geometry(self, region: KVLayout) -> None:
-        pool = self.cache.layout
+    @staticmethod
+    def _check_geometry(region: KVLayout, pool: KVLayout) -> None:
         for name in _SAME_GEOMETRY:
             if getattr(region, name) != getattr(pool, name):
                 raise ValueError(
@@ -282,19 +282,25 @@ class Replicator(Participant):
         return ReplicaBlocks(piece.request_id, blocks, replica.written)
 
     def _submit(self, target: _Target, pieces: list[_Piece]) -> _Write:
-        """Gather the pieces into one buffer now; flush it in one background call."""
-        layout = self.cache.layout
+        """Gather the pieces into one buffer a rank now (each rank's pool holds its layers
+        and KV heads: the driver's alone for an instance of one rank); flush them in one
+        background call, each into its layers and heads of the region."""
+        link = target.link
         tables = [(self.kv.block_table(p.request_id), p.start, p.end) for p in pieces]
-        buf = gather_many(self.cache.device_tensor, layout, tables).cpu()
-        buf_layout = buffer_layout(layout, buf.shape[2])
-        plan = self._plan(pieces, target.region.layout, buf_layout)
-        pool = buf.view(buf_layout.shape)
-        transport, region = target.link.transport, target.region
+        flushes = []
+        for layout, tensor in zip(link.layouts, link.tensors, strict=True):
+            buf = gather_many(tensor, layout, tables).cpu()
+            buf_layout = buffer_layout(layout, buf.shape[2])
+            plan = self._plan(pieces, target.region.layout, buf_layout)
+            flushes.append((plan, buf.view(buf_layout.shape)))
+        transport, region = link.transport, target.region
 
         def flush() -> None:
-            transport.flush(region, plan, pool)
+            for plan, pool in flushes:
+                transport.flush(region, plan, pool)
 
-        task = target.link.worker.submit(flush, nbytes=plan.nbytes, deadline_s=self.timeout_s)
+        nbytes = sum(plan.nbytes for plan, _ in flushes)
+        task = link.worker.submit(flush, nbytes=nbytes, deadline_s=self.timeout_s)
         return _Write(task, pieces, self._epoch)
 
     @staticmethod
@@ -309,29 +315,18 @@ class Replicator(Participant):
 
 
 def buffer_layout(pool: KVLayout, num_tokens: int) -> KVLayout:
-    """The layout of a gathered buffer of `num_tokens` tokens: one token per block."""
-    return KVLayout(
-        num_layers=pool.num_layers,
-        num_blocks=max(num_tokens, 1),
-        block_size=1,
-        num_kv_heads=pool.num_kv_heads,
-        head_dim=pool.head_dim,
-        dtype=pool.dtype,
-        first_layer=pool.first_layer,
-    )
+    """The layout of a buffer of `num_tokens` tokens gathered from `pool`: its layers and
+    KV heads, one token per block."""
+    return msgspec.structs.replace(pool, num_blocks=max(num_tokens, 1), block_size=1)
 
 
 def buffer_plan(
     buf: KVLayout, offset: int, dst: KVLayout, dst_blocks: Sequence[int], start: int, end: int
 ) -> TransferPlan:
     """Move buffer rows [offset, offset + end - start) into tokens [start, end) of the
-    block table `dst_blocks` of a pool of layout `dst` (same layers as the buffer)."""
+    block table `dst_blocks` of a pool of layout `dst`: the buffer's layers and KV heads
+    (all of them, or a rank's shard of a whole-model region)."""
     check_table("destination", dst_blocks, dst.block_size, end)
     src = np.arange(offset, offset + end - start, dtype=np.int64)
     runs = runs_between(src, token_slots(dst_blocks, dst.block_size, start, end))
-    return TransferPlan(
-        src_layers=(0, buf.num_layers),
-        dst_layers=(0, dst.num_layers),
-        runs=tuple((r.src_slot, r.dst_slot, r.num_tokens) for r in runs),
-        token_bytes=buf.token_bytes,
-    )
+    return shared_plan(buf, dst, [(r.src_slot, r.dst_slot, r.num_tokens) for r in runs])

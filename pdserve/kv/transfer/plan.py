@@ -197,6 +197,14 @@ def _plan(
     )
 
 
+def shared_plan(src: KVLayout, dst: KVLayout, runs: Sequence[tuple[int, int, int]]) -> TransferPlan:
+    """Move the slots of `runs` ((src_slot, dst_slot, num_tokens) each) in the layers and
+    KV heads both pools hold, by global index (a rank's shard into a whole-model pool,
+    or the reverse). LayoutMismatchError when no layer or no KV head is common."""
+    layers = _common_layers(src, dst, None)
+    return _plan(src, dst, layers, _common_heads(src, dst), tuple(runs))
+
+
 # A move between two instances' ranks: (source rank, destination rank, plan). Their
 # regions and tensors are indexed by rank (`transport.flush_moves` / `fetch_moves`).
 Move = tuple[int, int, TransferPlan]
