@@ -48,10 +48,19 @@ def remove(server: Server, name: str, key: str | None = KEY) -> tuple[int, dict]
 
 
 def leave_under_load(server: Server, name: str, load: list[dict]) -> tuple[Streams, dict, int]:
-    """Decode instance `name` removed once every stream of `load` has 8 tokens: (the
-    streams, the removal's report, the instance's pid). Every request it held moved."""
+    """Decode instance `name` removed once every stream of `load` has 8 tokens and every
+    request is on a decode instance (no prefill instance runs, queues or holds one: what
+    `name` holds then changes only by the removal): (the streams, the removal's report,
+    the instance's pid). Every request it held moved."""
     streams = Streams(server.url, load)
     streams.wait_tokens(8)
+
+    def on_decode_instances() -> bool:
+        prefill = [r for r in cluster(server)["instances"] if r["role"] == "prefill"]
+        held = ("num_running", "num_waiting", "num_held")
+        return all(r["stats"][f] == 0 for r in prefill if r["alive"] for f in held)
+
+    wait_for(on_decode_instances)
     row = row_of(server, name)
     held, pid = row["assigned_requests"], row["pid"]
     assert held > 0

@@ -143,27 +143,56 @@ def stop(server: Server) -> None:
     psutil.wait_procs(children, timeout=60)
 
 
+class _Lineage:
+    """Every pid seen among this test process's descendants since this module was
+    imported, sampled every 0.1 s on a daemon thread (and at each look): a process that
+    lived a moment is still known once it is gone, so a segment it left is this test
+    process's to answer for - and a segment of another test worker's process, alive or
+    killed, never is."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="lineage", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.pids()
+            time.sleep(0.1)
+
+    def pids(self) -> set[int]:
+        try:
+            now = {p.pid for p in psutil.Process().children(recursive=True)}
+        except psutil.Error:  # a child ended while it was listed: the next look has it
+            now = set()
+        with self._lock:
+            self._seen |= now
+            return set(self._seen)
+
+
+_LINEAGE = _Lineage()
+
+
 def pdkv_segments(prefix: str = "pdkv-") -> set[str]:
-    """KV segments in /dev/shm that this test process answers for: those of its own
-    processes (descendants) and of dead ones (a leak). A live process of another program
-    (a server someone else runs on the machine, another test worker's) owns its segments;
-    they are not counted. Segment names carry the creating process's pid
-    (`pdkv-<pid>-<random>-<name>`, kv/transfer/shm.py; `pdtp-<pid>-...`, a tensor-parallel
-    group's sums, parallel/group.py)."""
-    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    """KV segments in /dev/shm that this test process answers for: those created by its
+    own processes (descendants), alive or dead since. Another program's (a server
+    someone else runs on the machine, another test worker's) are not counted. Segment
+    names carry the creating process's pid (`pdkv-<pid>-<random>-<name>`,
+    kv/transfer/shm.py; `pdtp-<pid>-...`, a tensor-parallel group's sums,
+    parallel/group.py)."""
+    mine = _LINEAGE.pids()
     return {f for f in os.listdir("/dev/shm") if f.startswith(prefix) and _ours(f, mine)}
 
 
-# A segment whose owner was SIGKILLed is unlinked by the owner's resource tracker a moment
-# later (kv/transfer/shm.py); meanwhile it looks like a leak to every test process on the
-# machine, the other test worker's included.
+# A SIGKILLed instance's segments are unlinked by its server's resource tracker as that
+# server ends (kv/transfer/shm.py), a moment after the server's own exit.
 TRACKER_GRACE_S = 10.0
 
 
 def segments_left(before: set[str], prefix: str = "pdkv-") -> set[str]:
     """The segments this test process answers for (`pdkv_segments`) that were not there
-    `before`, once those of owners that just died had TRACKER_GRACE_S to be unlinked: what
-    is still there then is a leak, whoever made it."""
+    `before`, once its stopped servers' resource trackers had TRACKER_GRACE_S to unlink
+    what their killed instances left: what is still there then is a leak."""
     deadline = time.monotonic() + TRACKER_GRACE_S
     while True:
         left = pdkv_segments(prefix) - before
@@ -174,7 +203,7 @@ def segments_left(before: set[str], prefix: str = "pdkv-") -> set[str]:
 
 def _ours(segment: str, mine: set[int]) -> bool:
     pid = segment.split("-")[1]
-    return not pid.isdigit() or int(pid) in mine or not psutil.pid_exists(int(pid))
+    return not pid.isdigit() or int(pid) in mine
 
 
 def cluster(server: Server, stats_timeout: float = 5.0) -> dict:
