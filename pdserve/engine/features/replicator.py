@@ -9,9 +9,11 @@ the holder's region as it is computed, off the step loop:
   request simply is not replicated further this step (it is retried every step).
 - Writes: after every step (`step_ended`, once the scheduler committed it) the new KV of
   every RUNNING request, tokens [written, num_computed_tokens), is gathered synchronously
-  into ONE contiguous buffer (a few tokens per request), and ONE background task on the
-  core link's `TransferWorker` flushes that buffer into the region with ONE transport
-  `flush` (the per-request plans merged). Only one write is in flight: while it runs,
+  into ONE contiguous buffer (a few tokens per request; one a rank for a parallel
+  instance, each its layers and KV heads), and ONE background task on the core link's
+  `TransferWorker` flushes that buffer into the region with ONE transport `flush` (the
+  per-request plans merged; a flush a rank, each into its part of the region's whole
+  geometry). Only one write is in flight: while it runs,
   later steps' tokens wait and are included in the next write (the buffer always covers
   [written, computed)). The step loop never waits for a write, except at `close`.
 - Reports: `poll` (between steps) finds the write done and sends `KVReplicated` with the
