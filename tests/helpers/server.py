@@ -174,13 +174,13 @@ _LINEAGE = _Lineage()
 
 
 def pdkv_segments(prefix: str = "pdkv-") -> set[str]:
-    """KV segments in /dev/shm that this test process answers for: those created by its
-    own processes (descendants), alive or dead since. Another program's (a server
-    someone else runs on the machine, another test worker's) are not counted. Segment
-    names carry the creating process's pid (`pdkv-<pid>-<random>-<name>`,
-    kv/transfer/shm.py; `pdtp-<pid>-...`, a tensor-parallel group's sums,
-    parallel/group.py)."""
-    mine = _LINEAGE.pids()
+    """KV segments in /dev/shm that this test process answers for: those created by it
+    (an in-process core or rank group) or by its descendants, alive or dead since.
+    Another program's (a server someone else runs on the machine, another test worker's)
+    are not counted. Segment names carry the creating process's pid
+    (`pdkv-<pid>-<random>-<name>`, kv/transfer/shm.py; `pdtp-<pid>-...`, a
+    tensor-parallel group's sums, parallel/group.py)."""
+    mine = _LINEAGE.pids() | {os.getpid()}
     return {f for f in os.listdir("/dev/shm") if f.startswith(prefix) and _ours(f, mine)}
 
 
