@@ -16,17 +16,17 @@ bash scripts/setup.sh --dev
 export OMP_WAIT_POLICY=PASSIVE
 export PYTHONPATH="tests/plugins${PYTHONPATH:+:$PYTHONPATH}"
 # In a random order (pytest-randomly; the seed is in the header: `-p randomly
-# --randomly-seed=N` repeats an order, `-p no:randomly` runs in file order), in two
-# processes (pytest-xdist), each taking a whole file at a time: a module's servers are
-# started once, and its tests never run beside each other. `-n 0` runs in this one.
-TWO=(-p no_skips -q -n 2 --dist loadfile)
+# --randomly-seed=N` repeats an order, `-p no:randomly` runs in file order), in one
+# process: two pytest-xdist workers ran the suite in ~14 min here, but each holds its own
+# reference engines and HF models (~3.5 GB), and one run was OOM-killed on 24 GiB.
+ARGS=(-p no_skips -q)
 if [ $# -gt 0 ]; then
-    .venv/bin/python -m pytest "${TWO[@]}" --durations=25 "$@"
+    .venv/bin/python -m pytest "${ARGS[@]}" --durations=25 "$@"
 else
-    # The real Ray cluster's tests alone, after the rest: its nodes' health checks (a
+    # The real Ray cluster's tests after the rest, alone: its nodes' health checks (a
     # node missing 3 one-second checks is dead) and the tests' 5 s instance timeouts are
     # the machine's, and beside another test process they misread a busy machine.
-    .venv/bin/python -m pytest "${TWO[@]}" --durations=25 --ignore tests/test_ray.py
+    .venv/bin/python -m pytest "${ARGS[@]}" --durations=25 --ignore tests/test_ray.py
     .venv/bin/python -m pytest -p no_skips -q --durations=5 tests/test_ray.py
     # The fallback path, as on a machine where the kernels could not be built: the tests
     # whose outcome depends on how the shipped model computes (marked `fallback` by
@@ -35,7 +35,7 @@ else
     # tests of the compiled path itself (`kernels`) are deselected. Tiny fp32 models and
     # the server's lifecycle take the same path either way. `PDSERVE_NO_KERNELS=1 bash
     # .ci/run` runs the whole suite so.
-    PDSERVE_NO_KERNELS=1 .venv/bin/python -m pytest "${TWO[@]}" -m fallback \
+    PDSERVE_NO_KERNELS=1 .venv/bin/python -m pytest "${ARGS[@]}" -m fallback \
         tests/test_engine_schedules.py tests/test_engine_process.py tests/test_server.py \
         tests/test_quant_model.py tests/test_model_vs_hf.py
 fi
