@@ -286,6 +286,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="answer 413 to request bodies larger than this (default: 4 MiB)",
     )
     p.add_argument(
+        "--grammar-timeout",
+        type=float,
+        default=10.0,
+        help="answer 400 to a request whose JSON schema, regex or grammar takes longer "
+        "than this many seconds to compile (default: 10; docs/api.md)",
+    )
+    p.add_argument(
         "--header-timeout",
         type=float,
         default=10.0,

@@ -419,7 +419,9 @@ class EngineCore:
     ) -> list[EngineOutput]:
         """Sample, append and stop-check the step's tokens; then the participants'
         first-token hook. argmax: the rows' argmax, when the step took it (`sample`)."""
-        tokens = sample(logits, [self._sampling_row(s) for s in sampled], argmax)
+        masks = _token_masks(self.participants, sampled)
+        rows = [self._sampling_row(s, masks.get(s.request.request_id)) for s in sampled]
+        tokens = sample(logits, rows, argmax)
         firsts: list[Request] = []
         outputs = [self._append(s.request, t, firsts) for s, t in zip(sampled, tokens, strict=True)]
         for req in firsts:  # a participant's say once a prompt is done (prefill: hand-off)
@@ -427,10 +429,15 @@ class EngineCore:
                 self._leave_batch(req)
         return outputs
 
-    def _sampling_row(self, seq: ScheduledSeq) -> SamplingRow:
+    def _sampling_row(self, seq: ScheduledSeq, allowed: torch.Tensor | None = None) -> SamplingRow:
         r = seq.request
         return SamplingRow(
-            r.params, r.generator, r.prompt_token_ids, r.output_token_ids, self.eos_token_ids
+            r.params,
+            r.generator,
+            r.prompt_token_ids,
+            r.output_token_ids,
+            self.eos_token_ids,
+            allowed,
         )
 
     def _append(self, req: Request, tok: SampledToken, firsts: list[Request]) -> EngineOutput:
@@ -460,6 +467,17 @@ class EngineCore:
             p.request_ended(req, None)
         self.requests.pop(req.request_id, None)
         self.scheduler.detach(req)
+
+
+def _token_masks(
+    participants: Sequence[Participant], sampled: list[ScheduledSeq]
+) -> dict[str, torch.Tensor]:
+    """The participants' masks of the rows' allowed tokens; two on one row: both."""
+    masks: dict[str, torch.Tensor] = {}
+    for p in participants:
+        for rid, mask in p.token_masks(sampled).items():
+            masks[rid] = mask if rid not in masks else masks[rid] & mask
+    return masks
 
 
 def _holdings(core: EngineCore) -> str | None:

@@ -20,6 +20,9 @@ Call points, all on the step loop's thread, in `EngineCore`:
   requests whose KV is now in place, to join the batch (the decode role's fetched KV).
 - `begin_step(seqs)` / `end_step()`: around the forward pass (after `schedule`, before
   the scheduler commits the step). No KV may be allocated or freed between them.
+- `token_masks(seqs)`: the step's sampling rows, just before the tokens are drawn: the
+  tokens each row this participant constrains may take (a packed bitmask, `SamplingRow.
+  allowed`), by request id; work started in `begin_step` overlaps the forward pass.
 - `sampled(seqs, hidden)`: the step's rows that sample a token and their final hidden
   states, before the tokens are drawn (the length head predicts from a fresh prompt's).
 - `first_token(req)`: once per request whose first token this step sampled, after the
@@ -81,6 +84,9 @@ class Participant:
 
     def end_step(self) -> None:
         pass
+
+    def token_masks(self, seqs: Sequence[ScheduledSeq]) -> Mapping[str, torch.Tensor]:
+        return {}
 
     def sampled(self, seqs: Sequence[ScheduledSeq], hidden: torch.Tensor) -> None:
         pass

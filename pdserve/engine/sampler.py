@@ -8,7 +8,10 @@
    as OpenAI defines them);
 2. while fewer than `min_tokens` tokens were generated, `stop_token_ids` and the row's EOS ids
    (unless `ignore_eos`) get logit -inf;
-3. temperature 0: argmax. Otherwise temperature scaling, top-k, top-p, min-p, then one draw
+3. constraints: `logit_bias` added (a bias of -100 bans its token: -inf), then the tokens
+   outside the row's `allowed` bitmask (its grammar's) get -inf. A bias never empties what
+   the grammar allows: a row left with no token takes the grammar's mask alone;
+4. temperature 0: argmax. Otherwise temperature scaling, top-k, top-p, min-p, then one draw
    with the row's own generator (inverse CDF with one uniform number, as torch.multinomial).
 
 Contracts:
@@ -20,8 +23,9 @@ Contracts:
   share the global default RNG.
 - Logprobs are those of the raw model distribution (log-softmax of the unpenalised logits at
   temperature 1), as vLLM reports them by default.
-- Hot path: when every row is greedy with no penalties, no logprobs and no min_tokens mask,
-  `sample` is one batched argmax (or takes the one the compiled step computed, `argmax`).
+- Hot path: when every row is greedy with no penalties, no constraint, no logprobs and no
+  min_tokens mask, `sample` is one batched argmax (or takes the one the compiled step
+  computed, `argmax`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import cast
 
 import torch
 
-from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
 
 _NEG_INF = float("-inf")
 
@@ -45,7 +49,9 @@ class SamplingRow:
     `generator` is the request's own generator (created by the engine from params.seed, and
     kept across steps), or None to use the global default RNG. `eos_token_ids` are the ids the
     engine stops on (they are masked, with params.stop_token_ids, until min_tokens tokens were
-    generated); leaving it empty means EOS is not masked by min_tokens.
+    generated); leaving it empty means EOS is not masked by min_tokens. `allowed`: the
+    tokens the request's grammar allows now, a packed bitmask (int32 words, token t is
+    bit t % 32 of word t // 32: llguidance's layout), or None when unconstrained.
     """
 
     params: SamplingParams
@@ -53,6 +59,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: Collection[int] = ()
+    allowed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ def sample(
     x = logits.to(torch.float32, copy=True)
     apply_penalties(x, rows)
     mask_min_tokens(x, rows)
+    apply_constraints(x, rows)
     token_ids = _choose_tokens(x, rows)
     return _with_logprobs(logits, token_ids, rows)
 
@@ -99,13 +107,15 @@ def _argmax(logits: torch.Tensor) -> list[int]:
 
 
 def is_plain_greedy(row: SamplingRow) -> bool:
-    """Whether the row's token is its logits' argmax: greedy, no penalties, no logprobs,
-    nothing masked by min_tokens."""
+    """Whether the row's token is its logits' argmax: greedy, no penalties, no grammar
+    or logit bias, no logprobs, nothing masked by min_tokens."""
     p = row.params
     return (
         p.temperature == 0.0
         and p.logprobs is None
         and not p.has_penalties
+        and not p.constrained
+        and row.allowed is None
         and not _min_tokens_blocked(row)
     )
 
@@ -159,6 +169,36 @@ def mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         blocked = [t for t in _min_tokens_blocked(row) if t < vocab]
         if blocked:
             logits[i, blocked] = _NEG_INF
+
+
+def apply_constraints(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Add each row's logit bias and mask what its grammar forbids, in place (step 3 of
+    the module docstring)."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        bias = [(t, b) for t, b in row.params.logit_bias if t < vocab]
+        if not bias and row.allowed is None:
+            continue
+        x = logits[i]
+        masked = None if row.allowed is None else ~unpack_bitmask(row.allowed, vocab)
+        if bias:
+            before = x.clone() if masked is not None else None
+            ids = torch.tensor([t for t, _ in bias], device=x.device)
+            vals = torch.tensor([b for _, b in bias], dtype=x.dtype, device=x.device)
+            x[ids] += vals.masked_fill(vals <= -LOGIT_BIAS_LIMIT, _NEG_INF)
+            if masked is not None and before is not None and bool(x[~masked].isneginf().all()):
+                x.copy_(before)  # the bias would leave nothing the grammar allows
+        if masked is not None:
+            x.masked_fill_(masked, _NEG_INF)
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A packed bitmask (int32 words, bit t % 32 of word t // 32) as bools [vocab]."""
+    bits = (words.to(torch.int32).unsqueeze(-1) >> _SHIFTS.to(words.device)) & 1
+    return bits.reshape(-1)[:vocab].bool()
 
 
 def _choose_tokens(x: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:

@@ -133,18 +133,30 @@ class Tokenizer:
             return str(self._rust_decode.decode(list(ids), skip_special_tokens=skip_special_tokens))
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself."""
+        return "tools" in (self._backend.chat_template or "")
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text for a chat; InvalidRequestError if the model has no template
-        or the template refuses the messages (e.g. roles out of order)."""
+        or the template refuses the messages (e.g. roles out of order). `tools`: OpenAI
+        tool specs, for a template that renders them (`template_knows_tools`)."""
         if not self.has_chat_template:
             raise InvalidRequestError(
                 "this model has no chat template; send a plain prompt instead", param="messages"
             )
         try:
             text = self._backend.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools,  # type: ignore[arg-type]
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template error: {e}", param="messages") from e

@@ -165,6 +165,10 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     # since start, a pipeline instance with microbatch swapping (engine/mb_swap.py): the
     # most blocks its driver's stage held staged at once (its staging area's use)
     staged_peak_blocks: int = 0
+    # since start (engine/features/structured_output.py): grammar masks computed, and
+    # those that fell back to EOS alone (a grammar in llguidance's error state)
+    grammar_masks: int = 0
+    grammar_errors: int = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

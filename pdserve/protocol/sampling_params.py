@@ -33,6 +33,17 @@ built per request on the front end's event loop (~1 ms per 1,000 characters)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Most stop token ids a request may give."""
 
+LOGIT_BIAS_LIMIT = 100.0
+"""A logit_bias value lies in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range); the
+bounds themselves ban (-100) or force (+100) the token (sampler.py)."""
+
+MAX_LOGIT_BIAS = 1024
+"""Most tokens a request may bias (OpenAI allows 300; vLLM sets no limit)."""
+
+MAX_GRAMMAR_CHARS = 1 << 20
+"""Longest grammar (llguidance's JSON form) a request may carry: it crosses to every
+instance the request meets, and a hand-off or a migration carries it again."""
+
 INT64_MAX = 2**63 - 1
 """Integer fields cross process boundaries as 64-bit integers."""
 
@@ -74,6 +85,14 @@ class SamplingParams:
       generated so far (once, resp. once per occurrence).
     - skip_special_tokens: leave special tokens out of the output text.
     - include_stop_str_in_output: keep the matched stop string at the end of the output text.
+    - logit_bias: (token id, bias) pairs, ids distinct and ascending, biases in [-100, 100],
+      added to the logits after the penalties; -100 bans the token, +100 forces it (among
+      the tokens the grammar allows). At most MAX_LOGIT_BIAS pairs; whether the ids lie in
+      the vocabulary is checked where it is known (`protocol/validation.py`).
+    - grammar: the request's output constraint, an llguidance grammar in its JSON form
+      (`pdserve/grammar/`: the front end builds it from response_format, the guided_*
+      fields or tool_choice, and checks it compiles); None = unconstrained. Each engine
+      that samples for the request follows it from the request's output so far.
     """
 
     max_tokens: int = 16
@@ -92,6 +111,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self._validate_types()
@@ -103,6 +124,7 @@ class SamplingParams:
             _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.seed is not None:
             _check_range("seed", self.seed, _SEED_MIN, _SEED_MAX)
+        self._validate_constraints()
 
     def _validate_types(self) -> None:
         for name in ("max_tokens", "min_tokens", "top_k"):
@@ -171,6 +193,33 @@ class SamplingParams:
             if t < 0:
                 _raise("stop_token_ids", f"stop_token_ids must be non-negative, got {t}")
 
+    def _validate_constraints(self) -> None:
+        bias = _as_logit_bias(self.logit_bias)
+        object.__setattr__(self, "logit_bias", bias)
+        if len(bias) > MAX_LOGIT_BIAS:
+            _raise(
+                "logit_bias",
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+            )
+        for token, value in bias:
+            if token < 0:
+                _raise("logit_bias", f"logit_bias token ids must be non-negative, got {token}")
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                _raise(
+                    "logit_bias",
+                    f"logit_bias values must be between -100 and 100, got {value:g} for "
+                    f"token {token}",
+                )
+        g = self.grammar
+        if g is not None:
+            if not isinstance(g, str):
+                _type_error("grammar", "a string", g)
+            if len(g) > MAX_GRAMMAR_CHARS:
+                _raise(
+                    "grammar",
+                    f"a grammar may hold at most {MAX_GRAMMAR_CHARS} characters, got {len(g)}",
+                )
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
         """Build from a request body's sampling fields.
@@ -200,6 +249,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def constrained(self) -> bool:
+        """True when a grammar or a logit bias shapes the distribution."""
+        return self.grammar is not None or bool(self.logit_bias)
 
     def with_max_tokens(self, n: int) -> SamplingParams:
         """A copy with max_tokens = n (validated); min_tokens is lowered to n if above it.
@@ -257,6 +311,24 @@ def _as_str_tuple(value: object) -> tuple[str, ...]:
 
 def _as_int_tuple(value: object) -> tuple[int, ...]:
     return _as_tuple("stop_token_ids", value, int, "a list of integers")
+
+
+def _as_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """(id, bias) pairs from a mapping or pairs, ascending by id (one entry per id)."""
+    if isinstance(value, Mapping):
+        items: Any = list(value.items())
+    elif isinstance(value, list | tuple):
+        items = value
+    else:
+        _type_error("logit_bias", "a map of token ids to numbers", value)
+    out: dict[int, float] = {}
+    for pair in items:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            _raise("logit_bias", "logit_bias must map token ids to numbers")
+        token, bias = pair
+        _check_int("logit_bias", token)
+        out[token] = _as_float("logit_bias", bias)
+    return tuple(sorted(out.items()))
 
 
 def _as_tuple(name: str, value: object, item_type: type, expected: str) -> tuple[Any, ...]:

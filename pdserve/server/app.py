@@ -14,7 +14,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,16 +29,19 @@ from pdserve.cluster.flip import Flip
 from pdserve.cluster.scaling import Scaling
 from pdserve.cluster.watcher import Watcher
 from pdserve.errors import EngineDeadError, InvalidRequestError, PdserveError
+from pdserve.grammar.requests import Constraint
+from pdserve.grammar.tools import arguments_grammar, call_grammar, render_messages
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.validation import check_prompt_length
 from pdserve.server import errors
 from pdserve.server.admission import Admission, AdmissionGate
 from pdserve.server.backend import F, ServingBackend
 from pdserve.server.errors import APIError
+from pdserve.server.grammars import GrammarConfig, Grammars
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.prompts import Encoded, PromptConfig, PromptEncoder
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, RoleChange
-from pdserve.server.render import Renderer
+from pdserve.server.render import ChoiceRender, Renderer
 from pdserve.text.outputs import RequestOutput
 from pdserve.version import __version__
 
@@ -59,6 +62,8 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     # Tokenization: the thread pool for large prompts, what is small enough to stay inline.
     prompts: PromptConfig = field(default_factory=PromptConfig)
+    # Structured outputs: the grammar checks' pool and time limit.
+    grammars: GrammarConfig = field(default_factory=GrammarConfig)
 
 
 def build_app(
@@ -110,6 +115,7 @@ class _Api:
         assert client.tokenizer is not None
         self.render = Renderer(client.tokenizer)
         self.encoder = PromptEncoder(client.tokenizer, config.prompts)
+        self.grammars = Grammars(client.tokenizer, config.grammars)
         self.metrics = ServerMetrics()
         self.metrics.watch_faults(client.faults)
         self.metrics.watch_cache(client.router)
@@ -121,10 +127,12 @@ class _Api:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        self.grammars.warm()
         try:
             yield
         finally:
             self.encoder.close()
+            self.grammars.close()
 
     async def health(self) -> JSONResponse:
         if not self.client.is_alive:
@@ -221,6 +229,7 @@ class _Api:
         params = body.sampling_params(16)
         if body.echo and params.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
+        params = await self._constrained(params, body.constraint())
         encoded = await self.encoder.prompts(prompts)
         ids = [self._within_context(e, params) for e in encoded]
         return await self._respond(
@@ -229,22 +238,54 @@ class _Api:
             ids,
             params,
             "text_completion",
-            self.render.completion_choice,
+            lambda: self.render.completion_choice,
             prompts if body.echo else None,
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         body.check()
         self._check_model(body.model)
-        messages = [m.model_dump() for m in body.messages]
-        encoded = await self.encoder.chat(messages)
+        messages = body.template_messages()
+        mode, functions = body.tool_mode, body.functions()
+        constraint = body.constraint()
+        for i, fn in enumerate(functions):  # every tool's schema compiles, called or not
+            await self.grammars.check(arguments_grammar(fn), f"tools.{i}.function.parameters")
+        demanded = body.demanded_functions()
+        if demanded:
+            if constraint is not None:
+                raise InvalidRequestError(
+                    f"tool_choice {mode!r} constrains the output to tool calls; it cannot be "
+                    f"combined with {constraint.param}",
+                    constraint.param,
+                )
+            parallel = body.parallel_tool_calls is not False and mode == "required"
+            constraint = Constraint(call_grammar(demanded, parallel), "tool_choice")
+        tools = None
+        if mode != "none":
+            if self.client.tokenizer is not None and self.client.tokenizer.template_knows_tools:
+                tools = [f.spec() for f in functions]
+            else:
+                messages = render_messages(messages, functions)
+        elif any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = render_messages(messages, [])
+        encoded = await self.encoder.chat(messages, tools)
         default_max = max(1, self.client.max_model_len - len(encoded))
         with _field_named("max_tokens", body.max_tokens_field):
             params = body.sampling_params(default_max)
+            params = await self._constrained(params, constraint)
             ids = self._within_context(encoded, params)
-            return await self._respond(
-                request, body, [ids], params, "chat.completion", self.render.chat_choice
-            )
+            names = frozenset(f.name for f in functions)
+            choice = self.render.chat_choices(names if mode != "none" else None)
+            return await self._respond(request, body, [ids], params, "chat.completion", choice)
+
+    async def _constrained(
+        self, params: SamplingParams, constraint: Constraint | None
+    ) -> SamplingParams:
+        """`params` with the request's grammar, once it compiled (400 naming its field)."""
+        if constraint is None:
+            return params
+        await self.grammars.check(constraint.grammar, constraint.param)
+        return dataclasses.replace(params, grammar=constraint.grammar)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -263,10 +304,11 @@ class _Api:
         prompts: list[list[int]],
         params: SamplingParams,
         kind: str,
-        choice: Any,
+        choice: Callable[[], ChoiceRender],
         echo: list[str | list[int]] | None = None,
     ) -> Any:
         """Run n choices of every prompt; choice k = prompt k // n, sample k % n.
+        `choice()`: a new renderer of one choice's outputs (`ChoiceRender`).
         `echo`: the prompts as given, to be sent back before each choice's text."""
         if not 1 <= body.n <= MAX_CHOICES:
             raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", "n")
@@ -296,7 +338,7 @@ class _Api:
         done = [f for f in finals if f is not None]
         for f in done:
             self.metrics.finished(f)
-        choices = [{**choice(f, False), "index": k} for k, f in enumerate(done)]
+        choices = [{**choice()(f, False), "index": k} for k, f in enumerate(done)]
         if prefixes is not None:
             for c, prefix in zip(choices, prefixes, strict=True):
                 c["text"] = prefix + c["text"]
@@ -422,8 +464,9 @@ class _Render:
 
     meta: dict[str, Any]
     kind: str  # "text_completion" | "chat.completion"
-    choice: Any  # Renderer.completion_choice | Renderer.chat_choice
+    choice: Callable[[], ChoiceRender]  # a new renderer of one choice's outputs
     echo: list[str] | None  # per choice: the prompt text sent first (completions echo)
+    choices: dict[int, ChoiceRender] = field(default_factory=dict)  # by index, as used
 
     @property
     def chunk_kind(self) -> str:
@@ -432,8 +475,16 @@ class _Render:
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {**self.meta, "object": self.chunk_kind, "choices": choices}
 
-    def output(self, k: int, out: RequestOutput) -> dict[str, Any]:
-        c = self.chunk([{**self.choice(out, True), "index": k}])
+    def output(self, k: int, out: RequestOutput) -> dict[str, Any] | None:
+        """Choice k's chunk for `out`; None when it carries nothing (a token a tool-call
+        block holds back)."""
+        render = self.choices.get(k)
+        if render is None:
+            render = self.choices[k] = self.choice()
+        piece = render(out, True)
+        if piece.get("delta") == {} and piece["finish_reason"] is None and not piece["logprobs"]:
+            return None
+        c = self.chunk([{**piece, "index": k}])
         if out.finished:
             c["pdserve_timings"] = _timings(out)
         return c
@@ -473,7 +524,9 @@ async def _sse(
             if out.finished:
                 finals[k] = out
                 metrics.finished(out)
-            yield _event(render.output(k, out))
+            chunk = render.output(k, out)
+            if chunk is not None:
+                yield _event(chunk)
         if usage_of is not None:
             usage = _usage(usage_of, [finals[k] for k in sorted(finals)])
             yield _event(render.chunk([]) | {"usage": usage})

@@ -136,7 +136,7 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
-    for flag in ("header_timeout", "body_timeout"):
+    for flag in ("header_timeout", "body_timeout", "grammar_timeout"):
         if getattr(args, flag) <= 0:
             name = "--" + flag.replace("_", "-")
             raise ValueError(f"{name} must be greater than 0, got {getattr(args, flag)}")

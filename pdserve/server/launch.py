@@ -35,6 +35,7 @@ from pdserve.runtime import freeze_startup_heap
 from pdserve.server.admission import Admission
 from pdserve.server.app import ServerConfig, build_app
 from pdserve.server.backend import ServingBackend
+from pdserve.server.grammars import GrammarConfig
 from pdserve.server.http import header_deadline_protocol
 
 _ENGINE_CHECK_S = 0.5
@@ -168,6 +169,7 @@ async def serve(
             args.api_key,
             args.enable_debug_endpoints,
             admin_endpoints=not args.disable_admin_endpoints,
+            grammars=GrammarConfig(timeout_s=args.grammar_timeout),
         )
         app = build_app(client, server_config, admission)
         uv = uvicorn.Config(

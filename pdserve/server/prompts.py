@@ -83,11 +83,15 @@ class PromptEncoder:
         encoded = iter(await self._run(self._encode, texts, True))
         return [Encoded(p) if isinstance(p, list) else next(encoded) for p in prompts]
 
-    async def chat(self, messages: list[dict[str, Any]]) -> Encoded:
-        """The chat template's rendering of `messages`, encoded (no special tokens added:
-        the template writes them). InvalidRequestError as `apply_chat_template`."""
-        if sum(len(m["content"]) for m in messages) > self.config.inline_chars:
-            return await self._run(self._chat, messages)
+    async def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> Encoded:
+        """The chat template's rendering of `messages` (and `tools`, for a template that
+        renders them), encoded (no special tokens added: the template writes them).
+        InvalidRequestError as `apply_chat_template`."""
+        size = sum(len(m.get("content") or "") for m in messages)
+        if size > self.config.inline_chars or tools:
+            return await self._run(self._chat, messages, tools)
         text = self.tokenizer.apply_chat_template(messages)
         return Encoded(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -95,8 +99,9 @@ class PromptEncoder:
         """Stop the pool; encodings still queued are dropped (their requests are gone)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _chat(self, messages: list[dict[str, Any]]) -> Encoded:
-        return self._encode([self.tokenizer.apply_chat_template(messages)], False)[0]
+    def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Encoded:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools)
+        return self._encode([text], False)[0]
 
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[Encoded]:
         # `encode_many` frees the GIL while it works (a fast tokenizer's batch call; its

@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from pdserve.config import Role
 from pdserve.errors import InvalidRequestError
+from pdserve.grammar import requests
+from pdserve.grammar.requests import Constraint
+from pdserve.grammar.tools import Function
 from pdserve.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -22,6 +25,36 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (exactly one of the fields)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: Any = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Body(BaseModel):
@@ -44,6 +77,14 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # Output constraints (grammar/requests.py; at most one).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check(self) -> None:
         """The rules across fields; InvalidRequestError naming the field."""
@@ -71,7 +112,41 @@ class _Body(BaseModel):
             "frequency_penalty",
             "repetition_penalty",
         )
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        fields = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.logit_bias:
+            fields["logit_bias"] = _logit_bias(self.logit_bias)
+        return fields
+
+    def constraint(self) -> Constraint | None:
+        """The output constraint the request's fields ask for (InvalidRequestError when
+        two do, or one is malformed); None: unconstrained."""
+        so = self.structured_outputs
+        return requests.from_fields(
+            {
+                "response_format": self.response_format,
+                "structured_outputs": (
+                    None if so is None else so.model_dump(by_alias=True, exclude_none=True)
+                ),
+                "guided_json": self.guided_json,
+                "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice,
+                "guided_grammar": self.guided_grammar,
+            }
+        )
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) with integer keys."""
+    out = {}
+    for key, value in bias.items():
+        k = key.strip()
+        if not (k.isascii() and k.isdigit()):
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                "logit_bias",
+            )
+        out[int(k)] = value
+    return out
 
 
 MAX_PROMPTS = 256
@@ -133,11 +208,107 @@ class CompletionRequest(_Body):
         return SamplingParams.from_dict(fields)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as the reply gave it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Text, or content parts (only text parts are read: `text`).
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    def text(self, path: str) -> str:
+        """The content as text: its text parts joined; InvalidRequestError naming a part
+        that is not text (`path`: the message's place in the body)."""
+        c = self.content
+        if c is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""
+            raise InvalidRequestError(f"{path}.content is required for role {self.role!r}", path)
+        if isinstance(c, str):
+            return c
+        texts = []
+        for i, part in enumerate(c):
+            kind = part.get("type")
+            where = f"{path}.content.{i}"
+            if kind != "text":
+                raise InvalidRequestError(
+                    f"{where}: content parts of type {kind!r} are not supported "
+                    "(this model reads text parts only)",
+                    where,
+                )
+            text = part.get("text")
+            if not isinstance(text, str) or set(part) != {"type", "text"}:
+                raise InvalidRequestError(
+                    f'{where}: a text part is {{"type": "text", "text": <string>}}', where
+                )
+            _check_text(text, f"{where}.text")
+            texts.append(text)
+        return "".join(texts)
+
+    def template_dict(self, path: str) -> dict[str, Any]:
+        """The message as a chat template reads it (developer = system)."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(path),
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
 
 
 class ChatCompletionRequest(_Body):
@@ -145,9 +316,13 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         super().check()
+        self._check_tools()
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise InvalidRequestError(
                 f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
@@ -162,6 +337,65 @@ class ChatCompletionRequest(_Body):
                 f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
                 "top_logprobs",
             )
+
+    def _check_tools(self) -> None:
+        tools = self.tools or []
+        if len(tools) > MAX_TOOLS:
+            raise InvalidRequestError(
+                f"tools may hold at most {MAX_TOOLS} functions, got {len(tools)}", "tools"
+            )
+        seen: set[str] = set()
+        for i, t in enumerate(tools):
+            if t.function.name in seen:
+                raise InvalidRequestError(
+                    f"tools names the function {t.function.name!r} twice", f"tools.{i}"
+                )
+            seen.add(t.function.name)
+        choice = self.tool_choice
+        if choice is None or isinstance(choice, str):
+            if choice == "required" and not tools:
+                raise InvalidRequestError(
+                    'tool_choice "required" needs at least one tool in tools', "tool_choice"
+                )
+            return
+        if choice.function.name not in seen:
+            known = ", ".join(sorted(seen)) or "none"
+            raise InvalidRequestError(
+                f"tool_choice names the function {choice.function.name!r}, which is not in "
+                f"tools ({known})",
+                "tool_choice",
+            )
+
+    def functions(self) -> list[Function]:
+        """The request's functions, as the tool format renders them."""
+        return [
+            Function(
+                t.function.name,
+                t.function.description,
+                t.function.parameters or {"type": "object", "properties": {}},
+            )
+            for t in self.tools or []
+        ]
+
+    @property
+    def tool_mode(self) -> str:
+        """ "none" (no tools rendered or parsed), "auto", "required", or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        return self.tool_choice if isinstance(self.tool_choice, str) else "named"
+
+    def demanded_functions(self) -> list[Function]:
+        """The functions whose calls the output must be: all ("required"), one ("named")."""
+        fns = self.functions()
+        c = self.tool_choice
+        if isinstance(c, NamedToolChoice):
+            return [f for f in fns if f.name == c.function.name]
+        return fns if c == "required" else []
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
 
     @property
     def max_tokens_field(self) -> str:

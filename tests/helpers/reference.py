@@ -16,8 +16,19 @@ from pdserve.engine.engine import Engine
 from pdserve.protocol.sampling_params import SamplingParams
 
 # The sampling fields of a completion body the tests send (the rest, such as "model" or
-# "stream", do not change what is generated).
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop")
+# "stream", do not change what is generated). "grammar" is SamplingParams' own: a test
+# gives the reference the grammar its server body asks for by response_format.
+_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "ignore_eos",
+    "stop",
+    "logit_bias",
+    "grammar",
+)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pdserve.engine.features.length_prediction import LengthPredictor
 from pdserve.engine.features.replica_store import ReplicaStore
 from pdserve.engine.features.replicator import Replicator
 from pdserve.engine.features.role_flip import RoleFlip
+from pdserve.engine.features.structured_output import StructuredOutput, engine_tokenizer
 from pdserve.engine.length_head import load_length_head
 from pdserve.engine.participant import CoreAccess, Participant
 from pdserve.model.base import CausalLM
@@ -23,6 +24,7 @@ def assemble(core: CoreAccess, model: CausalLM) -> list[Participant]:
     config = core.config
     transfer = config.transfer
     head = None
+    vocab = model.config.vocab_size
     if config.length_predictor is not None:
         head = load_length_head(config.length_predictor, model)
     return [
@@ -36,4 +38,6 @@ def assemble(core: CoreAccess, model: CausalLM) -> list[Participant]:
         LengthPredictor(head),
         # TetriInfer's instance flip: the role replaced once the drained core is idle.
         RoleFlip(core),
+        # Structured outputs: each constrained request's grammar mask, every token.
+        StructuredOutput(engine_tokenizer(config.model, vocab), vocab),
     ]

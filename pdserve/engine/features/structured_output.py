@@ -1,0 +1,132 @@
+"""Structured outputs in the engine: each constrained request's grammar state, and the
+mask of the tokens it allows at every token the request samples here.
+
+A request carries its grammar as text (`SamplingParams.grammar`), never its state: the
+state is rebuilt wherever the request samples, from its output so far. A fresh request
+starts at the grammar's start; a decode instance's request (prefilled elsewhere, its
+first token sampled there under the same grammar) and a migrated or replica-resumed
+one consume the tokens they arrive with before their next mask. Rebuilding costs one
+token's consumption per token carried (~10 us each), and nothing about a matcher's
+internals has to cross a process or outlive its instance; preemption by swap or
+recompute, prefix-cache hits and hand-offs leave the output, and so the state, as it is.
+
+Timing: `begin_step` hands the step's sampling rows to one background thread, which
+brings each matcher up to date with the tokens appended since and fills the rows'
+bitmasks while the forward pass runs (llguidance drops the GIL); `token_masks` waits for
+them just before sampling. No grammar is compiled on the step loop's thread: a
+matcher's first compile (and the tokenizer's, once per process) runs in that thread too.
+
+A matcher in its error state (a grammar that ran out of llguidance's fuel, a token it
+does not accept) allows only EOS: the request ends with what it has ("stop").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.torch
+import torch
+
+from pdserve.engine.participant import Participant
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.grammar.compiler import Matchers
+
+log = logging.getLogger(__name__)
+
+# One row's work: request id, grammar text, tokens appended since its last mask.
+_Row = tuple[str, str, list[int]]
+
+
+class StructuredOutput(Participant):
+    """The hooks: `begin_step` (masks start), `token_masks` (masks ready), and
+    `request_ended` (state dropped). Matchers live in the mask thread only."""
+
+    def __init__(self, build_tokenizer: Callable[[], llguidance.LLTokenizer], vocab: int) -> None:
+        self._matchers = Matchers(build_tokenizer)
+        self._vocab = vocab
+        self._consumed: dict[str, int] = {}  # step loop's: tokens each matcher has seen
+        self._states: dict[str, llguidance.LLMatcher] = {}  # the mask thread's
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        self._job: Future[dict[str, torch.Tensor]] | None = None
+        self.num_masks = 0
+        self.num_errors = 0
+
+    def begin_step(self, seqs: Sequence[ScheduledSeq]) -> None:
+        self._wait()  # a step that sampled nothing left its job
+        rows: list[_Row] = []
+        for s in seqs:
+            req = s.request
+            if req.params.grammar is None or not s.samples:
+                continue
+            seen = self._consumed.get(req.request_id, 0)
+            rows.append((req.request_id, req.params.grammar, req.output_token_ids[seen:]))
+            self._consumed[req.request_id] = len(req.output_token_ids)
+        if rows:
+            self._job = self._pool.submit(self._masks, rows)
+
+    def token_masks(self, seqs: Sequence[ScheduledSeq]) -> Mapping[str, torch.Tensor]:
+        return self._wait()
+
+    def request_ended(self, req: Request, status: RequestStatus | None) -> None:
+        if self._consumed.pop(req.request_id, None) is not None:
+            self._pool.submit(self._states.pop, req.request_id, None)
+
+    def stats(self) -> dict[str, int]:
+        return {"grammar_masks": self.num_masks, "grammar_errors": self.num_errors}
+
+    def check_integrity(self) -> None:
+        assert self._job is None, "a mask job outlived its step"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _wait(self) -> dict[str, torch.Tensor]:
+        job, self._job = self._job, None
+        return {} if job is None else job.result()
+
+    def _masks(self, rows: list[_Row]) -> dict[str, torch.Tensor]:
+        """(mask thread) Each row's matcher brought up to date, and its bitmask."""
+        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self._vocab)
+        out: dict[str, torch.Tensor] = {}
+        for i, (rid, grammar, new) in enumerate(rows):
+            matcher = self._states.get(rid)
+            try:
+                if matcher is None:
+                    matcher = self._states[rid] = self._matchers.new(grammar)
+                if new:
+                    matcher.consume_tokens(new)
+                if matcher.is_error():
+                    raise ValueError(matcher.get_error())
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+            except (ValueError, RuntimeError) as e:
+                self.num_errors += 1
+                log.warning("request %s: its grammar failed (%s); only EOS is allowed", rid, e)
+                bitmask[i].zero_()
+                eos = self._matchers.eos_token
+                bitmask[i, eos // 32] = _bit(eos % 32)
+            out[rid] = bitmask[i]
+        self.num_masks += len(rows)
+        return out
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as the signed value torch stores."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
+
+
+def engine_tokenizer(model: str | None, vocab: int) -> Callable[[], llguidance.LLTokenizer]:
+    """How the engine builds llguidance's tokenizer: the served model's own (loaded from
+    the tokenizer cache, ~0.5 s, then ~0.6 s for llguidance's table), on first use."""
+
+    def build() -> llguidance.LLTokenizer:
+        from pdserve.grammar.compiler import ll_tokenizer
+        from pdserve.model.loader import resolve_model
+        from pdserve.model.tokenizer import Tokenizer
+
+        return ll_tokenizer(Tokenizer.from_model_path(resolve_model(model)).backend, vocab)
+
+    return build

@@ -1,0 +1,546 @@
+"""Structured outputs, tools and logit_bias (pdserve/grammar/, engine/features/
+structured_output.py, docs/api.md): the sampler's constraints exact, the tool-call format
+parsed the same whole and streamed, and the OpenAI surface over real servers - the
+shared colocated one (`keyed_server`) and a `--prefill 1 --decode 1` cluster of this
+module's - through the `openai` client: every constrained reply valid against its
+schema or language, and the greedy texts of both deployments equal token for token
+(the first token is sampled under the grammar on the prefill instance, the rest on the
+decode instance from the state it rebuilds from that token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from typing import Literal
+
+import jsonschema
+import llguidance
+import llguidance.torch
+import openai
+import pytest
+import torch
+from helpers.server import KEY, Server, stop
+from pydantic import BaseModel, Field
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampler import SamplingRow, apply_constraints, sample, unpack_bitmask
+from pdserve.errors import InvalidRequestError
+from pdserve.grammar import requests
+from pdserve.grammar.tools import CLOSE, OPEN, ToolStream, parse
+from pdserve.model.base import CausalLM
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.server.grammars import GrammarConfig, Grammars
+
+# ---- the sampler's constraints --------------------------------------------------------
+
+
+def _row(params: SamplingParams, allowed: torch.Tensor | None = None, seed: int = 0) -> SamplingRow:
+    gen = None if params.greedy else torch.Generator().manual_seed(seed)
+    return SamplingRow(params, gen, [1, 2, 3], [], (), allowed)
+
+
+def test_logit_bias_bans_and_forces_exactly() -> None:
+    """-100 bans a token (never drawn, even as the argmax at a high temperature), +100
+    makes it the greedy choice, and a bias never leaves a row with no token its grammar
+    allows (the grammar's mask alone then)."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 64)
+    best = int(logits.argmax())
+    banned = SamplingParams(temperature=3.0, logit_bias={best: -100})
+    drawn = {sample(logits, [_row(banned, seed=s)])[0].token_id for s in range(300)}
+    assert best not in drawn and len(drawn) > 20
+    assert sample(logits, [_row(SamplingParams(temperature=0, logit_bias={best: -100}))])[
+        0
+    ].token_id == int(logits[0].topk(2).indices[1])
+    forced = SamplingParams(temperature=0, logit_bias={int(logits.argmin()): 100})
+    assert sample(logits, [_row(forced)])[0].token_id == int(logits.argmin())
+    # a grammar that allows only tokens 3 and 9: a ban on 3 leaves 9; a ban on both
+    # leaves the grammar's two
+    words = torch.zeros(2, dtype=torch.int32)
+    words[0] = (1 << 3) | (1 << 9)
+    one = SamplingParams(temperature=0, logit_bias={3: -100})
+    assert sample(logits, [_row(one, words)])[0].token_id == 9
+    x = logits.clone()
+    apply_constraints(
+        x, [_row(SamplingParams(temperature=0, logit_bias={3: -100, 9: -100}), words)]
+    )
+    assert torch.isfinite(x[0]).nonzero().flatten().tolist() == [3, 9]
+    assert torch.equal(x[0, [3, 9]], logits[0, [3, 9]])
+
+
+def test_the_grammar_mask_is_llguidance_s_own() -> None:
+    """`unpack_bitmask` reads llguidance's packed layout exactly as its own kernel applies
+    it (a vocabulary that is not a multiple of 32 included)."""
+    torch.manual_seed(1)
+    for vocab in (64, 1000, 49152):
+        words = torch.randint(-(2**31), 2**31 - 1, (1, (vocab + 31) // 32), dtype=torch.int32)
+        logits = torch.randn(1, vocab)
+        theirs = logits.clone()
+        llguidance.torch.apply_token_bitmask_inplace(theirs, words)
+        ours = logits.clone()
+        ours[0].masked_fill_(~unpack_bitmask(words[0], vocab), float("-inf"))
+        assert torch.equal(ours, theirs), vocab
+
+
+# ---- the tool-call format -----------------------------------------------------------------
+
+NAMES = frozenset({"get_weather", "add"})
+CALL_A = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+CALL_B = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("plain answer", "plain answer", []),
+        (f"{OPEN}\n{CALL_A}\n{CLOSE}", None, [("get_weather", '{"city": "Paris"}')]),
+        (
+            f"Let me check.\n{OPEN}\n{CALL_A}\n{CLOSE}\n{OPEN}\n{CALL_B}\n{CLOSE}\n",
+            "Let me check.",
+            [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')],
+        ),
+        # a last block cut short (max_tokens): the complete ones stand
+        (
+            f"{OPEN}\n{CALL_A}\n{CLOSE}\n{OPEN}\n" + '{"name": "ad',
+            None,
+            [("get_weather", '{"city": "Paris"}')],
+        ),
+        # a block that is not a call of a known function: the model did not call
+        (f"{OPEN}\n" + '{"name": "nope", "arguments": {}}' + f"\n{CLOSE}", None, None),
+        (f"{OPEN}\nnot json\n{CLOSE}", None, None),
+        (f"{OPEN}\n" + '{"name": "ad', None, None),
+    ],
+)
+def test_tool_calls_parse_the_same_whole_and_streamed(
+    text: str, content: str | None, calls: list[tuple[str, str]] | None
+) -> None:
+    """`parse` of a whole reply, and `ToolStream` fed it in every split of two pieces and
+    token-sized pieces, give the same content and calls (None: the whole text is content)."""
+    got_content, got_calls = parse(text, NAMES)
+    if calls is None:
+        assert (got_content, got_calls) == (text, [])
+        content, calls = text, []
+    else:
+        assert got_content == content
+        assert [(c.name, c.arguments) for c in got_calls] == calls
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    splits.append([text[i : i + 3] for i in range(0, len(text), 3)])
+    for pieces in splits:
+        stream = ToolStream(NAMES)
+        streamed_text, deltas = "", []
+        for piece in pieces:
+            t, d = stream.feed(piece)
+            streamed_text += t
+            deltas += d
+        streamed_text += stream.finish()
+        assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == calls
+        assert [d["index"] for d in deltas] == list(range(len(calls)))
+        want = (content or "").strip() if calls else content
+        assert streamed_text.strip() == (want or ""), pieces
+
+
+# ---- constraints a request asks for -------------------------------------------------------
+
+
+def test_two_constraints_and_malformed_fields_are_refused() -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        requests.from_fields({"guided_regex": "a+", "guided_choice": ["a"]})
+    assert (e.value.message, e.value.param) == (
+        "a request takes at most one output constraint, got guided_regex, guided_choice",
+        "guided_choice",
+    )
+    with pytest.raises(InvalidRequestError) as e:
+        requests.from_fields({"guided_choice": ["yes", ""]})
+    assert (e.value.message, e.value.param) == (
+        "guided_choice[1] must be a non-empty string",
+        "guided_choice",
+    )
+    with pytest.raises(InvalidRequestError) as e:
+        requests.from_fields({"structured_outputs": {"regex": "a", "choice": ["b"]}})
+    assert e.value.message == (
+        "structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
+        "got structured_outputs.regex, structured_outputs.choice"
+    )
+
+
+def test_a_grammar_past_the_compile_limit_is_a_400(smollm2: tuple[CausalLM, Tokenizer]) -> None:
+    """A schema that takes longer than the server's --grammar-timeout to compile is refused
+    with the limit named; the compile runs in the pool, never on the event loop."""
+    grammars = Grammars(smollm2[1], GrammarConfig(timeout_s=0.001))
+    try:
+        grammars.warm()
+        big = {
+            "type": "object",
+            "properties": {
+                f"field_{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},40}}[0-9]+"}
+                for i in range(400)
+            },
+            "required": [f"field_{i}" for i in range(400)],
+        }
+        c = requests.json_schema(big, "response_format.json_schema.schema")
+        with pytest.raises(InvalidRequestError) as e:
+            asyncio.run(grammars.check(c.grammar, c.param))
+        assert e.value.message == (
+            "response_format.json_schema.schema took longer than 0.001 s to compile (the "
+            "server's --grammar-timeout); send a smaller schema or grammar"
+        )
+    finally:
+        grammars.close()
+
+
+# ---- over the servers: colocated and one prefill + one decode instance --------------------
+
+
+@pytest.fixture(scope="module")
+def disaggregated() -> Iterator[Server]:
+    server = Server("--prefill", "1", "--decode", "1", "--kv-cache-memory-gib", "0.5")
+    yield server
+    stop(server)
+
+
+@pytest.fixture(scope="module")
+def clients(keyed_server: Server, disaggregated: Server) -> dict[str, openai.OpenAI]:
+    """The `openai` client of each deployment: colocated, 1P1D."""
+    return {
+        "colocated": openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY),
+        "1P1D": openai.OpenAI(base_url=disaggregated.url + "/v1", api_key="unused"),
+    }
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=24)
+    unit: Literal["celsius", "fahrenheit"]
+    highs: list[int] = Field(max_length=3)
+
+
+class Order(BaseModel):
+    item: str = Field(max_length=24)
+    quantity: int
+    express: bool
+
+
+SCHEMA_CASES = [
+    (Person, "Invent a person and describe them as JSON."),
+    (Forecast, "Give a three-day weather forecast for Rome as JSON."),
+    (Order, "I want two pizzas delivered fast. Write the order as JSON."),
+]
+
+
+def _ask(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def test_json_schema_replies_validate_and_agree_across_deployments(
+    clients: dict[str, openai.OpenAI],
+) -> None:
+    """`chat.completions.parse` with a pydantic model (the client sends its strict JSON
+    schema): every greedy reply stops by itself, parses into the model and validates
+    against the schema, and both deployments give the same text."""
+    texts: dict[str, list[str]] = {}
+    for name, client in clients.items():
+        texts[name] = []
+        for model, prompt in SCHEMA_CASES:
+            reply = client.chat.completions.parse(
+                model=_model(client),
+                messages=_ask(prompt),
+                response_format=model,
+                temperature=0,
+                max_tokens=120,
+            )
+            choice = reply.choices[0]
+            assert choice.finish_reason == "stop", (name, choice)
+            assert isinstance(choice.message.parsed, model), (name, choice)
+            jsonschema.validate(json.loads(choice.message.content), model.model_json_schema())
+            texts[name].append(choice.message.content)
+    assert texts["colocated"] == texts["1P1D"]
+
+
+GRAMMAR_CASES = [
+    ({"guided_choice": ["yes", "no", "maybe"]}, lambda t: t in {"yes", "no", "maybe"}),
+    ({"structured_outputs": {"choice": ["red", "green"]}}, lambda t: t in {"red", "green"}),
+    (
+        {"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}},
+        lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t) is not None,
+    ),
+    (
+        {"guided_regex": r"(cat|dog)s? [a-z]{2,8}"},
+        lambda t: re.fullmatch(r"(cat|dog)s? [a-z]{2,8}", t),
+    ),
+    # GBNF (llama.cpp's, as vLLM takes it) and Lark
+    (
+        {"guided_grammar": 'root ::= "The answer is " [0-9]+ "."'},
+        lambda t: re.fullmatch(r"The answer is [0-9]+\.", t),
+    ),
+    ({"structured_outputs": {"grammar": 'start: "A" | "B" "!"'}}, lambda t: t in {"A", "B!"}),
+    (
+        {
+            "guided_json": {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+                "additionalProperties": False,
+            }
+        },
+        lambda t: isinstance(json.loads(t)["ok"], bool),
+    ),
+    (
+        {"response_format": {"type": "json_object"}, "max_tokens": 200},
+        lambda t: isinstance(json.loads(t), dict),
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "valid"), GRAMMAR_CASES)
+def test_every_constraint_form_is_followed_alike_in_both_deployments(
+    clients: dict[str, openai.OpenAI], fields: dict, valid
+) -> None:
+    """vLLM's fields (structured_outputs, the older guided_*) and OpenAI's JSON mode, by
+    the `openai` client's extra_body: the text is in the language asked for, and the
+    same in both deployments, streamed or not."""
+    fields = {"max_tokens": 60, **fields}
+    texts = []
+    for client in clients.values():
+        for stream in (False, True):
+            text, finish = _chat(
+                client, _ask("Answer the question: is the sky blue?"), stream, **fields
+            )
+            assert finish == "stop", (fields, text)
+            assert valid(text), (fields, text)
+            texts.append(text)
+    assert len(set(texts)) == 1, texts
+
+
+def test_a_constrained_reply_cut_by_max_tokens_ends_with_length(
+    clients: dict[str, openai.OpenAI],
+) -> None:
+    for client in clients.values():
+        for stream in (False, True):
+            text, finish = _chat(
+                client,
+                _ask(SCHEMA_CASES[0][1]),
+                stream,
+                max_tokens=4,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": Person.model_json_schema()},
+                },
+            )
+            assert finish == "length" and text.startswith("{"), text
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _chat(client: openai.OpenAI, messages: list[dict], stream: bool, **fields) -> tuple[str, str]:
+    """(text, finish reason) of a greedy chat reply; extra fields go in the body as given."""
+    max_tokens = fields.pop("max_tokens", 60)
+    kwargs = {
+        "model": _model(client),
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
+    if "response_format" in fields:
+        kwargs["response_format"] = fields.pop("response_format")
+    if not stream:
+        r = client.chat.completions.create(**kwargs, extra_body=fields)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, finish = "", None
+    for chunk in client.chat.completions.create(**kwargs, extra_body=fields, stream=True):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    return text, finish
+
+
+# ---- tools ------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city now",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "add", "description": "Add two integers", "parameters": ADD},
+    },
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+QUESTION = _ask("What is the weather like in Paris right now?")
+
+
+def _tool_reply(
+    client: openai.OpenAI, messages: list[dict], stream: bool, **fields
+) -> tuple[str | None, list[tuple[str, str]], str]:
+    """(content, [(name, arguments)], finish reason) of a greedy reply with TOOLS."""
+    kwargs = {
+        "model": _model(client),
+        "messages": messages,
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 100,
+        **fields,
+    }
+    if not stream:
+        r = client.chat.completions.create(**kwargs)
+        m = r.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        assert all(c.id.startswith("call_") and c.type == "function" for c in m.tool_calls or [])
+        return m.content, calls, r.choices[0].finish_reason
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                name, args = calls.get(d.index, ("", ""))
+                calls[d.index] = (
+                    name + (d.function.name or ""),
+                    args + (d.function.arguments or ""),
+                )
+            finish = c.finish_reason or finish
+    return content or None, [calls[i] for i in sorted(calls)], finish
+
+
+def _valid_calls(calls: list[tuple[str, str]]) -> None:
+    for name, args in calls:
+        jsonschema.validate(json.loads(args), SCHEMAS[name])
+
+
+def test_required_and_named_tool_choices_always_call(clients: dict[str, openai.OpenAI]) -> None:
+    """tool_choice "required" (one call, parallel_tool_calls false) and a named function:
+    the reply is tool calls whose arguments are valid against the function's schema,
+    finishing with "tool_calls", streamed as a whole reply gives them; "required" with
+    parallel calls allowed gives at least one valid call."""
+    for name, client in clients.items():
+        for stream in (False, True):
+            for fields, want in (
+                ({"tool_choice": "required", "parallel_tool_calls": False}, None),
+                ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "add"),
+            ):
+                content, calls, finish = _tool_reply(client, QUESTION, stream, **fields)
+                assert (content, finish, len(calls)) == (None, "tool_calls", 1), (name, calls)
+                _valid_calls(calls)
+                assert want is None or calls[0][0] == want
+            content, calls, _ = _tool_reply(client, QUESTION, stream, tool_choice="required")
+            assert content is None and calls, (name, calls)
+            _valid_calls(calls)
+
+
+def test_auto_tool_choice_and_a_multi_turn_conversation(clients: dict[str, openai.OpenAI]) -> None:
+    """ "auto": whatever the model writes is content or valid calls. The conversation goes
+    on with the call in the history and the tool's result as a `tool` message: the answer
+    (greedy) is the same streamed or not, and in both deployments."""
+    replies = []
+    for client in clients.values():
+        _, calls, _ = _tool_reply(
+            client, QUESTION, False, tool_choice="required", parallel_tool_calls=False
+        )
+        history = [
+            *QUESTION,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": calls[0][0], "arguments": calls[0][1]},
+                    }
+                ],
+            },
+            {
+                "role": "tool",
+                "tool_call_id": "call_1",
+                "content": '{"temperature": 21, "sky": "sunny"}',
+            },
+        ]
+        for messages in (QUESTION, history):
+            for stream in (False, True):
+                content, calls, finish = _tool_reply(client, messages, stream)
+                assert (content is not None) or calls, (content, calls)
+                _valid_calls(calls)
+                assert finish == ("tool_calls" if calls else finish)
+                replies.append((messages is history, content, tuple(calls)))
+    answers = {r for r in replies if r[0]}
+    assert len(answers) == 1, answers
+    first_turns = {r for r in replies if not r[0]}
+    assert len(first_turns) == 1, first_turns
+    ((_, answer, _),) = answers
+    assert answer, "the model answered the tool's result with text"
+
+
+# ---- logit_bias ---------------------------------------------------------------------------
+
+BIAS_PROMPT = "The capital of France is"
+
+
+def _greedy_ids(engine: Engine, prompt: str, max_tokens: int, **params) -> list[int]:
+    """The greedy output ids of the undisturbed in-process engine."""
+    rid = engine.add_request(
+        engine.tokenizer.prompt_ids(prompt),
+        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **params),
+        f"bias-{params}",
+    )
+    ids: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                ids = list(out.token_ids)
+    return ids
+
+
+def test_logit_bias_bans_and_forces_tokens_in_both_deployments(
+    clients: dict[str, openai.OpenAI], served_engine: Engine
+) -> None:
+    """-100 on every token of the unbiased greedy reply: none of them is sampled (the
+    in-process engine's ids), and each server's text is that engine's. +100 on one
+    token: the reply is that token, every time."""
+    plain = _greedy_ids(served_engine, BIAS_PROMPT, 12)
+    banned = {t: -100 for t in plain}
+    biased = _greedy_ids(served_engine, BIAS_PROMPT, 12, logit_bias=banned)
+    assert biased and not set(biased) & set(plain), (plain, biased)
+    forced = served_engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    decode = served_engine.tokenizer.decode
+    for client in clients.values():
+        for bias, want in (
+            ({str(t): b for t, b in banned.items()}, biased),
+            ({str(forced): 100}, [forced] * 12),
+        ):
+            r = client.completions.create(
+                model=_model(client),
+                prompt=BIAS_PROMPT,
+                max_tokens=12,
+                temperature=0,
+                logit_bias=bias,
+                extra_body={"ignore_eos": True},
+            )
+            assert r.choices[0].text == decode(want)
