@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import jsonschema
@@ -22,7 +24,9 @@ import llguidance.torch
 import openai
 import pytest
 import torch
-from helpers.server import KEY, Server, stop
+from helpers.reference import run
+from helpers.server import KEY, Server, cluster, row_of, stop, wait_clean, wait_dead
+from helpers.streams import Streams
 from pydantic import BaseModel, Field
 
 from pdserve.engine.engine import Engine
@@ -544,3 +548,204 @@ def test_logit_bias_bans_and_forces_tokens_in_both_deployments(
                 extra_body={"ignore_eos": True},
             )
             assert r.choices[0].text == decode(want)
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _fn(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def _schema(schema: dict) -> dict:
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    }
+
+
+BAD = [
+    (
+        _schema({"type": "foo"}),
+        "response_format.json_schema.schema does not compile: Invalid type: foo",
+        "response_format.json_schema.schema",
+    ),
+    (
+        _schema({"type": "object", "if": {"required": ["a"]}}),
+        'response_format.json_schema.schema does not compile: Unimplemented keys: ["if"]',
+        "response_format.json_schema.schema",
+    ),
+    (
+        {"response_format": {"type": "json_schema"}},
+        'response_format of type "json_schema" needs its json_schema field',
+        "response_format.json_schema",
+    ),
+    (
+        {"guided_regex": "a(b"},
+        'guided_regex does not compile: at 1(8): invalid regex "a(b" (in regex): '
+        "regex parse error: a(b",
+        "guided_regex",
+    ),
+    (
+        {"structured_outputs": {"grammar": "start: foo"}},
+        'structured_outputs.grammar does not compile: at 1(8): unknown name: "foo"',
+        "structured_outputs.grammar",
+    ),
+    (
+        {"guided_grammar": 'root ::= "a'},
+        "guided_grammar is not a valid GBNF grammar: Unexpected end of input at line 1, "
+        "'root ::= \"a' ^ ''",
+        "guided_grammar",
+    ),
+    (
+        {"guided_json": "{not json"},
+        "guided_json is not valid JSON: Expecting property name enclosed in double quotes: "
+        "line 1 column 2 (char 1)",
+        "guided_json",
+    ),
+    (
+        {"guided_regex": "a+", "response_format": {"type": "json_object"}},
+        "a request takes at most one output constraint, got response_format, guided_regex",
+        "guided_regex",
+    ),
+    (
+        {"tools": [_fn("f", {"type": "object", "properties": {"a": {"type": "nope"}}})]},
+        "tools.0.function.parameters does not compile: Invalid type: nope",
+        "tools.0.function.parameters",
+    ),
+    (
+        {
+            "tools": [_fn("f", {"type": "object"})],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice names the function 'g', which is not in tools (f)",
+        "tool_choice",
+    ),
+    (
+        {"tool_choice": "required"},
+        'tool_choice "required" needs at least one tool in tools',
+        "tool_choice",
+    ),
+    (
+        {
+            "tools": [_fn("f", {"type": "object"})],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        "tool_choice 'required' constrains the output to tool calls; it cannot be combined "
+        "with response_format",
+        "response_format",
+    ),
+    (
+        {"logit_bias": {"abc": 1}},
+        "logit_bias keys must be token ids (non-negative integers), got 'abc'",
+        "logit_bias",
+    ),
+    (
+        {"logit_bias": {"5": 101}},
+        "logit_bias values must be between -100 and 100, got 101 for token 5",
+        "logit_bias",
+    ),
+    (
+        {"logit_bias": {"99999999": 5}},
+        "logit_bias token id 99999999 is outside the vocabulary [0, 49152)",
+        "logit_bias",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}],
+                }
+            ]
+        },
+        "messages.0.content.0: content parts of type 'image_url' are not supported (this "
+        "model reads text parts only)",
+        "messages.0.content.0",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "txt": "a"}]}]},
+        'messages.0.content.0: a text part is {"type": "text", "text": <string>}',
+        "messages.0.content.0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "message", "param"), BAD)
+def test_bad_constraints_tools_and_biases_are_exact_400s_and_queue_nothing(
+    keyed_server: Server, fields: dict, message: str, param: str
+) -> None:
+    before = keyed_server.get("/debug/engine", KEY)[1]["prefix_cache_queries"]
+    body = {"messages": HI, "max_tokens": 4, **fields}
+    status, reply = keyed_server.post("/v1/chat/completions", json.dumps(body).encode())
+    assert (status, reply) == (
+        400,
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": param,
+                "code": 400,
+            }
+        },
+    )
+    assert keyed_server.get("/debug/engine", KEY)[1]["prefix_cache_queries"] == before
+
+
+# ---- a decode instance killed under constrained streams -------------------------------------
+
+KILL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Rome", "Oslo", "Lima"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def _kill_bodies() -> list[dict]:
+    """16 streamed completions under one schema: 12 greedy, 4 seeded at temperature 0.8."""
+    out = []
+    for i in range(16):
+        body: dict = {
+            "prompt": f"Person {i} of the club, as a JSON record with name, age and city:\n",
+            "max_tokens": 96,
+            "temperature": 0,
+            "stream": True,
+        }
+        if i % 4 == 3:
+            body.update(temperature=0.8, seed=500 + i)
+        out.append(body)
+    return out
+
+
+def test_a_killed_decode_instance_keeps_every_constrained_stream_exact(
+    start: Callable[..., Server], served_engine: Engine
+) -> None:
+    """1P2D, 16 json_schema streams; decode-0 SIGKILLed once every stream has 8 tokens. Its
+    requests move (recomputed elsewhere) and each one's grammar state is rebuilt there from
+    the tokens it streamed: every stream ends by itself with the undisturbed engine's text,
+    valid against the schema."""
+    grammar = requests.json_schema(KILL_SCHEMA, "response_format").grammar
+    bodies = _kill_bodies()
+    reference = run(served_engine, [{**b, "grammar": grammar} for b in bodies])
+    server = start("--prefill", "1", "--decode", "2", "--instance-timeout", "30")
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": KILL_SCHEMA}}
+    streams = Streams(server.url, [{**b, "response_format": rf} for b in bodies])
+    streams.wait_tokens(8)
+    victim = row_of(server, "decode-0")
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert wait_dead(server, "decode-0") == "process exited (exit code -9)"
+    for i, (got, want) in enumerate(zip(streams.results(), reference, strict=True)):
+        assert (got.status, got.error, got.finish_reason) == (200, None, "stop"), (i, got)
+        assert got.text == want.text, (i, got.text, want.text)
+        jsonschema.validate(json.loads(got.text), KILL_SCHEMA)
+    after = cluster(server)["controller"]
+    assert after["migrations"] == victim["assigned_requests"] > 0, (victim, after)
+    assert after["failed"] == 0, after
+    wait_clean(server)

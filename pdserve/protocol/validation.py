@@ -39,6 +39,11 @@ def check_request(
         raise InvalidRequestError(
             f"stop token id {bad} is outside the vocabulary [0, {vocab_size})", "stop_token_ids"
         )
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})", "logit_bias"
+        )
     if len(prompt) + params.max_tokens > max_model_len:
         raise _over_context(len(prompt), params, max_model_len, "max_tokens")
 
