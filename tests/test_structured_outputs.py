@@ -11,6 +11,7 @@ decode instance from the state it rebuilds from that token).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from helpers.server import KEY, Server, cluster, row_of, stop, wait_clean, wait_
 from helpers.streams import Streams
 from pydantic import BaseModel, Field
 
+from pdserve.config import PreemptionMode
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampler import SamplingRow, apply_constraints, sample, unpack_bitmask
 from pdserve.errors import InvalidRequestError
@@ -38,6 +40,7 @@ from pdserve.model.base import CausalLM
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.server.grammars import GrammarConfig, Grammars
+from pdserve.text.outputs import RequestOutput
 
 # ---- the sampler's constraints --------------------------------------------------------
 
@@ -749,3 +752,59 @@ def test_a_killed_decode_instance_keeps_every_constrained_stream_exact(
     assert after["migrations"] == victim["assigned_requests"] > 0, (victim, after)
     assert after["failed"] == 0, after
     wait_clean(server)
+
+
+# ---- the grammar state through preemption, the prefix cache, stop strings -----------------
+
+
+PREAMBLE = (
+    "The club keeps one record per member. A record names the member, gives their age in "
+    "years and the city they live in, and nothing else."
+)
+
+
+def _finish(engine: Engine, jobs: list[tuple[str, SamplingParams]]) -> list[RequestOutput]:
+    rids = [engine.add_request(p, params, f"g-{i}") for i, (p, params) in enumerate(jobs)]
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[r] for r in rids]
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.SWAP, PreemptionMode.RECOMPUTE])
+def test_the_grammar_state_survives_preemption_and_cache_hits(
+    make_engine: Callable[..., Engine], mode: PreemptionMode
+) -> None:
+    """Eight json_schema requests (greedy and seeded) on a pool too small for them all:
+    preempted by `mode`, each resumes its grammar where it was and gives the tokens a
+    roomy engine gives; the roomy engine's second run (every prompt a prefix-cache hit)
+    too; a stop string cuts a constrained reply where the text reaches it. Every mask
+    came from a live grammar (no matcher fell into its error state)."""
+    grammar = requests.json_schema(KILL_SCHEMA, "response_format").grammar
+    jobs = []
+    for i in range(8):
+        seeded = {"temperature": 0.8, "seed": 70 + i} if i % 2 else {"temperature": 0}
+        params = SamplingParams(max_tokens=80, grammar=grammar, **seeded)
+        prompt = f"{PREAMBLE} Member {i} of the team as JSON with name, age and city:\n"
+        jobs.append((prompt, params))
+    roomy = make_engine()
+    want = _finish(roomy, jobs)
+    assert all(o.finish_reason == "stop" for o in want)
+    for o in want:
+        jsonschema.validate(json.loads(o.text), KILL_SCHEMA)
+    cached = _finish(roomy, jobs)
+    assert roomy.core.kv.prefix_cache_hits > 0
+    assert [o.token_ids for o in cached] == [o.token_ids for o in want]
+    tight = make_engine(num_blocks=20, preemption_mode=mode)
+    got = _finish(tight, jobs)
+    assert tight.core.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = tight.core.stats()
+    assert stats["grammar_masks"] == sum(len(o.token_ids) for o in got)
+    assert stats["grammar_errors"] == 0
+    prompt, params = jobs[0]
+    cut = _finish(roomy, [(prompt, dataclasses.replace(params, stop=('"age"',)))])[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == want[0].text[: want[0].text.index('"age"')]
