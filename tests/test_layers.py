@@ -42,6 +42,11 @@ LAYERS: Layers = [
         "a request's token ids to text, stop strings, RequestOutput: over protocol's messages",
     ),
     (
+        ("pdserve.grammar",),
+        "a request's output constraint (llguidance grammars, checked and matched) and tool "
+        "calls in and out of text: over the leaves only",
+    ),
+    (
         ("pdserve.config",),
         "what an instance is built from (EngineConfig and its parts), sized by kv's dtype table",
     ),

@@ -116,6 +116,13 @@ CALL_B = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
             None,
             [("get_weather", '{"city": "Paris"}')],
         ),
+        # a block that does not parse stays text; the calls beside it stand, as streamed
+        (
+            f"{OPEN}\nnot json\n{CLOSE}\n{OPEN}\n{CALL_A}\n{CLOSE}",
+            f"{OPEN}\nnot json\n{CLOSE}",
+            [("get_weather", '{"city": "Paris"}')],
+        ),
+        (f"{OPEN}\n{CALL_B}\n{CLOSE}\nDone.", "Done.", [("add", '{"a": 1, "b": 2}')]),
         # a block that is not a call of a known function: the model did not call
         (f"{OPEN}\n" + '{"name": "nope", "arguments": {}}' + f"\n{CLOSE}", None, None),
         (f"{OPEN}\nnot json\n{CLOSE}", None, None),

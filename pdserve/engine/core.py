@@ -361,7 +361,7 @@ class EngineCore:
             and self.runner.bursts
             and not any(p.wants_every_step or p.busy() for p in self.participants)
         )
-        steps = self.bursts.plan(sched, bool(quiet), self._sampling_row)
+        steps = self.bursts.plan(sched, bool(quiet), lambda s: _sampling_row(s, self.eos_token_ids))
         if steps > 1 and self.scheduler.extend(sched.seqs, steps):
             return self._burst(sched.seqs, steps, start)
         self.bursts.stepped(sched.empty)
@@ -420,7 +420,8 @@ class EngineCore:
         """Sample, append and stop-check the step's tokens; then the participants'
         first-token hook. argmax: the rows' argmax, when the step took it (`sample`)."""
         masks = _token_masks(self.participants, sampled)
-        rows = [self._sampling_row(s, masks.get(s.request.request_id)) for s in sampled]
+        eos = self.eos_token_ids
+        rows = [_sampling_row(s, eos, masks.get(s.request.request_id)) for s in sampled]
         tokens = sample(logits, rows, argmax)
         firsts: list[Request] = []
         outputs = [self._append(s.request, t, firsts) for s, t in zip(sampled, tokens, strict=True)]
@@ -428,17 +429,6 @@ class EngineCore:
             if any(p.first_token(req) for p in self.participants):
                 self._leave_batch(req)
         return outputs
-
-    def _sampling_row(self, seq: ScheduledSeq, allowed: torch.Tensor | None = None) -> SamplingRow:
-        r = seq.request
-        return SamplingRow(
-            r.params,
-            r.generator,
-            r.prompt_token_ids,
-            r.output_token_ids,
-            self.eos_token_ids,
-            allowed,
-        )
 
     def _append(self, req: Request, tok: SampledToken, firsts: list[Request]) -> EngineOutput:
         """Add the sampled token, check the stop conditions; a request whose first token
@@ -467,6 +457,13 @@ class EngineCore:
             p.request_ended(req, None)
         self.requests.pop(req.request_id, None)
         self.scheduler.detach(req)
+
+
+def _sampling_row(
+    seq: ScheduledSeq, eos: frozenset[int], allowed: torch.Tensor | None = None
+) -> SamplingRow:
+    r = seq.request
+    return SamplingRow(r.params, r.generator, r.prompt_token_ids, r.output_token_ids, eos, allowed)
 
 
 def _token_masks(

@@ -68,11 +68,12 @@ def stop_status(
 ) -> RequestStatus:
     """RUNNING, or why `req` stops after `token` (just appended): EOS or a stop token
     once min_tokens are out (FINISHED_STOPPED; `req.stop_reason` names a stop token),
-    max_tokens or the context limit (FINISHED_LENGTH)."""
+    max_tokens or the context limit (FINISHED_LENGTH). A grammar's EOS ends its request
+    even with ignore_eos: its output is complete, and nothing but EOS may follow."""
     p = req.params
     n = len(req.output_token_ids)
     if n > p.min_tokens or n == p.max_tokens:
-        if not p.ignore_eos and token in eos_token_ids:
+        if (not p.ignore_eos or p.grammar is not None) and token in eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in p.stop_token_ids:
             req.stop_reason = token

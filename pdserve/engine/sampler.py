@@ -35,6 +35,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 
 from pdserve.protocol.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
@@ -180,16 +181,25 @@ def apply_constraints(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None
         if not bias and row.allowed is None:
             continue
         x = logits[i]
-        masked = None if row.allowed is None else ~unpack_bitmask(row.allowed, vocab)
+        allowed = None if row.allowed is None else unpack_bitmask(row.allowed, vocab)
         if bias:
-            before = x.clone() if masked is not None else None
+            before = x.clone() if allowed is not None else None
             ids = torch.tensor([t for t, _ in bias], device=x.device)
             vals = torch.tensor([b for _, b in bias], dtype=x.dtype, device=x.device)
             x[ids] += vals.masked_fill(vals <= -LOGIT_BIAS_LIMIT, _NEG_INF)
-            if masked is not None and before is not None and bool(x[~masked].isneginf().all()):
+            if allowed is not None and before is not None and bool(x[allowed].isneginf().all()):
                 x.copy_(before)  # the bias would leave nothing the grammar allows
-        if masked is not None:
-            x.masked_fill_(masked, _NEG_INF)
+        if allowed is not None:
+            _mask_outside(x, allowed)
+
+
+def _mask_outside(x: torch.Tensor, allowed: torch.Tensor) -> None:
+    """-inf where `allowed` (bool [vocab]) is False; through numpy on the host (~10x
+    faster than a torch masked_fill over 49k entries)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        np.copyto(x.numpy(), _NEG_INF, where=~allowed.numpy())
+    else:
+        x.masked_fill_(~allowed, _NEG_INF)
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -197,15 +207,18 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """A packed bitmask (int32 words, bit t % 32 of word t // 32) as bools [vocab]."""
-    bits = (words.to(torch.int32).unsqueeze(-1) >> _SHIFTS.to(words.device)) & 1
-    return bits.reshape(-1)[:vocab].bool()
+    if words.device.type == "cpu":
+        bits = np.unpackbits(words.numpy().view(np.uint8), bitorder="little")
+        return torch.from_numpy(bits[:vocab].view(np.bool_))
+    shifted = (words.to(torch.int32).unsqueeze(-1) >> _SHIFTS.to(words.device)) & 1
+    return shifted.reshape(-1)[:vocab].bool()
 
 
 def _choose_tokens(x: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     """Argmax for greedy rows, a filtered random draw for the others."""
     rand = [i for i, row in enumerate(rows) if not row.params.greedy]
     if not rand:
-        return x.argmax(dim=-1).tolist()
+        return _argmax(x)
     rand_rows = [rows[i] for i in rand]
     all_rand = len(rand) == len(rows)
     probs = sampling_probs(x if all_rand else x[rand], [r.params for r in rand_rows])

@@ -153,28 +153,14 @@ def parse_block(body: str, names: frozenset[str]) -> ToolCall | None:
 
 
 def parse(text: str, names: frozenset[str]) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole reply: the text before the first block is content
-    (None when empty); complete blocks that parse as calls of `names` are calls. A reply
-    with a block that does not parse is content, whole (the model did not call)."""
-    if OPEN not in text:
-        return text, []
-    head, _, rest = text.partition(OPEN)
-    calls: list[ToolCall] = []
-    while True:
-        body, closed, rest = rest.partition(CLOSE)
-        call = parse_block(body, names) if closed else None
-        if call is None:
-            if closed or not calls:
-                return text, []
-            break  # a last block cut short (max_tokens): the complete ones stand
-        calls.append(call)
-        rest = rest.strip()
-        if not rest.startswith(OPEN):
-            if rest:
-                return text, []
-            break
-        rest = rest[len(OPEN) :]
-    return (head.strip() or None), calls
+    """(content, calls) of a whole reply, exactly as `ToolStream` splits it streamed:
+    complete blocks that parse as calls of `names` are calls; everything else is content
+    (None when only whitespace is left), but a last block cut short after calls
+    (max_tokens) is dropped."""
+    stream = ToolStream(names)
+    content, _ = stream.feed(text)
+    content += stream.finish()
+    return (content.strip() or None) if stream.calls else (content or None), stream.calls
 
 
 class ToolStream:

@@ -76,7 +76,8 @@ class SamplingParams:
     - stop_token_ids: token ids that end generation (the token itself is not part of the text);
       at most MAX_STOP_TOKEN_IDS. Whether they lie in the vocabulary is checked where the
       vocabulary is known (`protocol/validation.py`).
-    - ignore_eos: keep generating after the model's EOS token (until max_tokens or a stop).
+    - ignore_eos: keep generating after the model's EOS token (until max_tokens or a stop);
+      not past the end of a grammar (its EOS ends the request).
     - logprobs: None = no log-probabilities; n in [0, 20] = return the chosen token's logprob
       plus the n most likely alternatives.
     - repetition_penalty: > 0; 1 disables it. Logits of tokens seen in prompt or output are
