@@ -11,12 +11,14 @@ a JSON-schema constraint against the same server unconstrained.
    49k vocabulary. Medians of `--repeats`.
 2. TPOT over real servers, each started alone (`pdserve serve`, colocated, then
    `--prefill 1 --decode 1`): greedy streamed chat requests, unconstrained
-   (`ignore_eos`, 96 tokens) and under a JSON schema that makes ~100 tokens (a list of
-   short notes), alternated A B B A so drift on a shared machine falls on both; 1
-   stream (`--requests` of each) and 16 concurrent streams (two rounds of each).
-   TPOT = (E2E - TTFT) / (tokens - 1) from the client's clock, median over requests;
-   the ratio constrained / unconstrained is the figure (target <= 1.05: the mask is
-   computed while the forward pass runs).
+   (`ignore_eos`, 96 tokens), "one-step" (the same with a -100 bias on a token never
+   chosen: a constrained row without a grammar, so no decode burst and the full sampler)
+   and under a JSON schema that makes ~100 tokens (a list of short notes), in the order
+   A B C C B A so drift on a shared machine falls on all; 1 stream (`--requests` of
+   each) and 16 concurrent streams (two rounds of each). TPOT = first to last token over
+   the tokens after the first, from the client's clock, median over requests. The
+   ratios: json_schema / unconstrained (what a user sees) and json_schema / one-step
+   (the grammar's own cost: its mask is computed while the forward pass runs).
 """
 
 from __future__ import annotations
@@ -116,24 +118,29 @@ def compile_figures(repeats: int) -> dict[str, float]:
     return out
 
 
-def body(constrained: bool) -> dict:
+KINDS = ("unconstrained", "one-step", "json_schema")
+
+
+def body(kind: str) -> dict:
     b: dict = {
         "messages": [{"role": "user", "content": "Write ten short notes about the sea."}],
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if constrained:
+    if kind == "json_schema":
         rf = {"type": "json_schema", "json_schema": {"name": "notes", "schema": NOTES}}
         return {**b, "max_tokens": 400, "response_format": rf}
+    if kind == "one-step":  # a bias on a token never chosen: no burst, the full sampler
+        return {**b, "max_tokens": 96, "ignore_eos": True, "logit_bias": {"49151": -100}}
     return {**b, "max_tokens": 96, "ignore_eos": True}
 
 
-async def one(client: httpx.AsyncClient, url: str, constrained: bool) -> float:
+async def one(client: httpx.AsyncClient, url: str, kind: str) -> float:
     """The request's TPOT (s) from the client's clock: first to last token over the
     tokens after the first (`usage`: a decode burst's tokens come in one chunk)."""
     first, last, n = None, None, 0
-    async with client.stream("POST", url, json=body(constrained)) as r:
+    async with client.stream("POST", url, json=body(kind)) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -149,20 +156,19 @@ async def one(client: httpx.AsyncClient, url: str, constrained: bool) -> float:
 
 
 async def tpots(url: str, streams: int, rounds: int) -> dict[str, float]:
-    samples: dict[bool, list[float]] = {False: [], True: []}
-    order = [False, True, True, False] * ((rounds + 1) // 2)
+    samples: dict[str, list[float]] = {k: [] for k in KINDS}
+    order = [*KINDS, *reversed(KINDS)] * ((rounds + 1) // 2)
     async with httpx.AsyncClient(timeout=600) as client:
-        for c in (False, True):  # warm: the engine's grammar tokenizer, the routes
-            await one(client, url, c)
-        for constrained in order[: 2 * rounds]:
-            got = await asyncio.gather(*(one(client, url, constrained) for _ in range(streams)))
-            samples[constrained] += got
-    plain, cons = (statistics.median(samples[k]) for k in (False, True))
-    return {
-        "tpot_ms_unconstrained": round(plain * 1000, 2),
-        "tpot_ms_json_schema": round(cons * 1000, 2),
-        "ratio": round(cons / plain, 3),
-    }
+        for kind in KINDS:  # warm: the engine's grammar tokenizer, the routes
+            await one(client, url, kind)
+        for kind in order[: len(KINDS) * rounds]:
+            got = await asyncio.gather(*(one(client, url, kind) for _ in range(streams)))
+            samples[kind] += got
+    tpot = {k: statistics.median(v) for k, v in samples.items()}
+    out: dict[str, float] = {f"tpot_ms_{k}": round(v * 1000, 2) for k, v in tpot.items()}
+    out["json_schema / unconstrained"] = round(tpot["json_schema"] / tpot["unconstrained"], 3)
+    out["json_schema / one-step"] = round(tpot["json_schema"] / tpot["one-step"], 3)
+    return out
 
 
 def serve(args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
@@ -186,10 +192,13 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=6, help="single-stream requests of each kind")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--deployments", default="colocated,1P1D")
     args = p.parse_args()
     report: dict = {"compile": compile_figures(args.repeats)}
     print(json.dumps(report["compile"]), flush=True)
-    for name, flags in (("colocated", []), ("1P1D", ["--prefill", "1", "--decode", "1"])):
+    deployments = {"colocated": [], "1P1D": ["--prefill", "1", "--decode", "1"]}
+    for name in args.deployments.split(","):
+        flags = deployments[name]
         proc, url = serve(flags)
         try:
             report[name] = {

@@ -734,17 +734,20 @@ def _kill_bodies() -> list[dict]:
     return out
 
 
+@pytest.mark.parametrize("recovery", ["recompute", "replicas"])
 def test_a_killed_decode_instance_keeps_every_constrained_stream_exact(
-    start: Callable[..., Server], served_engine: Engine
+    start: Callable[..., Server], served_engine: Engine, recovery: str
 ) -> None:
     """1P2D, 16 json_schema streams; decode-0 SIGKILLed once every stream has 8 tokens. Its
-    requests move (recomputed elsewhere) and each one's grammar state is rebuilt there from
-    the tokens it streamed: every stream ends by itself with the undisturbed engine's text,
-    valid against the schema."""
+    requests move - recomputed elsewhere, or (`--kv-replication`) resumed from their
+    replicas on decode-1 - and each one's grammar state is rebuilt there from the tokens it
+    streamed: every stream ends by itself with the undisturbed engine's text, valid against
+    the schema."""
     grammar = requests.json_schema(KILL_SCHEMA, "response_format").grammar
     bodies = _kill_bodies()
     reference = run(served_engine, [{**b, "grammar": grammar} for b in bodies])
-    server = start("--prefill", "1", "--decode", "2", "--instance-timeout", "30")
+    flags = ["--kv-replication"] if recovery == "replicas" else []
+    server = start("--prefill", "1", "--decode", "2", "--instance-timeout", "30", *flags)
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": KILL_SCHEMA}}
     streams = Streams(server.url, [{**b, "response_format": rf} for b in bodies])
     streams.wait_tokens(8)
@@ -758,6 +761,8 @@ def test_a_killed_decode_instance_keeps_every_constrained_stream_exact(
     after = cluster(server)["controller"]
     assert after["migrations"] == victim["assigned_requests"] > 0, (victim, after)
     assert after["failed"] == 0, after
+    resumed = after["migrations"] if recovery == "replicas" else 0
+    assert after["resumed_from_replica"] == resumed, after
     wait_clean(server)
 
 
@@ -815,3 +820,42 @@ def test_the_grammar_state_survives_preemption_and_cache_hits(
     cut = _finish(roomy, [(prompt, dataclasses.replace(params, stop=('"age"',)))])[0]
     assert cut.finish_reason == "stop"
     assert cut.text == want[0].text[: want[0].text.index('"age"')]
+
+
+def test_choices_of_one_request_each_follow_the_grammar_and_parts_are_text(
+    clients: dict[str, openai.OpenAI],
+) -> None:
+    """n = 3 seeded choices under one schema: each its own grammar state, each valid, and
+    the same three in both deployments; a message given as text parts reads as its text."""
+    replies = []
+    for client in clients.values():
+        r = client.chat.completions.create(
+            model=_model(client),
+            messages=_ask(SCHEMA_CASES[0][1]),
+            n=3,
+            temperature=0.7,
+            seed=11,
+            max_tokens=120,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": KILL_SCHEMA},
+            },
+        )
+        texts = [c.message.content for c in r.choices]
+        for c, text in zip(r.choices, texts, strict=True):
+            assert c.finish_reason == "stop", c
+            jsonschema.validate(json.loads(text), KILL_SCHEMA)
+        assert len(set(texts)) > 1, texts
+        replies.append(texts)
+        parts = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is the capital"},
+                    {"type": "text", "text": " of France?"},
+                ],
+            }
+        ]
+        whole = _ask("What is the capital of France?")
+        assert _chat(client, parts, False) == _chat(client, whole, False)
+    assert replies[0] == replies[1]
