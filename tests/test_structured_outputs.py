@@ -32,9 +32,13 @@ from pydantic import BaseModel, Field
 
 from pdserve.config import PreemptionMode
 from pdserve.engine.engine import Engine
+from pdserve.engine.features.structured_output import StructuredOutput
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import SamplingRow, apply_constraints, sample, unpack_bitmask
-from pdserve.errors import InvalidRequestError
+from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.errors import InvalidRequestError, ModelLoadError
 from pdserve.grammar import requests
+from pdserve.grammar.compiler import ll_tokenizer
 from pdserve.grammar.tools import CLOSE, OPEN, ToolStream, parse
 from pdserve.model.base import CausalLM
 from pdserve.model.tokenizer import Tokenizer
@@ -575,7 +579,15 @@ def _schema(schema: dict) -> dict:
     }
 
 
+HUGE_REGEX = "a" * 1_100_000  # its grammar is past MAX_GRAMMAR_CHARS (1 MiB)
+HUGE_GRAMMAR = len(requests.regex(HUGE_REGEX, "guided_regex").grammar)
+
 BAD = [
+    (
+        {"guided_regex": HUGE_REGEX},
+        f"a guided_regex may hold at most 1048576 characters, got {HUGE_GRAMMAR}",
+        "guided_regex",
+    ),
     (
         _schema({"type": "foo"}),
         "response_format.json_schema.schema does not compile: Invalid type: foo",
@@ -859,3 +871,60 @@ def test_choices_of_one_request_each_follow_the_grammar_and_parts_are_text(
         whole = _ask("What is the capital of France?")
         assert _chat(client, parts, False) == _chat(client, whole, False)
     assert replies[0] == replies[1]
+
+
+# ---- a grammar that fails in the engine ---------------------------------------------------
+
+
+def _sampling_seq(rid: str, params: SamplingParams, output: list[int]) -> ScheduledSeq:
+    """A request about to sample its next token (its KV computed but for the last one)."""
+    req = Request(rid, [1, 2, 3], params, None, list(output))
+    req.num_computed_tokens = req.num_tokens - 1
+    return ScheduledSeq(req, 1)
+
+
+def _allowed(mask: torch.Tensor, vocab: int) -> list[int]:
+    return unpack_bitmask(mask, vocab).nonzero().flatten().tolist()
+
+
+def test_a_grammar_that_fails_in_the_engine_allows_only_eos(
+    smollm2: tuple[CausalLM, Tokenizer],
+) -> None:
+    """A moved request whose carried tokens its grammar refuses, and any grammar when the
+    tokenizer cannot be built: the row may take only the model's EOS ids (the request
+    ends "stop"), each counted in `grammar_errors`; a good row beside them is masked as
+    its grammar says."""
+    model, tokenizer = smollm2
+    vocab = model.config.vocab_size
+    eos = model.config.eos_token_ids
+    grammar = requests.choice(["yes", "no"], "guided_choice").grammar
+    params = SamplingParams(temperature=0, grammar=grammar)
+
+    def build() -> llguidance.LLTokenizer:
+        return ll_tokenizer(tokenizer.backend, vocab)
+
+    part = StructuredOutput(build, vocab, eos)
+    try:
+        bad = _sampling_seq("bad", params, tokenizer.encode("maybe", add_special_tokens=False))
+        good = _sampling_seq("good", params, [])
+        part.begin_step([bad, good])
+        masks = part.token_masks([bad, good])
+        assert _allowed(masks["bad"], vocab) == sorted(eos)
+        firsts = {tokenizer.decode([t]) for t in _allowed(masks["good"], vocab)}
+        assert firsts and all("yes".startswith(f) or "no".startswith(f) for f in firsts), firsts
+        assert part.stats() == {"grammar_masks": 2, "grammar_errors": 1}
+        part.check_integrity()
+    finally:
+        part.close()
+
+    def broken() -> llguidance.LLTokenizer:
+        raise ModelLoadError("no tokenizer here")
+
+    part = StructuredOutput(broken, vocab, eos)
+    try:
+        seq = _sampling_seq("any", params, [])
+        part.begin_step([seq])
+        assert _allowed(part.token_masks([seq])["any"], vocab) == sorted(eos)
+        assert part.stats()["grammar_errors"] == 1
+    finally:
+        part.close()

@@ -15,7 +15,6 @@ grammar's lexer and at each token, and puts a matcher that runs out in its error
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -114,13 +113,18 @@ def _one_line(message: str) -> str:
 class Matchers:
     """The engine's matchers: `new(grammar)` is a fresh matcher for one request. One
     compiled matcher is kept per grammar text (the last `cache_size`), and a request gets a
-    deep copy. Used from one thread (the structured-output participant's)."""
+    deep copy. `new` is used from one thread (the structured-output participant's);
+    `warm` from any."""
 
     def __init__(self, build: Callable[[], llguidance.LLTokenizer], cache_size: int = 64) -> None:
         self._tokenizer = _LazyTokenizer(build)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self.num_compiled = 0
+
+    def warm(self) -> None:
+        """Build the tokenizer now (thread-safe; `new` waits for a build under way)."""
+        self._tokenizer.get()
 
     def new(self, grammar: str) -> llguidance.LLMatcher:
         template = self._compiled.get(grammar)
@@ -135,9 +139,3 @@ class Matchers:
         else:
             self._compiled.move_to_end(grammar)
         return template.deep_copy()
-
-    @functools.cached_property
-    def eos_token(self) -> int:
-        """The token a finished grammar allows (the tokenizer's EOS)."""
-        eos: int = self._tokenizer.get().eos_token
-        return eos

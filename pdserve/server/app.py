@@ -284,8 +284,10 @@ class _Api:
         """`params` with the request's grammar, once it compiled (400 naming its field)."""
         if constraint is None:
             return params
+        with _field_named("grammar", constraint.param):  # its size limit names the field
+            constrained = dataclasses.replace(params, grammar=constraint.grammar)
         await self.grammars.check(constraint.grammar, constraint.param)
-        return dataclasses.replace(params, grammar=constraint.grammar)
+        return constrained
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:

@@ -39,5 +39,5 @@ def assemble(core: CoreAccess, model: CausalLM) -> list[Participant]:
         # TetriInfer's instance flip: the role replaced once the drained core is idle.
         RoleFlip(core),
         # Structured outputs: each constrained request's grammar mask, every token.
-        StructuredOutput(engine_tokenizer(config.model, vocab), vocab),
+        StructuredOutput(engine_tokenizer(config.model, vocab), vocab, model.config.eos_token_ids),
     ]

@@ -14,15 +14,21 @@ Timing: `begin_step` hands the step's sampling rows to one background thread, wh
 brings each matcher up to date with the tokens appended since and fills the rows'
 bitmasks while the forward pass runs (llguidance drops the GIL); `token_masks` waits for
 them just before sampling. No grammar is compiled on the step loop's thread: a
-matcher's first compile (and the tokenizer's, once per process) runs in that thread too.
+matcher's first compile runs in that thread too. llguidance's tokenizer (~1 s to build)
+is built when the instance starts, on a thread of its own at the lowest CPU priority, so
+the first constrained request does not stall the batch it joins.
 
 A matcher in its error state (a grammar that ran out of llguidance's fuel, a token it
-does not accept) allows only EOS: the request ends with what it has ("stop").
+does not accept), or one that could not be built, allows only the model's EOS ids: the
+request ends with what it has ("stop").
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -45,15 +51,32 @@ class StructuredOutput(Participant):
     """The hooks: `begin_step` (masks start), `token_masks` (masks ready), and
     `request_ended` (state dropped). Matchers live in the mask thread only."""
 
-    def __init__(self, build_tokenizer: Callable[[], llguidance.LLTokenizer], vocab: int) -> None:
+    def __init__(
+        self,
+        build_tokenizer: Callable[[], llguidance.LLTokenizer],
+        vocab: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
         self._matchers = Matchers(build_tokenizer)
         self._vocab = vocab
+        self._eos = [t for t in eos_token_ids if t < vocab]  # a failed grammar's way out
         self._consumed: dict[str, int] = {}  # step loop's: tokens each matcher has seen
         self._states: dict[str, llguidance.LLMatcher] = {}  # the mask thread's
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self._job: Future[dict[str, torch.Tensor]] | None = None
         self.num_masks = 0
         self.num_errors = 0
+        warm = threading.Thread(target=self._warm, name="pdserve-grammar-warm", daemon=True)
+        warm.start()
+
+    def _warm(self) -> None:
+        """(its own thread, lowest priority) Build llguidance's tokenizer now."""
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            self._matchers.warm()
+        except Exception as e:  # a model without a usable tokenizer: said when used
+            log.debug("llguidance's tokenizer was not built at start: %s", e)
 
     def begin_step(self, seqs: Sequence[ScheduledSeq]) -> None:
         self._wait()  # a step that sampled nothing left its job
@@ -102,12 +125,12 @@ class StructuredOutput(Participant):
                 if matcher.is_error():
                     raise ValueError(matcher.get_error())
                 llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
-            except (ValueError, RuntimeError) as e:
+            except Exception as e:  # a grammar or a tokenizer that fails: this request alone
                 self.num_errors += 1
                 log.warning("request %s: its grammar failed (%s); only EOS is allowed", rid, e)
                 bitmask[i].zero_()
-                eos = self._matchers.eos_token
-                bitmask[i, eos // 32] = _bit(eos % 32)
+                for eos in self._eos:
+                    bitmask[i, eos // 32] |= _bit(eos % 32)
             out[rid] = bitmask[i]
         self.num_masks += len(rows)
         return out
