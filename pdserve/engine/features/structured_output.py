@@ -26,6 +26,7 @@ request ends with what it has ("stop").
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -143,13 +144,15 @@ def _bit(i: int) -> int:
 
 def engine_tokenizer(model: str | None, vocab: int) -> Callable[[], llguidance.LLTokenizer]:
     """How the engine builds llguidance's tokenizer: the served model's own (loaded from
-    the tokenizer cache, ~0.5 s, then ~0.6 s for llguidance's table), on first use."""
+    the tokenizer cache, ~0.5 s, then ~0.6 s for llguidance's table), once per process
+    and model (the engines of one process share it: it is read-only)."""
+    return functools.partial(_model_tokenizer, model, vocab)
 
-    def build() -> llguidance.LLTokenizer:
-        from pdserve.grammar.compiler import ll_tokenizer
-        from pdserve.model.loader import resolve_model
-        from pdserve.model.tokenizer import Tokenizer
 
-        return ll_tokenizer(Tokenizer.from_model_path(resolve_model(model)).backend, vocab)
+@functools.lru_cache(maxsize=4)
+def _model_tokenizer(model: str | None, vocab: int) -> llguidance.LLTokenizer:
+    from pdserve.grammar.compiler import ll_tokenizer
+    from pdserve.model.loader import resolve_model
+    from pdserve.model.tokenizer import Tokenizer
 
-    return build
+    return ll_tokenizer(Tokenizer.from_model_path(resolve_model(model)).backend, vocab)
