@@ -310,6 +310,22 @@ GRAMMAR_CASES = [
         },
         lambda t: isinstance(json.loads(t)["ok"], bool),
     ),
+    # vLLM's JSON options: compact output (no whitespace between JSON tokens)
+    (
+        {
+            "structured_outputs": {
+                "json": {
+                    "type": "object",
+                    "properties": {"ok": {"type": "boolean"}, "why": {"enum": ["sky", "sea"]}},
+                    "required": ["ok", "why"],
+                    "additionalProperties": False,
+                },
+                "disable_any_whitespace": True,
+                "disable_fallback": True,
+            }
+        },
+        lambda t: re.fullmatch(r'\{"ok":(true|false),"why":"(sky|sea)"\}', t),
+    ),
     (
         {"response_format": {"type": "json_object"}, "max_tokens": 200},
         lambda t: isinstance(json.loads(t), dict),
@@ -583,6 +599,11 @@ HUGE_REGEX = "a" * 1_100_000  # its grammar is past MAX_GRAMMAR_CHARS (1 MiB)
 HUGE_GRAMMAR = len(requests.regex(HUGE_REGEX, "guided_regex").grammar)
 
 BAD = [
+    (
+        {"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
+        "structured_outputs's whitespace options apply to json and json_object, not regex",
+        "structured_outputs",
+    ),
     (
         {"guided_regex": HUGE_REGEX},
         f"a guided_regex may hold at most 1048576 characters, got {HUGE_GRAMMAR}",

@@ -6,7 +6,9 @@ The fields (server/protocol.py parses them; at most one may constrain a request)
   `{"type": "json_schema", "json_schema": {"name", "schema", "strict"?}}`;
   `{"type": "text"}` is no constraint.
 - vLLM's `structured_outputs` (its current client): one of `json`, `regex`, `choice`,
-  `grammar`, `json_object`.
+  `grammar`, `json_object`, and for JSON its options `disable_any_whitespace` (compact
+  JSON: no whitespace between tokens) and `whitespace_pattern` (a regex for it);
+  `disable_fallback` is accepted and changes nothing (there is no second backend).
 - vLLM's older fields: `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 - tool calls the request demands (`tool_choice: "required"` or a named function):
   `grammar.tools` builds theirs.
@@ -37,7 +39,10 @@ class Constraint:
     param: str
 
 
-def json_schema(schema: Any, param: str) -> Constraint:
+JsonOptions = dict[str, Any]  # llguidance's JSON compile options (`x-guidance` overrides)
+
+
+def json_schema(schema: Any, param: str, options: JsonOptions | None = None) -> Constraint:
     """Output valid against a JSON schema (an object or its JSON text)."""
     if isinstance(schema, str):
         try:
@@ -48,12 +53,13 @@ def json_schema(schema: Any, param: str) -> Constraint:
         raise InvalidRequestError(
             f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param
         )
-    return Constraint(LLMatcher.grammar_from_json_schema(json.dumps(schema)), param)
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)  # type: ignore[arg-type]
+    return Constraint(grammar, param)
 
 
-def json_object(param: str) -> Constraint:
+def json_object(param: str, options: JsonOptions | None = None) -> Constraint:
     """Output that is one JSON object (OpenAI's JSON mode)."""
-    return Constraint(LLMatcher.grammar_from_json_schema('{"type": "object"}'), param)
+    return json_schema({"type": "object"}, param, options)
 
 
 def regex(pattern: Any, param: str) -> Constraint:
@@ -131,9 +137,18 @@ def _response_format(value: Any, param: str) -> Constraint:
     return json_schema(spec.schema_, "response_format.json_schema.schema")
 
 
+_JSON_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_fallback")
+
+
 def _structured_outputs(value: dict[str, Any], param: str) -> Constraint:
     """vLLM's `structured_outputs`: its fields that are set, by name."""
-    fields = {f"{param}.{name}": v for name, v in value.items() if v is not None and v is not False}
+    options: JsonOptions = {}
+    if value.get("disable_any_whitespace"):
+        options["whitespace_flexible"] = False
+    if value.get("whitespace_pattern") is not None:
+        options["whitespace_pattern"] = value["whitespace_pattern"]
+    kinds = {k: v for k, v in value.items() if k not in _JSON_OPTIONS}
+    fields = {f"{param}.{name}": v for name, v in kinds.items() if v is not None and v is not False}
     if len(fields) != 1:
         got = ", ".join(fields) or "none"
         raise InvalidRequestError(
@@ -143,11 +158,17 @@ def _structured_outputs(value: dict[str, Any], param: str) -> Constraint:
     ((name, v),) = fields.items()
     kind = name.rsplit(".", 1)[1]
     if kind == "json_object":
-        return json_object(name)
+        return json_object(name, options or None)
+    if kind == "json":
+        return json_schema(v, name, options or None)
+    if options:
+        raise InvalidRequestError(
+            f"{param}'s whitespace options apply to json and json_object, not {kind}", param
+        )
     return _BY_KIND[kind](v, name)
 
 
-_BY_KIND = {"json": json_schema, "regex": regex, "choice": choice, "grammar": grammar}
+_BY_KIND = {"regex": regex, "choice": choice, "grammar": grammar}
 _FIELDS: dict[str, Any] = {
     "response_format": _response_format,
     "structured_outputs": _structured_outputs,

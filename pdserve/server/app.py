@@ -30,12 +30,12 @@ from pdserve.cluster.scaling import Scaling
 from pdserve.cluster.watcher import Watcher
 from pdserve.errors import EngineDeadError, InvalidRequestError, PdserveError
 from pdserve.grammar.requests import Constraint
-from pdserve.grammar.tools import arguments_grammar, call_grammar, render_messages
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.protocol.validation import check_prompt_length
 from pdserve.server import errors
 from pdserve.server.admission import Admission, AdmissionGate
 from pdserve.server.backend import F, ServingBackend
+from pdserve.server.chat import plan_chat
 from pdserve.server.errors import APIError
 from pdserve.server.grammars import GrammarConfig, Grammars
 from pdserve.server.metrics import ServerMetrics
@@ -245,37 +245,17 @@ class _Api:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         body.check()
         self._check_model(body.model)
-        messages = body.template_messages()
-        mode, functions = body.tool_mode, body.functions()
-        constraint = body.constraint()
-        for i, fn in enumerate(functions):  # every tool's schema compiles, called or not
-            await self.grammars.check(arguments_grammar(fn), f"tools.{i}.function.parameters")
-        demanded = body.demanded_functions()
-        if demanded:
-            if constraint is not None:
-                raise InvalidRequestError(
-                    f"tool_choice {mode!r} constrains the output to tool calls; it cannot be "
-                    f"combined with {constraint.param}",
-                    constraint.param,
-                )
-            parallel = body.parallel_tool_calls is not False and mode == "required"
-            constraint = Constraint(call_grammar(demanded, parallel), "tool_choice")
-        tools = None
-        if mode != "none":
-            if self.client.tokenizer is not None and self.client.tokenizer.template_knows_tools:
-                tools = [f.spec() for f in functions]
-            else:
-                messages = render_messages(messages, functions)
-        elif any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-            messages = render_messages(messages, [])
-        encoded = await self.encoder.chat(messages, tools)
+        tokenizer = self.client.tokenizer
+        plan = plan_chat(body, tokenizer is not None and tokenizer.template_knows_tools)
+        for grammar, param in plan.tool_schemas:
+            await self.grammars.check(grammar, param)
+        encoded = await self.encoder.chat(plan.messages, plan.tools)
         default_max = max(1, self.client.max_model_len - len(encoded))
         with _field_named("max_tokens", body.max_tokens_field):
             params = body.sampling_params(default_max)
-            params = await self._constrained(params, constraint)
+            params = await self._constrained(params, plan.constraint)
             ids = self._within_context(encoded, params)
-            names = frozenset(f.name for f in functions)
-            choice = self.render.chat_choices(names if mode != "none" else None)
+            choice = self.render.chat_choices(plan.tool_names)
             return await self._respond(request, body, [ids], params, "chat.completion", choice)
 
     async def _constrained(

@@ -55,6 +55,10 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # JSON options (grammar/requests.py)
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_fallback: bool | None = None
 
 
 class _Body(BaseModel):
