@@ -194,7 +194,7 @@ BAD_CHAT = [
     ),
     (
         b'{"messages": [{"role": "wizard", "content": "hi"}]}',
-        "messages.0.role: Input should be 'system', 'user' or 'assistant'",
+        "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'",
         "messages.0.role",
     ),
     (

@@ -682,6 +682,8 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
     idle += ("num_role_switches",)  # never flipped
     idle += ("kv_routes_shm", "kv_routes_tcp")  # a lone engine moves no KV
     idle += ("staged_peak_blocks",)  # one stage: no microbatch swapping
+    idle += ("grammar_errors",)  # every grammar it was sent compiled and held
+    stats.pop("grammar_masks")  # one a constrained token the tests before this one asked for
     assert stats == {**dict.fromkeys(idle, 0), "integrity_error": None}
 
 
@@ -727,6 +729,13 @@ _FIELDS: dict[str, list[Any]] = {
     "stream_options": ["x", [], {"include_usage": 1}, {"bogus": True}],
     "user": [1, [], {}, "\udfff"],
     "model": [1, [], "nope", "\ud800"],
+    "logit_bias": ["x", [1], {"a": 1}, {"1": 101}, {"1": "x"}, {str(BIG): 1}],
+    "response_format": ["json", {"type": "xml"}, {"type": "json_schema"}, {"type": "text", "x": 1}],
+    "structured_outputs": ["x", {}, {"regex": "a", "choice": ["b"]}, {"bogus": 1}],
+    "guided_json": [{"type": "nope"}, "{", 1],
+    "guided_regex": [1, "a(", ""],
+    "guided_choice": ["a", [], [1], [""]],
+    "guided_grammar": ['root ::= "a', "start: nope", 1],
 }
 _COMPLETION_ONLY: dict[str, list[Any]] = {
     "prompt": [5, None, [], "", [[]], ["a", 1], [1.5], [-1], [BIG], "\ud800", [True], {}],
@@ -740,13 +749,24 @@ _CHAT_ONLY: dict[str, list[Any]] = {
         [{"role": "user"}],
         [{"role": "robot", "content": "x"}],
         [{"role": "user", "content": 1}],
-        [{"role": "user", "content": "x", "name": "n"}],
+        [{"role": "user", "content": "x", "bogus": "n"}],
+        [{"role": "assistant", "content": None}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "tool", "content": [{"type": "text"}]}],
         [{"role": "user", "content": "\ud800"}],
         None,
     ],
     "max_completion_tokens": [0, -1, "5", BIG],
     "logprobs": ["yes", 1],
     "top_logprobs": [-1, 21, "2", BIG],
+    "tools": [
+        "x",
+        [{"type": "function"}],
+        [{"type": "function", "function": {"name": ""}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+    ],
+    "tool_choice": ["maybe", "required", {"type": "function", "function": {"name": "none_such"}}],
+    "parallel_tool_calls": ["yes", 1],
 }
 
 

@@ -113,18 +113,13 @@ def _one_line(message: str) -> str:
 class Matchers:
     """The engine's matchers: `new(grammar)` is a fresh matcher for one request. One
     compiled matcher is kept per grammar text (the last `cache_size`), and a request gets a
-    deep copy. `new` is used from one thread (the structured-output participant's);
-    `warm` from any."""
+    deep copy. Used from one thread (the structured-output participant's)."""
 
     def __init__(self, build: Callable[[], llguidance.LLTokenizer], cache_size: int = 64) -> None:
         self._tokenizer = _LazyTokenizer(build)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self.num_compiled = 0
-
-    def warm(self) -> None:
-        """Build the tokenizer now (thread-safe; `new` waits for a build under way)."""
-        self._tokenizer.get()
 
     def new(self, grammar: str) -> llguidance.LLMatcher:
         template = self._compiled.get(grammar)

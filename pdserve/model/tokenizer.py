@@ -199,6 +199,22 @@ def tokenizer_cache_dir() -> Path | None:
     return Path(root) / "tokenizers" if root else None
 
 
+def tokenizer_json(path: Path) -> Path | None:
+    """The fast tokenizer's own file for the model at `path` (`resolve_model`'s), where one
+    is on disk: an HF folder's `tokenizer.json`, or a GGUF's converted entry in the
+    tokenizer cache. None: none (yet). Read as text, it needs no transformers load, which
+    holds the GIL for up to ~0.3 s (structured outputs build llguidance's tokenizer from it
+    beside a running step loop)."""
+    if path.is_dir():
+        file = path / "tokenizer.json"
+        return file if file.is_file() else None
+    root = tokenizer_cache_dir()
+    if root is None:
+        return None
+    file = root / _cache_key(path) / "tokenizer.json"
+    return file if file.is_file() else None
+
+
 def _cache_key(path: Path) -> str:
     """One entry per GGUF file as it is now and per converter: its resolved path, size and
     modification time, and the transformers and tokenizers versions that converted it."""

@@ -246,7 +246,7 @@ class ChatMessage(BaseModel):
         if c is None:
             if self.role == "assistant" and self.tool_calls:
                 return ""
-            raise InvalidRequestError(f"{path}.content is required for role {self.role!r}", path)
+            raise InvalidRequestError(f"{path}.content: Field required", f"{path}.content")
         if isinstance(c, str):
             return c
         texts = []

@@ -24,7 +24,7 @@ def assemble(core: CoreAccess, model: CausalLM) -> list[Participant]:
     config = core.config
     transfer = config.transfer
     head = None
-    vocab = model.config.vocab_size
+    vocab, eos = model.config.vocab_size, model.config.eos_token_ids
     if config.length_predictor is not None:
         head = load_length_head(config.length_predictor, model)
     return [
@@ -39,5 +39,5 @@ def assemble(core: CoreAccess, model: CausalLM) -> list[Participant]:
         # TetriInfer's instance flip: the role replaced once the drained core is idle.
         RoleFlip(core),
         # Structured outputs: each constrained request's grammar mask, every token.
-        StructuredOutput(engine_tokenizer(config.model, vocab), vocab, model.config.eos_token_ids),
+        StructuredOutput(engine_tokenizer(config.model, vocab, eos), vocab, eos),
     ]

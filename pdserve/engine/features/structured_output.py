@@ -14,9 +14,11 @@ Timing: `begin_step` hands the step's sampling rows to one background thread, wh
 brings each matcher up to date with the tokens appended since and fills the rows'
 bitmasks while the forward pass runs (llguidance drops the GIL); `token_masks` waits for
 them just before sampling. No grammar is compiled on the step loop's thread: a
-matcher's first compile runs in that thread too. llguidance's tokenizer (~1 s to build)
-is built when the instance starts, on a thread of its own at the lowest CPU priority, so
-the first constrained request does not stall the batch it joins.
+matcher's first compile runs in that thread too, and so does the build of llguidance's
+tokenizer (~0.5-1 s, once per process, from the model's tokenizer file). That build may
+hold the GIL (measured: sometimes ~1 s, sometimes never), so the first constrained
+request on an instance can stall its batch once; it is not built at start, where it
+stalled every instance's first stats answer past the front end's 80 ms deadline.
 
 A matcher in its error state (a grammar that ran out of llguidance's fuel, a token it
 does not accept), or one that could not be built, allows only the model's EOS ids: the
@@ -25,11 +27,8 @@ request ends with what it has ("stop").
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -67,17 +66,6 @@ class StructuredOutput(Participant):
         self._job: Future[dict[str, torch.Tensor]] | None = None
         self.num_masks = 0
         self.num_errors = 0
-        warm = threading.Thread(target=self._warm, name="pdserve-grammar-warm", daemon=True)
-        warm.start()
-
-    def _warm(self) -> None:
-        """(its own thread, lowest priority) Build llguidance's tokenizer now."""
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            self._matchers.warm()
-        except Exception as e:  # a model without a usable tokenizer: said when used
-            log.debug("llguidance's tokenizer was not built at start: %s", e)
 
     def begin_step(self, seqs: Sequence[ScheduledSeq]) -> None:
         self._wait()  # a step that sampled nothing left its job
@@ -142,17 +130,28 @@ def _bit(i: int) -> int:
     return (1 << i) - (1 << 32) if i == 31 else 1 << i
 
 
-def engine_tokenizer(model: str | None, vocab: int) -> Callable[[], llguidance.LLTokenizer]:
-    """How the engine builds llguidance's tokenizer: the served model's own (loaded from
-    the tokenizer cache, ~0.5 s, then ~0.6 s for llguidance's table), once per process
-    and model (the engines of one process share it: it is read-only)."""
-    return functools.partial(_model_tokenizer, model, vocab)
+def engine_tokenizer(
+    model: str | None, vocab: int, eos_token_ids: Sequence[int]
+) -> Callable[[], llguidance.LLTokenizer]:
+    """How the engine builds llguidance's tokenizer (~0.7 s, the GIL released): from the
+    model's tokenizer file as text (`tokenizer_json`: an HF folder's, or a GGUF's entry in
+    the tokenizer cache, which the front end writes before any instance starts), else from
+    the model's tokenizer loaded whole (which holds the GIL for a while). Once per process
+    and model: the engines of a process share it (it is read-only)."""
+    return functools.partial(_model_tokenizer, model, vocab, tuple(eos_token_ids))
 
 
 @functools.lru_cache(maxsize=4)
-def _model_tokenizer(model: str | None, vocab: int) -> llguidance.LLTokenizer:
+def _model_tokenizer(
+    model: str | None, vocab: int, eos_token_ids: tuple[int, ...]
+) -> llguidance.LLTokenizer:
     from pdserve.grammar.compiler import ll_tokenizer
     from pdserve.model.loader import resolve_model
-    from pdserve.model.tokenizer import Tokenizer
+    from pdserve.model.tokenizer import Tokenizer, tokenizer_json
 
-    return ll_tokenizer(Tokenizer.from_model_path(resolve_model(model)).backend, vocab)
+    path = resolve_model(model)
+    file = tokenizer_json(path)
+    if file is not None:
+        eos = list(eos_token_ids) or None
+        return llguidance.LLTokenizer(file.read_text(), n_vocab=vocab, eos_token=eos)
+    return ll_tokenizer(Tokenizer.from_model_path(path).backend, vocab)
