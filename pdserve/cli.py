@@ -233,7 +233,19 @@ def cpu_list(text: str) -> tuple[int, ...]:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="HF folder or .gguf (default: SmolLM2)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF folder or .gguf (default: SmolLM2); stub:RATE with --allow-stub: stub "
+        "instances, a token source at RATE tokens/s per request for benchmarking the front "
+        "end (docs/bench.md)",
+    )
+    p.add_argument(
+        "--allow-stub",
+        action="store_true",
+        help="serve stub:RATE (never served without this flag: it is no model)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")

@@ -18,6 +18,8 @@ from pdserve.protocol.role import Role as Role  # where the wire carries it
 
 # --quantization values; what each means for a given file: pdserve/model/loader.py.
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0")
+# `serve stub:RATE`: a benchmark's stub instances (pdserve/engine/stub.py), not a model.
+STUB_PREFIX = "stub:"
 # --activations values: how the quantized kernels take activations (pdserve/quant/linear.py).
 ACTIVATIONS = ("fp32", "int8")
 # What the KV pool holds (--kv-cache-dtype): "auto" is float16 under quantized weights
@@ -244,8 +246,13 @@ class EngineConfig:
     # Output-length head file (pdserve/engine/length_head.py) read at load, checked against the
     # model; None: no predictions (length-aware policies fall back, docs/scheduling.md).
     length_predictor: str | None = None
+    # A benchmark's stub instance (pdserve/engine/stub.py): no model runs, each running
+    # request gets one token every 1 / stub_rate seconds. None: the model serves.
+    stub_rate: float | None = None
 
     def __post_init__(self) -> None:
+        if self.stub_rate is not None and not (0 < self.stub_rate < float("inf")):
+            raise ValueError(f"stub_rate must be a number > 0, got {self.stub_rate}")
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -351,3 +358,21 @@ def _check_device_name(device: str) -> None:
 def _at_least(name: str, value: int, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def parse_stub(model: str | None) -> float | None:
+    """The tokens/s per request that `stub:RATE` names (a stub instance's rate); None for
+    any other model name; ValueError when RATE is not a number > 0."""
+    if model is None or not model.startswith(STUB_PREFIX):
+        return None
+    text = model[len(STUB_PREFIX) :]
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = float("nan")
+    if not 0 < rate < float("inf"):
+        raise ValueError(
+            f"{model}: a stub instance's rate must be a number of tokens/s per request > 0 "
+            f"(e.g. stub:100), got {text!r}"
+        )
+    return rate

@@ -30,6 +30,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import build_core, load_model, start_ranks
 from pdserve.engine.ranks import Spawn
 from pdserve.engine.step_trace import StepTrace
+from pdserve.engine.stub import run_stub
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.base import CausalLM
 from pdserve.model.loader import resolve_model
@@ -294,6 +295,18 @@ def run_engine_process(
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
+    if config.stub_rate is not None:  # a benchmark's token source, no model (engine/stub.py)
+        beat = _start_heartbeat(ctx, output_addr, config.report_interval_s) if report else None
+        parent = os.getppid() if client is None else client
+        try:
+            run_stub(config, config.stub_rate, inp, out, report, parent)
+        finally:
+            if beat is not None:
+                beat.set()
+            inp.close(0)
+            out.close()
+            ctx.term()
+        return
     try:
         if config.cpus is not None:
             pin_process(config.cpus)

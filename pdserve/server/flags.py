@@ -10,6 +10,7 @@ it, the predictor head) is checked after, by `launch.engine_config`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 
@@ -25,6 +26,7 @@ from pdserve.config import (
     SchedulerConfig,
     TransferConfig,
     check_device,
+    parse_stub,
 )
 from pdserve.protocol.handoff import TransferMode
 
@@ -34,9 +36,44 @@ def check_serve_flags(args: argparse.Namespace) -> tuple[EngineConfig, ClusterCo
     cluster's; ValueError (a usage error) naming the first flag that is wrong."""
     _check_server_flags(args)
     check_device(args.device)
+    rate = _take_stub(args)
     engine, cluster = engine_flags(args), cluster_config(args)
     _check_parallel(engine, cluster, args)
+    if rate is not None:
+        _check_stub(cluster, engine, args)
+        engine = dataclasses.replace(engine, stub_rate=rate)
     return engine, cluster
+
+
+def _take_stub(args: argparse.Namespace) -> float | None:
+    """`serve stub:RATE --allow-stub`: stub instances (engine/stub.py), a benchmark tool
+    for the front end, never served by default. The front end then reads the shipped
+    model (its tokenizer, context limit and KV geometry, which the stubs report too):
+    `args.model` becomes None and the served name "stub". None for a real model."""
+    rate = parse_stub(args.model)
+    if rate is None:
+        if args.allow_stub:
+            raise ValueError("--allow-stub serves stub instances: name the model stub:RATE")
+        return None
+    if not args.allow_stub:
+        raise ValueError(
+            f"{args.model} names stub instances (a token source for benchmarking the front "
+            "end, no model: docs/bench.md), never served by default; add --allow-stub"
+        )
+    args.model = None
+    args.served_model_name = args.served_model_name or "stub"
+    return rate
+
+
+def _check_stub(cluster: ClusterConfig, engine: EngineConfig, args: argparse.Namespace) -> None:
+    """Stub instances are colocated instances of one rank on this machine: they answer a
+    colocated instance's messages only (engine/stub.py)."""
+    if cluster.num_prefill or cluster.num_decode or cluster.placement:
+        raise ValueError("stub instances are colocated: use --colocated N, not --prefill/--decode")
+    if engine.world_size > 1 or cluster.prefill_parallel or cluster.decode_parallel:
+        raise ValueError("a stub instance has one rank: no tensor or pipeline parallelism")
+    if args.ray or cluster.replicate or cluster.flip_policy != "none":
+        raise ValueError("stub instances run without --ray, --kv-replication or a flip policy")
 
 
 def _check_parallel(engine: EngineConfig, cluster: ClusterConfig, args: argparse.Namespace) -> None:

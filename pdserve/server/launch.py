@@ -123,6 +123,8 @@ def weights_line(weights: WeightsInfo) -> str:
     """How the weights are served, and why where `auto` fell back to fp; and what the KV
     cache holds."""
     formats, kv = ", ".join(weights.formats), f"; KV cache: {weights.kv_cache_dtype}"
+    if weights.formats == ["stub"]:
+        return f"pdserve: weights: none ({weights.note}){kv}"
     if weights.quantization == "none":
         why = f" (--quantization auto: {weights.note})" if weights.note else ""
         how = ", by the compiled kernels" if weights.compiled else ""
