@@ -94,6 +94,40 @@ def test_prefix_routing_prefers_the_cache_until_its_queue_costs_more_than_it_sav
     assert router.prefill([a, b], fresh).instance is b  # type: ignore[list-item, union-attr]
 
 
+def test_prefix_routing_picks_what_its_rule_says_among_many_instances() -> None:
+    """64 instances, random queues with many ties, each holding a random share of a few
+    documents: every choice is the definition's - the fewest prompt tokens to compute
+    (queue + what the cache lacks), then the most cached, then the first listed -
+    checked against an exhaustive minimum over all 64 for 300 prompts (the router
+    compares the holders with the least queued of the rest only)."""
+    import random
+
+    rng = random.Random(7)
+    router = make_router(Routing.PREFIX)
+    insts = [Stand(f"prefill-{i}", Role.PREFILL) for i in range(64)]
+    docs = [doc(100 + d, 320) for d in range(4)]
+    for inst in insts:
+        if rng.random() < 0.3:
+            Pool(inst, router).run(rng.choice(docs)[: BS * rng.randrange(1, 20)])
+    for _ in range(300):
+        for inst in insts:
+            inst.assigned_prefill_tokens = rng.choice((0, 16, 48, 100, 300))
+        prompt = rng.choice(docs)[: rng.randrange(17, 320)] if rng.random() < 0.7 else doc(9, 64)
+        key = router.key(prompt, None)
+        held = router._cached_tokens(insts, key)  # type: ignore[arg-type]
+        want = min(
+            range(64),
+            key=lambda n: (
+                insts[n].assigned_prefill_tokens + len(prompt) - held.get(insts[n].name, 0),
+                -held.get(insts[n].name, 0),
+                n,
+            ),
+        )
+        choice = router.prefill(insts, key)  # type: ignore[arg-type]
+        assert choice is not None and choice.instance is insts[want], (want, choice)
+        assert choice.cached_tokens == held.get(insts[want].name, 0)
+
+
 def test_the_cap_leaves_one_prompt_token_to_compute_as_instances_do() -> None:
     router = make_router(Routing.PREFIX)
     a = Stand("prefill-0", Role.PREFILL)

@@ -145,6 +145,10 @@ class RunningMedian:
         return statistics.median(self._samples) if self._samples else self.seed
 
 
+def _queued(inst: Instance) -> int:
+    return inst.assigned_prefill_tokens
+
+
 class Router:
     def __init__(self, config: ClusterConfig, block_size: int, decode: DecodeChooser) -> None:
         self.config = config
@@ -183,18 +187,23 @@ class Router:
         return PrefillChoice(inst, 0)
 
     def _by_prefix(self, live: list[Instance], key: RouteKey) -> PrefillChoice:
+        """The instance with the fewest prompt tokens to compute (its queue plus what its
+        cache lacks); ties: more cached, then the earlier in `live`. Instances holding
+        nothing differ only by their queue: the least queued of them (a C-level `min`,
+        the first of equals) stands for them all, against each holder (a few)."""
         held = self._cached_tokens(live, key)
-        order = {inst.name: n for n, inst in enumerate(live)}
+        unheld = [inst for inst in live if inst.name not in held] if held else live
+        pool = [inst for inst in live if inst.name in held]
+        if unheld:
+            pool.append(min(unheld, key=_queued))
+        order = {id(inst): n for n, inst in enumerate(live)} if len(pool) > 1 else {}
 
         def cost(inst: Instance) -> tuple[int, int, int]:
-            uncached = key.num_tokens - held.get(inst.name, 0)
-            return (
-                inst.assigned_prefill_tokens + uncached,
-                -held.get(inst.name, 0),
-                order[inst.name],
-            )
+            cached = held.get(inst.name, 0)
+            queued = inst.assigned_prefill_tokens + key.num_tokens - cached
+            return (queued, -cached, order.get(id(inst), 0))
 
-        best = min(live, key=cost)
+        best = min(pool, key=cost)
         cached = held.get(best.name, 0)
         if cached:
             self.counters.cache_routed += 1
