@@ -469,6 +469,36 @@ def test_cli_plan_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFix
     assert (tmp_path / "plan.png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("sustained", [100.0, 1e9])
+def test_cli_plan_weighs_the_streamed_tokens_against_one_front_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sustained: float
+) -> None:
+    """`--frontend-tokens-per-s`: the cluster's streamed tokens/s (the rate times the
+    workload's mean output) against what one front end sustains; a WARNING past it."""
+    from pdserve.planner.workload import sample_workload
+
+    argv = _plan(
+        tmp_path,
+        "--model", "opt-13b", "--nodes", "1", "--devices-per-node", "2", "--ttft", "0.25",
+        "--tpot", "0.1", "--rate", "4", "--affinity", "high", "--no-plot",
+        "--frontend-tokens-per-s", f"{sustained:g}",
+    )  # fmt: skip
+    assert cli_main(argv) == 0
+    mean = float(sample_workload("chatbot", 200, 1.0, 0, None).output_lens.mean())
+    tokens = 4 * mean
+    lines = capsys.readouterr().out.splitlines()
+    want = (
+        f"WARNING: at 4 req/s the cluster streams ~{tokens:.4g} tokens/s (mean output "
+        f"{mean:.0f} tokens), beyond the 100 tokens/s one front end sustains "
+        "(--frontend-tokens-per-s): its queue would add to every TTFT and TPOT above; run "
+        "more front ends, each for part of the instances"
+        if sustained == 100
+        else f"front end: at 4 req/s the cluster streams ~{tokens:.4g} tokens/s, "
+        f"{tokens / 1e9:.0%} of the 1e+09 one front end sustains"
+    )
+    assert want in lines, lines
+
+
 def test_parallel_instances_are_laid_out_one_device_a_rank_and_read_back(tmp_path: Path) -> None:
     """A low-affinity unit of a TP 2 prefill and a PP 2 decode instance shares a node: 4
     devices, one a rank; the JSON `pdserve plan` writes reads back the same instances. A
@@ -517,6 +547,19 @@ def test_parallel_instances_are_laid_out_one_device_a_rank_and_read_back(tmp_pat
         (
             ("--model", "opt-13b", "--nodes", "1", "--devices-per-node", "1", "--workload", "nope"),
             "nope",
+        ),
+        (
+            (
+                "--model",
+                "opt-13b",
+                "--nodes",
+                "1",
+                "--devices-per-node",
+                "1",
+                "--frontend-tokens-per-s",
+                "0",
+            ),
+            "--frontend-tokens-per-s must be > 0, got 0.0",
         ),
     ],
 )

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -62,7 +62,6 @@ class _Stream:
     logprobs: bool
     times: RequestTimes
     sent: int = 0  # tokens given so far (a migrated request's carried output counts)
-    tokens: list[NewToken] = field(default_factory=list)
 
     def next_token(self) -> NewToken:
         token = self.prompt[self.sent % len(self.prompt)]
@@ -84,7 +83,6 @@ class StubLoop:
         report: bool,
         client: int,
     ) -> None:
-        self.config = config
         self.gap = 1.0 / rate
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks

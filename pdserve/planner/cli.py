@@ -61,6 +61,13 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--output", default="plan.json")
     p.add_argument("--plot", default=None, help="PNG (default: next to --output)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--frontend-tokens-per-s",
+        type=float,
+        default=None,
+        help="streamed tokens/s one pdserve front end sustains on its host "
+        "(bench/bench_frontend.py); warn when the plan's cluster streams more",
+    )
     p.add_argument("--planner", choices=("distserve", "dejavu"), default="distserve")
     p.add_argument("--prompt-len", type=int, default=1000, help="dejavu: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=200, help="dejavu: generated tokens")
@@ -101,7 +108,13 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for flag, v in positive.items():
         if v < 1:
             raise PlanInputError(f"{flag} must be >= 1, got {v}")
-    for flag, f in {"--rate": args.rate, "--ttft": args.ttft, "--tpot": args.tpot}.items():
+    checked = {
+        "--rate": args.rate,
+        "--ttft": args.ttft,
+        "--tpot": args.tpot,
+        "--frontend-tokens-per-s": args.frontend_tokens_per_s,
+    }
+    for flag, f in checked.items():
         if f is not None and not f > 0:
             raise PlanInputError(f"{flag} must be > 0, got {f}")
     if args.workers is not None and args.workers < 1:
@@ -176,9 +189,11 @@ def _run_distserve(args: argparse.Namespace, spec: Any, hw: Any, cluster: Any) -
     start = time.perf_counter()
     result = make_plan(ctx, args.rate, args.affinity, args.workers, _progress_bar)
     elapsed = time.perf_counter() - start
-    from pdserve.planner.report import render_plan, write_plan_files
+    from pdserve.planner.report import frontend_line, render_plan, write_plan_files
 
     print(render_plan(result, elapsed))
+    if args.frontend_tokens_per_s is not None:
+        print(frontend_line(result, args.frontend_tokens_per_s))
     written = write_plan_files(result, Path(args.output), _plot_path(args), elapsed)
     for path in written:
         print(f"wrote {path}")

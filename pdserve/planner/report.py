@@ -58,6 +58,37 @@ def render_plan(result: PlanResult, elapsed_s: float) -> str:
     return "\n".join(lines)
 
 
+def frontend_load(result: PlanResult) -> tuple[float, float]:
+    """(requests/s, streamed tokens/s) the plan's cluster serves: `--rate` when given,
+    else the chosen placement's goodput on every device; tokens at the workload's mean
+    output length. All of them pass through one front end (pdserve's HTTP process)."""
+    c = result.ctx
+    rate = result.rate
+    if rate is None:
+        rate = result.chosen.per_device_goodput * c.cluster.num_devices
+    return rate, rate * float(c.workload.output_lens.mean())
+
+
+def frontend_line(result: PlanResult, sustained_tokens_s: float) -> str:
+    """What one front end makes of the plan: the cluster's streamed tokens/s against
+    `sustained_tokens_s` (bench/bench_frontend.py's figure for the host that runs it),
+    a WARNING past it - every stream then waits for the front end, a wait the simulated
+    TTFT and TPOT leave out."""
+    rate, tokens = frontend_load(result)
+    if tokens <= sustained_tokens_s:
+        return (
+            f"front end: at {rate:.4g} req/s the cluster streams ~{tokens:.4g} tokens/s, "
+            f"{tokens / sustained_tokens_s:.0%} of the {sustained_tokens_s:.4g} one front "
+            "end sustains"
+        )
+    return (
+        f"WARNING: at {rate:.4g} req/s the cluster streams ~{tokens:.4g} tokens/s (mean "
+        f"output {tokens / rate:.0f} tokens), beyond the {sustained_tokens_s:.4g} tokens/s "
+        "one front end sustains (--frontend-tokens-per-s): its queue would add to every "
+        "TTFT and TPOT above; run more front ends, each for part of the instances"
+    )
+
+
 def _pd(p: Placement) -> str:
     return f"{p.per_device_goodput:.4g} req/s"
 
