@@ -35,7 +35,7 @@ from pdserve.cluster.outputs import OutputRelay
 from pdserve.cluster.policies import DecodeChooser
 from pdserve.cluster.replanning import SplitPlanner
 from pdserve.cluster.routing import Router, session_key
-from pdserve.cluster.table import Item, Phase, Record, RequestTable
+from pdserve.cluster.table import Item, Phase, Record, RequestTable, take_queued
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.length_head import HeadSpec, read_head
 from pdserve.errors import (
@@ -231,7 +231,8 @@ class Cluster:
         nothing was allocated for it. A consumer that stops iterating (client gone, task
         cancelled) aborts the request: the instance frees its KV before its next step.
         An instance failure ends the stream with `InstanceFailedError` (or, for a lone
-        engine, `EngineDeadError`) unless the request can be retried elsewhere.
+        engine, `EngineDeadError`) unless the request can be retried elsewhere. Outputs
+        that queued up while the consumer was busy come as one (`take_queued`).
         `session`: the client's session id (any string; `session` routing keeps a
         session's requests on the same instances)."""
         if not self.is_alive:
@@ -255,8 +256,11 @@ class Cluster:
                 item: Item = await rec.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
-                yield item
+                out, error = take_queued(item, rec.queue)
+                finished = out.finished
+                yield out
+                if error is not None:
+                    raise error
         finally:
             self.table.remove(rec)
             processor.discard(rid)

@@ -27,6 +27,23 @@ from pdserve.text.outputs import RequestOutput
 Item = RequestOutput | BaseException
 
 
+def take_queued(
+    first: RequestOutput, queue: asyncio.Queue[Item]
+) -> tuple[RequestOutput, BaseException | None]:
+    """`first` and the outputs already queued behind it, as one (`followed_by`): a
+    consumer that fell behind - a slow client, a front end with more tokens than it
+    turns into events - sends one event for them, as vLLM's API server does. An error
+    found waiting is returned, to be raised after the output (the tokens that came
+    before it reach the client first)."""
+    out = first
+    while not out.finished and not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, BaseException):
+            return out, item
+        out = out.followed_by(item)
+    return out, None
+
+
 class Phase(StrEnum):
     RESERVING = "reserving"  # push: waiting for the decode instance's blocks
     # Not sent yet: its prefill instance is receiving a copy of more of its prompt (its

@@ -3,7 +3,7 @@ at the end."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.protocol.prediction import LengthPrediction
 from pdserve.protocol.timing import RequestMetrics
@@ -35,3 +35,13 @@ class RequestOutput:
     extra: dict[str, float] = field(default_factory=dict)
     # The output length predicted at its prefill (protocol/prediction.py); None: none.
     prediction: LengthPrediction | None = None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output and `later`, the next of the same request, as one: `later`'s
+        state (text, token ids, logprobs, finish) with both deltas. Renderers slice a
+        delta's logprobs off the end by its length, so the merged one renders both."""
+        return replace(
+            later,
+            delta_text=self.delta_text + later.delta_text,
+            delta_token_ids=self.delta_token_ids + later.delta_token_ids,
+        )
