@@ -20,6 +20,12 @@ settings of the quantized model instead (e.g. `--kv-cache-dtype float16` against
 * Perplexity over the first 2,048 tokens of a fixed English text (the "assignment",
   "if", "for", "while", "try", "with" and "function" topics of CPython's own pydoc data,
   shipped with every Python 3.11), one prefill each; the ratio must be within 1%.
+
+With `--llama-cpp PYTHON` (the python of bench/peers/setup_llamacpp.sh's venv) llama.cpp
+computes the same GGUF over the same token ids (bench/peers/llamacpp_logits.py: its own
+Q8 rounding of the activations, an fp16 KV cache), and its distance from the reference is
+printed beside the tested setting's: the yardstick for `--activations int8` (the gate in
+docs/benchmarks.md, "Quality of the default").
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -37,6 +45,7 @@ from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.model.attention import AttentionMetadata, SeqSpec
 from pdserve.model.base import CausalLM
+from pdserve.model.loader import resolve_model
 from pdserve.predictor.prompts import make_prompts
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -63,6 +72,32 @@ def greedy(engine: Engine, prompts: list[str]) -> list[list[int]]:
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[int, float]:
+    """How many continuations are identical, and the mean number of tokens each keeps
+    before its first difference (NUM_TOKENS when identical)."""
+    diffs = [first_difference(a, b) for a, b in zip(ref, got, strict=True)]
+    kept = [NUM_TOKENS if d is None else d for d in diffs]
+    return sum(d is None for d in diffs), sum(kept) / len(kept)
+
+
+def chat_ids(engine: Engine, prompts: list[str]) -> list[list[int]]:
+    tok = engine.tokenizer
+    return [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), False)
+        for t in prompts
+    ]
+
+
+def llama_cpp(python: str, gguf: Path, ppl_ids: list[int], prompts: list[list[int]]) -> dict:
+    """llama.cpp's perplexity and greedy continuations of these ids (its own venv)."""
+    req = {"gguf": str(gguf), "ppl_ids": ppl_ids, "prompts": prompts, "num_tokens": NUM_TOKENS}
+    script = Path(__file__).parent / "peers" / "llamacpp_logits.py"
+    out = subprocess.run(
+        [python, str(script)], input=json.dumps(req), capture_output=True, text=True, check=True
+    )
+    return dict(json.loads(out.stdout))
 
 
 def fixed_text() -> str:
@@ -99,6 +134,7 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--reference", default="none", help="the reference's --quantization")
     ap.add_argument("--reference-kv-cache-dtype", default="float32", choices=KV_CACHE_DTYPES)
+    ap.add_argument("--llama-cpp", default=None, help="llama-cpp-python venv's python")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     prompts = [text for _, text in make_prompts(NUM_PROMPTS, seed=0)]
@@ -124,6 +160,10 @@ def main() -> int:
             "formats": engine.core.model.weight_formats,
             "kv": kv,
         }
+        if args.llama_cpp and name == "tested":
+            gguf = Path(resolve_model(args.model))
+            results["llama.cpp"] = llama_cpp(args.llama_cpp, gguf, ids, chat_ids(engine, prompts))
+            results["llama.cpp"]["tokens"] = results["llama.cpp"].pop("greedy")
         del engine
     ref, got = results["reference"], results["tested"]
     diffs = [first_difference(a, b) for a, b in zip(ref["tokens"], got["tokens"], strict=True)]
@@ -141,6 +181,22 @@ def main() -> int:
         f"  perplexity over {PPL_TOKENS} tokens: reference {ref['perplexity']:.4f}, "
         f"tested {got['perplexity']:.4f} (ratio {ratio:.4f})"
     )
+    if "llama.cpp" in results:
+        cpp = results["llama.cpp"]
+        print(
+            f"llama.cpp (llama-cpp-python {cpp['version']}, the same file, fp16 KV) "
+            "vs the reference:"
+        )
+        for name in ("tested", "llama.cpp"):
+            n, kept = agreement(ref["tokens"], results[name]["tokens"])
+            r = results[name]["perplexity"] / ref["perplexity"]
+            print(
+                f"  {name:9s} perplexity {results[name]['perplexity']:.4f} (x{r:.4f}); "
+                f"identical {n}/{NUM_PROMPTS}; tokens kept before the first difference "
+                f"{kept:.1f} of {NUM_TOKENS}"
+            )
+        n, kept = agreement(cpp["tokens"], got["tokens"])
+        print(f"  tested vs llama.cpp: identical {n}/{NUM_PROMPTS}, tokens kept {kept:.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"diffs": diffs, "ppl": {q: r["perplexity"] for q, r in results.items()}}, f)

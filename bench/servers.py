@@ -4,7 +4,10 @@ server) started the same way."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -23,9 +26,24 @@ def pdserve_cmd(port: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *args]
 
 
-def start(cmd: list[str], port: int, timeout_s: float = 600.0) -> subprocess.Popen[bytes]:
-    """`cmd` running and answering 200 on `/health` at `port` (output discarded)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start(
+    cmd: list[str],
+    port: int,
+    timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+    log: str | None = None,
+) -> subprocess.Popen[bytes]:
+    """`cmd` running and answering 200 on `/health` at `port`, in a process group of its
+    own (`stop` ends what it started: a peer's engine processes too); its output goes to
+    the file `log`, else nowhere; `env` is set over this process's environment."""
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (the child's)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=out,
+        stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -41,10 +59,13 @@ def start(cmd: list[str], port: int, timeout_s: float = 600.0) -> subprocess.Pop
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (a pdserve server drains), SIGKILL after 60 s."""
+    """SIGTERM to the server (a pdserve server drains), SIGKILL after 60 s; then SIGKILL
+    to whatever is left of its process group."""
     proc.terminate()
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
