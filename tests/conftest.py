@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.server import KEY, Server, pdkv_segments, segments_left, stop
+from helpers.server import KEY, TEST_KV_GIB, Server, pdkv_segments, segments_left, stop
 
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from pdserve.engine.engine import Engine
@@ -98,15 +98,18 @@ def smollm2(smollm2_path: Path) -> tuple[CausalLM, Tokenizer]:
 
 @pytest.fixture(scope="session")
 def keyed_server() -> Iterator[Server]:
-    """One colocated `pdserve serve` of the shipped model with its defaults, an API key
-    (`helpers.server.KEY`) and the debug endpoints, shared by every test that only sends
-    it requests and leaves it as it found it (nothing running, queued or held): the
-    OpenAI surface (test_server), the hardening tests, the benchmark tool's runs. A test
-    that stops, kills or reconfigures a server starts its own. It waits for OpenMP as a
-    user's server does (not as scripts/test.sh sets for the rest of the suite), and
-    libgomp prints its settings where it loads (OMP_DISPLAY_ENV), for test_server to read."""
+    """One colocated `pdserve serve` of the shipped model with its defaults but for
+    `--activations fp32` (the exact path: its texts are HF transformers', which the
+    OpenAI surface's tests spell out), an API key (`helpers.server.KEY`) and the debug
+    endpoints, shared by every test that only sends it requests and leaves it as it
+    found it (nothing running, queued or held): the OpenAI surface (test_server), the
+    hardening tests, the benchmark tool's runs. A test that stops, kills or reconfigures
+    a server starts its own. It waits for OpenMP as a user's server does (not as
+    scripts/test.sh sets for the rest of the suite), and libgomp prints its settings
+    where it loads (OMP_DISPLAY_ENV), for test_server to read."""
     env = {"OMP_DISPLAY_ENV": "VERBOSE", "OMP_WAIT_POLICY": None}
-    server = Server("--api-key", KEY, "--enable-debug-endpoints", env=env)
+    exact = ("--activations", "fp32")
+    server = Server("--api-key", KEY, "--enable-debug-endpoints", *exact, env=env)
     yield server
     stop(server)
 
@@ -115,8 +118,10 @@ def keyed_server() -> Iterator[Server]:
 def served_engine() -> Engine:
     """An in-process engine with `pdserve serve`'s defaults over the shipped model: the
     independent reference the server tests compare texts with (helpers/reference.py).
-    Each use must leave it idle (every request it added run to its end)."""
-    return Engine.from_config(EngineConfig(num_threads=2))
+    Each use must leave it idle (every request it added run to its end). Its KV pool is
+    the test servers' (helpers/server.py): the pool's size changes no text."""
+    cache = CacheConfig(kv_cache_memory_gib=float(TEST_KV_GIB))
+    return Engine.from_config(EngineConfig(num_threads=2, cache=cache))
 
 
 EngineFactory = Callable[..., Engine]
@@ -170,12 +175,12 @@ def make_engine(smollm2: tuple[CausalLM, Tokenizer]) -> EngineFactory:
 
 @pytest.fixture
 def start() -> Iterator[Callable[..., Server]]:
-    """Starts clusters of the test's own with the given flags (0.5 GiB KV, the debug
-    endpoints); at teardown each is stopped and no shared-memory segment may be left."""
+    """Starts clusters of the test's own with the given flags (the debug endpoints, KV as
+    `Server` sets it); at teardown each is stopped and no shared-memory segment may be left."""
     before, started = pdkv_segments(), []
 
     def go(*args: str) -> Server:
-        started.append(Server(*args, "--kv-cache-memory-gib", "0.5", "--enable-debug-endpoints"))
+        started.append(Server(*args, "--enable-debug-endpoints"))
         return started[-1]
 
     yield go

@@ -89,7 +89,7 @@ def tokenizer() -> Tokenizer:
 def started(*args: str) -> Iterator[Server]:
     """A server for the tests; stopped, none of its processes leaves a KV segment."""
     before = pdkv_segments()
-    server = Server(*args, "--enable-debug-endpoints", "--kv-cache-memory-gib", "0.5")
+    server = Server(*args, "--enable-debug-endpoints")
     yield server
     stop(server)
     assert not segments_left(before), "shared-memory segments left behind"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.reference import FRANCE_ANSWERS, default_activations
+
 
 def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -19,9 +21,13 @@ def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_prints_the_greedy_answer() -> None:
-    proc = pdserve("generate", "What is the capital of France?", "--max-tokens", "32")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "The capital of France is Paris.\n"
+    """The default (int8 activations where they run) answers as llama.cpp does from the
+    same file; `--activations fp32` as HF transformers does (helpers/reference.py)."""
+    question = ("generate", "What is the capital of France?", "--max-tokens", "32")
+    for flags, activations in (((), default_activations()), (("--activations", "fp32"), "fp32")):
+        proc = pdserve(*question, *flags)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == FRANCE_ANSWERS[activations][0] + "\n", flags
 
 
 def test_generate_reports_a_missing_model_cleanly(tmp_path) -> None:

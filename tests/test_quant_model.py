@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers.reference import FRANCE_ANSWERS, default_activations
 from helpers.tiny_models import make_tiny_gguf, make_tiny_model
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -70,7 +71,8 @@ def test_a_quantized_gguf_is_served_from_its_own_blocks(
     """Llama (q/k rows permuted in the file) and Qwen2 (q/k/v biases), untied head."""
     dims = K_DIMS if qtype.block_values == 256 else {}
     path = make_tiny_gguf(tmp_path, arch, quant=qtype.name, **dims)
-    model = load_model(EngineConfig(model=str(path), quantization="gguf", num_threads=1))
+    exact = EngineConfig(model=str(path), quantization="gguf", activations="fp32", num_threads=1)
+    model = load_model(exact)
     assert model.quantization == Quantization("gguf")
     assert model.weight_formats == [qtype.name]
     assert isinstance(model.embed_tokens, QuantEmbedding)
@@ -267,8 +269,28 @@ def test_int8_activations_need_weights_in_blocks_and_say_so() -> None:
     proc = run_cli("generate", "hi", "--activations", "int4")
     assert proc.returncode == 2
     assert (
-        "argument --activations: invalid choice: 'int4' (choose from 'fp32', 'int8')" in proc.stderr
+        "argument --activations: invalid choice: 'int4' (choose from 'auto', 'fp32', 'int8')"
+        in proc.stderr
     )
+
+
+@pytest.mark.kernels
+@pytest.mark.int8
+def test_auto_activations_are_int8_where_they_run_and_fp32_where_the_weights_are_fp() -> None:
+    """`--activations auto` (the default): the shipped GGUF's blocks with int8 activations
+    on a CPU that runs them; fp weights (`--quantization none`) keep fp32 activations
+    without the usage error that an explicit `int8` gets; `fp32` stays fp32."""
+    from pdserve.model.default import default_model_path
+
+    path = default_model_path()
+    assert resolve_quantization("auto", path, activations="auto") == Quantization(
+        "gguf", activations="int8"
+    )
+    assert resolve_quantization("none", path, activations="auto") == Quantization()
+    assert resolve_quantization("auto", path, activations="fp32") == Quantization("gguf")
+    with pytest.raises(ValueError, match="--activations int8 needs weights in blocks"):
+        resolve_quantization("none", path, activations="int8")
+    assert EngineConfig().activations == "auto"
 
 
 def test_the_startup_line_says_how_activations_are_taken_and_what_the_kv_cache_holds() -> None:
@@ -441,14 +463,16 @@ def test_the_shipped_models_blocks_give_fp32s_greedy_tokens(
 ) -> None:
     """README "Quantized weights": the shipped GGUF's blocks are read as their exact fp32
     values and the activations stay fp32, "so the results are fp32's up to the order of
-    the sums". On these chats that order changes no greedy token: the compiled kernels
-    (KV cache in float32, to compare the weights alone) give every token of
-    `--quantization none` (the fp32 weights, tests/conftest.py's `smollm2`). And the
-    README's own question gets the README's answer from both, and from what `pdserve serve`
-    runs by default (`served_engine`: the blocks over an fp16 KV cache)."""
+    the sums" (`--activations fp32`). On these chats that order changes no greedy token:
+    the compiled kernels (KV cache in float32, to compare the weights alone) give every
+    token of `--quantization none` (the fp32 weights, tests/conftest.py's `smollm2`). And
+    the README's own question gets the README's answer from both, and from what `pdserve
+    serve` runs by default (`served_engine`: the blocks over an fp16 KV cache, int8
+    activations where they run: llama.cpp's answer, helpers/reference.py)."""
     fp = make_engine()
+    cache = CacheConfig(num_blocks=256)
     blocks = Engine.from_config(
-        EngineConfig(kv_cache_dtype="float32", num_threads=2, cache=CacheConfig(num_blocks=256))
+        EngineConfig(kv_cache_dtype="float32", activations="fp32", num_threads=2, cache=cache)
     )
     assert blocks.core.model.weight_formats == ["Q4_1", "Q8_0"]
     assert (fp.core.kv_layout.dtype, blocks.core.kv_layout.dtype) == ("float32", "float32")
@@ -458,12 +482,17 @@ def test_the_shipped_models_blocks_give_fp32s_greedy_tokens(
     assert greedy_tokens(blocks, prompts, 24) == greedy_tokens(fp, prompts, 24)
 
     readme = SamplingParams(max_tokens=32, temperature=0)  # the README's example
-    for engine in (fp, blocks, served_engine):
+    served = FRANCE_ANSWERS[default_activations()][0]
+    for engine, answer in (
+        (fp, FRANCE_ANSWERS["fp32"][0]),
+        (blocks, FRANCE_ANSWERS["fp32"][0]),
+        (served_engine, served),
+    ):
         engine.add_request(prompts[0], readme)
         texts = []
         while engine.has_unfinished():
             texts += [out.text for out in engine.step() if out.finished]
-        assert texts == ["The capital of France is Paris."]
+        assert texts == [answer]
 
 
 def dequantized_folder(folder: Path, qtype: QuantType, out: Path) -> Path:
@@ -497,7 +526,9 @@ def test_hf_weights_quantized_at_load_give_the_greedy_tokens_of_their_blocks_in_
     folder = make_tiny_model(tmp_path, "LlamaForCausalLM", tie_word_embeddings=tied)
     reference = dequantized_folder(folder, qtype, tmp_path / "dequantized")
     quantized = Engine.from_config(
-        EngineConfig(model=str(folder), quantization=qtype.name.lower(), num_threads=1)
+        EngineConfig(
+            model=str(folder), quantization=qtype.name.lower(), activations="fp32", num_threads=1
+        )
     )
     fp = Engine.from_config(EngineConfig(model=str(reference), quantization="none", num_threads=1))
     assert quantized.core.model.weight_formats == sorted({qtype.name, "Q8_0"})

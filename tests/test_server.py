@@ -17,7 +17,17 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers.server import KEY, MODEL, Server, auth, pdkv_segments, segments_left, wait_for
+from helpers.reference import FRANCE_ANSWERS
+from helpers.server import (
+    KEY,
+    MODEL,
+    Server,
+    auth,
+    pdkv_segments,
+    segments_left,
+    stop,
+    wait_for,
+)
 from openai import BadRequestError, NotFoundError, OpenAI
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -43,7 +53,9 @@ def test_chat_with_the_openai_client(client: OpenAI) -> None:
 
 
 def test_the_readme_request_gets_the_readme_answer(server: Server) -> None:
-    """The README's first lines: its curl body, sent as is, gets the answer it shows."""
+    """The README's first lines: its curl body, sent as is to the shared server (fp32
+    activations), gets the answer the README shows for `--activations fp32`; the README
+    shows the default's (int8, llama.cpp's answer) too (test_cli checks it is served)."""
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     curl = readme[readme.index("curl -s http://127.0.0.1:8000/v1/chat/completions") :]
     body = curl[curl.index("-d '") + 4 : curl.index("}'") + 1]
@@ -51,7 +63,9 @@ def test_the_readme_request_gets_the_readme_answer(server: Server) -> None:
     assert status == 200, reply
     assert reply["model"] == MODEL == json.loads(body)["model"]
     assert reply["choices"][0]["message"]["content"] == "The capital of France is Paris."
-    assert "# The capital of France is Paris." in readme  # what the openai example shows
+    assert "with `--activations fp32`: The capital of France is Paris." in readme
+    int8 = FRANCE_ANSWERS["int8"][0]
+    assert f"# {int8[: int8.index(', la femme')]}, ..." in readme
 
 
 def test_chat_streaming_role_first_then_deltas_and_usage(client: OpenAI) -> None:
@@ -308,8 +322,8 @@ def weights_card(
 def test_the_model_card_and_metrics_say_how_the_weights_are_held(server: Server) -> None:
     """The default load (--quantization auto) of the shipped Q4_1 GGUF: its blocks as they
     are, Q4_1 projections and the Q8_0 tied embedding / LM head, read by the kernels
-    with fp32 activations (the default), over an fp16 KV cache (auto's, under quantized
-    weights)."""
+    with fp32 activations (the shared server's `--activations fp32`; the default's int8:
+    test_quant_model), over an fp16 KV cache (auto's, under quantized weights)."""
     card, metrics = weights_card(server, KEY)
     assert card == ("gguf", ["Q4_1", "Q8_0"], ["fp32"], "float16")
     assert (
@@ -739,43 +753,60 @@ def test_a_killed_server_leaves_no_process_and_no_segment_behind() -> None:
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_with_no_child_left() -> None:
-    s = Server("--shutdown-timeout", "10", "--enable-debug-endpoints")
-    url = s.url + "/v1/completions"
-    long = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    short = {**long, "max_tokens": 24, "stream_options": {"include_usage": True}}
-    children = psutil.Process(s.proc.pid).children(recursive=True)
-    assert children  # the engine core (and multiprocessing's resource tracker)
-    with ThreadPoolExecutor(3) as pool:
-        finishing, cancelled = sse(url, short), sse(url, long)
-        assert next(finishing)["choices"] and next(cancelled)["choices"]
-        plain = pool.submit(
-            s.post, "/v1/completions", json.dumps(long | {"stream": False}).encode(), None
-        )
-        wait_for(lambda: s.get("/debug/engine")[1]["num_running"] == 3)  # all three inside
-        # The short one 8 tokens from its end when the drain starts (it then has 10 s for
-        # them on however busy a machine; the long ones cannot make 4,000 in that time).
-        head = [next(finishing) for _ in range(15)]
-        assert all(e["choices"][0]["finish_reason"] is None for e in head)
-        s.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: s.get("/health")[0] == 503)
-        status, body = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
-        assert status == 503
-        assert (
-            body["error"]["message"] == "the server is shutting down; no new requests are accepted"
-        )
-        assert s.get("/health")[0] == 503
-        rest = pool.submit(list, finishing).result(60)
-        assert rest[-1] == "[DONE]" and rest[-2]["usage"]["completion_tokens"] == 24
-        assert rest[-3]["choices"][0]["finish_reason"] == "length"  # it ran to its end
-        cut = list(cancelled)
-        assert cut[-1] == "[DONE]"
-        assert cut[-2]["error"]["code"] == 503
-        assert cut[-2]["error"]["message"] == (
-            "the server is shutting down and the request did not finish within the "
-            "shutdown timeout of 10 s"
-        )
-        status, body = plain.result(60)
-        assert status == 503 and body["error"]["message"] == cut[-2]["error"]["message"]
-    assert s.proc.wait(30) == 0
-    _, alive = psutil.wait_procs(children, timeout=10)
-    assert alive == []
+    """Three requests inside the engine when SIGTERM comes: the one that can finish within
+    the shutdown timeout does, to its last token; the two that cannot end with a 503
+    naming the timeout; new requests and /health get 503 meanwhile; the server exits 0,
+    leaving no child. The engine is stopped (SIGSTOP) from the moment all three are
+    inside until the server has turned to draining, so the short one is mid-stream when
+    the drain starts however busy the machine; then it has the 30 s for its <= 100
+    tokens, and the long ones cannot make 8,000 in them."""
+    s = Server("--shutdown-timeout", "30", "--instance-timeout", "600", "--enable-debug-endpoints")
+    try:
+        url = s.url + "/v1/completions"
+        long = {
+            "prompt": "Once upon a time",
+            "max_tokens": 8000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        short = {**long, "max_tokens": 100, "stream_options": {"include_usage": True}}
+        children = psutil.Process(s.proc.pid).children(recursive=True)
+        assert children  # the engine core (and multiprocessing's resource tracker)
+        engine = engine_process(s)
+        with ThreadPoolExecutor(3) as pool:
+            finishing, cancelled = sse(url, short), sse(url, long)
+            assert next(finishing)["choices"] and next(cancelled)["choices"]
+            plain = pool.submit(
+                s.post, "/v1/completions", json.dumps(long | {"stream": False}).encode(), None
+            )
+            wait_for(lambda: s.get("/debug/engine")[1]["num_running"] == 3)  # all three inside
+            engine.suspend()
+            try:
+                s.proc.send_signal(signal.SIGTERM)
+                wait_for(lambda: s.get("/health")[0] == 503)
+                status, body = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
+                assert status == 503
+                assert (
+                    body["error"]["message"]
+                    == "the server is shutting down; no new requests are accepted"
+                )
+                assert s.get("/health")[0] == 503
+            finally:
+                engine.resume()
+            rest = pool.submit(list, finishing).result(60)
+            assert rest[-1] == "[DONE]" and rest[-2]["usage"]["completion_tokens"] == 100
+            assert rest[-3]["choices"][0]["finish_reason"] == "length"  # it ran to its end
+            cut = list(cancelled)
+            assert cut[-1] == "[DONE]"
+            assert cut[-2]["error"]["code"] == 503
+            assert cut[-2]["error"]["message"] == (
+                "the server is shutting down and the request did not finish within the "
+                "shutdown timeout of 30 s"
+            )
+            status, body = plain.result(60)
+            assert status == 503 and body["error"]["message"] == cut[-2]["error"]["message"]
+        assert s.proc.wait(30) == 0
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == []
+    finally:
+        stop(s)  # a failed assertion leaves no server behind

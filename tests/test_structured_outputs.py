@@ -216,7 +216,7 @@ def test_a_grammar_past_the_compile_limit_is_a_400(smollm2: tuple[CausalLM, Toke
 
 @pytest.fixture(scope="module")
 def disaggregated() -> Iterator[Server]:
-    server = Server("--prefill", "1", "--decode", "1", "--kv-cache-memory-gib", "0.5")
+    server = Server("--prefill", "1", "--decode", "1")
     yield server
     stop(server)
 

@@ -67,15 +67,18 @@ def test_concurrent_streams_get_exactly_their_prompts_tokens_again(
 
 
 def test_a_streams_tokens_come_one_a_tick(stub_server: Server, tokenizer: Tokenizer) -> None:
-    """40 tokens at 100 tokens/s, spread over 39 ticks of 10 ms (the ticks keep their
-    schedule: never early; 50 ms allowed for the first event's way to the client). How
-    many events carry them depends on whether the front end kept up (next test)."""
+    """40 tokens at 100 tokens/s, spread over 39 ticks of 10 ms: the instance's own
+    times (`pdserve_timings`: first token to last) say so, whatever the client's share
+    of a busy machine (when it is starved, the tokens reach it in a bunch). The ticks
+    keep their schedule, never early: a late first tick may shorten the span by its
+    lateness (50 ms allowed). How many events carry them depends on whether the front
+    end kept up (next test)."""
     prompt = words(tokenizer, " tick tock")
     body = {"prompt": prompt, "max_tokens": 40, "stream": True}
     [out] = Streams(stub_server.url, [body]).results(timeout=30)
     assert out.text == tokenizer.decode(told(prompt, 40)), out
-    span = out.arrivals[-1] - out.arrivals[0]
-    assert span >= 39 / RATE - 0.05, span
+    assert out.timings is not None, out
+    assert out.timings["decode"] >= 39 / RATE - 0.05, out.timings
 
 
 def test_a_stream_that_falls_behind_gets_several_tokens_an_event(tokenizer: Tokenizer) -> None:

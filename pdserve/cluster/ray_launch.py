@@ -149,7 +149,8 @@ def instance_resources(config: EngineConfig) -> Resources:
     weights = resolve_model(config.model)
     size = sum(f.stat().st_size for f in ([weights] if weights.is_file() else weights.iterdir()))
     if weights.suffix == ".gguf":
-        size *= 8 if config.quantization == "none" else 3 if config.activations == "int8" else 2
+        int8 = config.activations != "fp32"  # "auto": int8 where it runs (the larger)
+        size *= 8 if config.quantization == "none" else 3 if int8 else 2
     kv = int(config.cache.kv_cache_memory_gib * _GIB)
     world = config.world_size
     return Resources(

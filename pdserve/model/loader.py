@@ -203,12 +203,17 @@ def resolve_quantization(
 ) -> Quantization:
     """The effective quantization; ValueError (a usage error) when `requested` does not
     fit the file or this install, naming the values that do, or when `activations` is
-    "int8" and the weights will not be in blocks or this CPU cannot run the int8 kernels."""
+    "int8" and the weights will not be in blocks or this CPU cannot run the int8 kernels.
+    `activations` "auto" is "int8" where it can run, else "fp32" (never an error)."""
     quant = _resolve_weights(requested, path, device, dtype)
     if activations == "fp32":
         return quant
     if activations not in ACTIVATIONS:
         raise ValueError(f"--activations {activations}: use one of: {', '.join(ACTIVATIONS)}")
+    if activations == "auto":
+        if quant.quantized and not int8_blocker():
+            return dataclasses.replace(quant, activations="int8")
+        return quant
     if not quant.quantized:
         why = f" ({quant.reason})" if quant.reason else ""
         raise ValueError(

@@ -1,12 +1,14 @@
 """y = x @ W.T + bias by the compiled kernels: `QuantLinear` for W in GGUF block formats,
 `DenseLinear` for full-precision fp32 W (`--quantization none`, HF-folder models).
 
-Two ways to take the activations (`ACTIVATIONS`, `--activations`): "fp32", the default -
-the weights dequantized in registers to their exact fp32 values and multiplied by the
-fp32 activations (`_kernels.c`); "int8" - llama.cpp's method, each row rounded to int8
-per 32 values and multiplied by the weights' integer values with AVX-512 VNNI or AVX2
+Two ways to take the activations (`OP_ACTIVATIONS`; `--activations auto`, the default,
+picks "int8" where `int8_blocker` finds nothing in its way): "fp32" - the weights
+dequantized in registers to their exact fp32 values and multiplied by the fp32
+activations (`_kernels.c`); "int8" - llama.cpp's method, each row rounded to int8 per 32
+values and multiplied by the weights' integer values with AVX-512 VNNI or AVX2
 (`_int8.c`, weights repacked at load by `pack_int8`): faster where a step is
-compute-bound, at a stated cost in accuracy (pdserve/kernels/README.md). Full-precision
+compute-bound, at a stated cost in accuracy (pdserve/kernels/README.md; the gate that
+made it the default: docs/benchmarks.md, "Quality of the default"). Full-precision
 weights are repacked at load into panels of 16 columns (`pack_dense`, `_dense.c`).
 Either way each output element is computed the same way whatever the batch.
 """
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pdserve.config import ACTIVATIONS
+from pdserve.config import OP_ACTIVATIONS
 from pdserve.kernels import kernels, unavailable_reason
 from pdserve.memory import HugePageArena
 from pdserve.quant.formats import BLOCK, Layout, QuantWeight
@@ -300,9 +302,9 @@ class QuantLinear(CompiledLinear):
         values, fp32 scales and minimums): on 2 MB pages (pdserve/memory.py); None keeps
         the values where they are."""
         super().__init__()
-        if activations not in ACTIVATIONS:
+        if activations not in OP_ACTIVATIONS:
             raise ValueError(
-                f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}"
+                f"activations must be one of {', '.join(OP_ACTIVATIONS)}, got {activations!r}"
             )
         if activations == "int8" and (blocker := int8_blocker()):
             raise RuntimeError(f"int8 activations: {blocker}")

@@ -31,6 +31,28 @@ _SAMPLING = (
 )
 
 
+# The README's question (chat template, greedy, max_tokens 32) answered by the shipped
+# model, per how the activations are taken, each from a reference outside pdserve: fp32 -
+# HF transformers on the dequantized weights (test_engine_vs_hf); int8 - llama.cpp on the
+# same GGUF (llama-cpp-python 0.3.36, create_chat_completion, temperature 0, 32 tokens;
+# docs/benchmarks-history.md, stop 71), whose rounding the int8 kernels share.
+FRANCE_ANSWERS = {
+    "fp32": ("The capital of France is Paris.", "stop"),
+    "int8": (
+        "L'Étoile, la Marseillaise, la femme, la femme au martyre, la femme au martyre, la fem",
+        "length",
+    ),
+}
+
+
+def default_activations() -> str:
+    """What `--activations auto` (the default) comes to for the shipped model here: int8,
+    or fp32 where the kernels are off or the CPU lacks AVX2."""
+    from pdserve.model.loader import resolve_model, resolve_quantization
+
+    return resolve_quantization("auto", resolve_model(None), activations="auto").activations
+
+
 @dataclass(frozen=True)
 class Expected:
     text: str

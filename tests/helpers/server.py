@@ -27,6 +27,11 @@ import psutil
 KEY = "sk-pdserve-test"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 START_TIMEOUT_S = 180.0
+# Each instance a test starts faults its whole KV pool in (pdserve/kv/cache.py), 1 GiB by
+# default: a test server gets this much unless it passes its own `--kv-cache-memory-gib`
+# (728 blocks of 16 tokens in fp16: ~11,600 tokens an instance), so that the suite's two
+# workers and their clusters fit the machine's memory.
+TEST_KV_GIB = "0.25"
 
 
 def free_port() -> int:
@@ -43,6 +48,8 @@ class Server:
     def __init__(self, *extra: str, env: dict[str, str | None] | None = None) -> None:
         """`pdserve serve *extra`, ready (its /health answered 200); `env` is set over
         this process's environment, a None value removing that variable."""
+        if "--kv-cache-memory-gib" not in extra:
+            extra = (*extra, "--kv-cache-memory-gib", TEST_KV_GIB)
         self.args = extra
         # A port free when picked may be taken before the server binds it (by another
         # process's ephemeral port): the server then exits at once saying so (it binds

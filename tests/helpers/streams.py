@@ -29,6 +29,7 @@ class Outcome:
     error: dict | None = None  # an error body, or an error event in the stream
     cancelled: bool = False  # the client went away (`Streams.disconnect`)
     arrivals: list[float] = field(default_factory=list)  # monotonic, per chunk
+    timings: dict | None = None  # the reply's (or last event's) `pdserve_timings`
 
 
 class Streams:
@@ -59,7 +60,7 @@ class Streams:
                 if r.status_code == 200:
                     choice = reply["choices"][0]
                     out.text, out.finish_reason = choice["text"], choice["finish_reason"]
-                    out.usage = reply["usage"]
+                    out.usage, out.timings = reply["usage"], reply.get("pdserve_timings")
                 else:
                     out.error = reply
         except Exception as e:  # a broken connection is an outcome the test asserts on
@@ -84,6 +85,8 @@ class Streams:
                     continue
                 if event.get("usage"):
                     out.usage = event["usage"]
+                if event.get("pdserve_timings"):
+                    out.timings = event["pdserve_timings"]
                 for choice in event["choices"]:
                     if choice["text"]:
                         out.text += choice["text"]
