@@ -22,7 +22,8 @@ QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0")
 STUB_PREFIX = "stub:"
 # --activations values: how the quantized kernels take activations (pdserve/quant/linear.py);
 # "auto" is "int8" where the weights are served in blocks and this CPU runs the int8
-# kernels (AVX2), else "fp32" (model/loader.py `resolve_quantization`).
+# kernels (AVX2), else "fp32" (model/loader.py `resolve_quantization`): the fast path
+# wherever it runs, never a usage error.
 ACTIVATIONS = ("auto", "fp32", "int8")
 # What "auto" resolves to, and what a quantized op takes.
 OP_ACTIVATIONS = ("fp32", "int8")
@@ -209,13 +210,13 @@ class EngineConfig:
     # "gguf" a GGUF file's blocks as they are; "q8_0"/"q4_0" fp weights quantized at
     # load; "auto" "gguf" where the file and this install allow it, else "none".
     quantization: str = "auto"
-    # How the quantized kernels take activations (ACTIVATIONS): "int8" rounded per 32
+    # How the quantized kernels take activations (ACTIVATIONS): "fp32" exact (the
+    # default: the fp32 model's text up to the order of the sums); "int8" rounded per 32
     # values, integer products (llama.cpp's method: faster, not fp32's text;
-    # pdserve/kernels/README.md; needs quantized weights and AVX2); "fp32" exact (the
-    # fp32 model's text up to the order of the sums); "auto" (the default) int8 where it
-    # can run, else fp32 - the gate that made it the default: docs/benchmarks.md,
-    # "Quality of the default".
-    activations: str = "auto"
+    # pdserve/kernels/README.md; needs quantized weights and AVX2); "auto" int8 where it
+    # can run, else fp32. Not the default yet: int8's text is not yet the same in every
+    # deployment (docs/benchmarks.md, "The quality gate for int8 activations").
+    activations: str = "fp32"
     # The KV pool's dtype (KV_CACHE_DTYPES); resolved by `kv_dtype`.
     kv_cache_dtype: str = "auto"
     role: Role = Role.COLOCATED

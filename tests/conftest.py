@@ -98,18 +98,15 @@ def smollm2(smollm2_path: Path) -> tuple[CausalLM, Tokenizer]:
 
 @pytest.fixture(scope="session")
 def keyed_server() -> Iterator[Server]:
-    """One colocated `pdserve serve` of the shipped model with its defaults but for
-    `--activations fp32` (the exact path: its texts are HF transformers', which the
-    OpenAI surface's tests spell out), an API key (`helpers.server.KEY`) and the debug
-    endpoints, shared by every test that only sends it requests and leaves it as it
-    found it (nothing running, queued or held): the OpenAI surface (test_server), the
-    hardening tests, the benchmark tool's runs. A test that stops, kills or reconfigures
-    a server starts its own. It waits for OpenMP as a user's server does (not as
-    scripts/test.sh sets for the rest of the suite), and libgomp prints its settings
-    where it loads (OMP_DISPLAY_ENV), for test_server to read."""
+    """One colocated `pdserve serve` of the shipped model with its defaults, an API key
+    (`helpers.server.KEY`) and the debug endpoints, shared by every test that only sends
+    it requests and leaves it as it found it (nothing running, queued or held): the
+    OpenAI surface (test_server), the hardening tests, the benchmark tool's runs. A test
+    that stops, kills or reconfigures a server starts its own. It waits for OpenMP as a
+    user's server does (not as scripts/test.sh sets for the rest of the suite), and
+    libgomp prints its settings where it loads (OMP_DISPLAY_ENV), for test_server to read."""
     env = {"OMP_DISPLAY_ENV": "VERBOSE", "OMP_WAIT_POLICY": None}
-    exact = ("--activations", "fp32")
-    server = Server("--api-key", KEY, "--enable-debug-endpoints", *exact, env=env)
+    server = Server("--api-key", KEY, "--enable-debug-endpoints", env=env)
     yield server
     stop(server)
 

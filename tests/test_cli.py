@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers.reference import FRANCE_ANSWERS, default_activations
+from helpers.reference import FRANCE_ANSWERS, resolved_activations
+
+from pdserve.config import EngineConfig
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -21,10 +23,15 @@ def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_prints_the_greedy_answer() -> None:
-    """The default (int8 activations where they run) answers as llama.cpp does from the
-    same file; `--activations fp32` as HF transformers does (helpers/reference.py)."""
+    """The default (fp32 activations) answers as HF transformers does; `--activations
+    auto` (int8 where they run) as llama.cpp does from the same file
+    (helpers/reference.py)."""
     question = ("generate", "What is the capital of France?", "--max-tokens", "32")
-    for flags, activations in (((), default_activations()), (("--activations", "fp32"), "fp32")):
+    default = resolved_activations(EngineConfig.activations)
+    for flags, activations in (
+        ((), default),
+        (("--activations", "auto"), resolved_activations("auto")),
+    ):
         proc = pdserve(*question, *flags)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout == FRANCE_ANSWERS[activations][0] + "\n", flags

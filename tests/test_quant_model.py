@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers.reference import FRANCE_ANSWERS, default_activations
+from helpers.reference import FRANCE_ANSWERS, resolved_activations
 from helpers.tiny_models import make_tiny_gguf, make_tiny_model
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -277,9 +277,9 @@ def test_int8_activations_need_weights_in_blocks_and_say_so() -> None:
 @pytest.mark.kernels
 @pytest.mark.int8
 def test_auto_activations_are_int8_where_they_run_and_fp32_where_the_weights_are_fp() -> None:
-    """`--activations auto` (the default): the shipped GGUF's blocks with int8 activations
-    on a CPU that runs them; fp weights (`--quantization none`) keep fp32 activations
-    without the usage error that an explicit `int8` gets; `fp32` stays fp32."""
+    """`--activations auto`: the shipped GGUF's blocks with int8 activations on a CPU that
+    runs them; fp weights (`--quantization none`) keep fp32 activations without the usage
+    error that an explicit `int8` gets; `fp32` (the default) stays fp32."""
     from pdserve.model.default import default_model_path
 
     path = default_model_path()
@@ -290,7 +290,7 @@ def test_auto_activations_are_int8_where_they_run_and_fp32_where_the_weights_are
     assert resolve_quantization("auto", path, activations="fp32") == Quantization("gguf")
     with pytest.raises(ValueError, match="--activations int8 needs weights in blocks"):
         resolve_quantization("none", path, activations="int8")
-    assert EngineConfig().activations == "auto"
+    assert EngineConfig().activations == "fp32"
 
 
 def test_the_startup_line_says_how_activations_are_taken_and_what_the_kv_cache_holds() -> None:
@@ -467,8 +467,7 @@ def test_the_shipped_models_blocks_give_fp32s_greedy_tokens(
     the compiled kernels (KV cache in float32, to compare the weights alone) give every
     token of `--quantization none` (the fp32 weights, tests/conftest.py's `smollm2`). And
     the README's own question gets the README's answer from both, and from what `pdserve
-    serve` runs by default (`served_engine`: the blocks over an fp16 KV cache, int8
-    activations where they run: llama.cpp's answer, helpers/reference.py)."""
+    serve` runs by default (`served_engine`: the blocks over an fp16 KV cache)."""
     fp = make_engine()
     cache = CacheConfig(num_blocks=256)
     blocks = Engine.from_config(
@@ -482,7 +481,7 @@ def test_the_shipped_models_blocks_give_fp32s_greedy_tokens(
     assert greedy_tokens(blocks, prompts, 24) == greedy_tokens(fp, prompts, 24)
 
     readme = SamplingParams(max_tokens=32, temperature=0)  # the README's example
-    served = FRANCE_ANSWERS[default_activations()][0]
+    served = FRANCE_ANSWERS[resolved_activations(EngineConfig.activations)][0]
     for engine, answer in (
         (fp, FRANCE_ANSWERS["fp32"][0]),
         (blocks, FRANCE_ANSWERS["fp32"][0]),

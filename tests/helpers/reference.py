@@ -45,12 +45,12 @@ FRANCE_ANSWERS = {
 }
 
 
-def default_activations() -> str:
-    """What `--activations auto` (the default) comes to for the shipped model here: int8,
-    or fp32 where the kernels are off or the CPU lacks AVX2."""
+def resolved_activations(activations: str) -> str:
+    """What `--activations` comes to for the shipped model here (`auto`: int8, or fp32
+    where the kernels are off or the CPU lacks AVX2)."""
     from pdserve.model.loader import resolve_model, resolve_quantization
 
-    return resolve_quantization("auto", resolve_model(None), activations="auto").activations
+    return resolve_quantization("auto", resolve_model(None), activations=activations).activations
 
 
 @dataclass(frozen=True)
