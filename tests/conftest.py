@@ -106,7 +106,10 @@ def keyed_server() -> Iterator[Server]:
     user's server does (not as scripts/test.sh sets for the rest of the suite), and
     libgomp prints its settings where it loads (OMP_DISPLAY_ENV), for test_server to read."""
     env = {"OMP_DISPLAY_ENV": "VERBOSE", "OMP_WAIT_POLICY": None}
-    server = Server("--api-key", KEY, "--enable-debug-endpoints", env=env)
+    # 0.5 GiB: the model's whole 8,192-token context fits its pool in fp32 too (the
+    # fallback path's KV), as the context-limit tests expect.
+    kv = ("--kv-cache-memory-gib", "0.5")
+    server = Server("--api-key", KEY, "--enable-debug-endpoints", *kv, env=env)
     yield server
     stop(server)
 

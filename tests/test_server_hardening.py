@@ -657,17 +657,17 @@ def test_debug_cluster_of_one_engine_is_its_single_row(server: Server) -> None:
         "replicated_tokens": 0,
     }
     free, cached = stats.pop("num_free_blocks"), stats.pop("num_cached_blocks")
-    # The test servers' 0.25 GiB of KV (helpers/server.py) for SmolLM2-135M: 2 x 30 layers
+    # The shared server's 0.5 GiB of KV (tests/conftest.py) for SmolLM2-135M: 2 x 30 layers
     # x 3 heads x 64 x 16 tokens a block, 2 B each in fp16 (auto's, under the default
     # quantized weights), 4 B in fp32 (auto's where the kernels are off and the weights fp32).
-    assert server.args[-2:] == ("--kv-cache-memory-gib", "0.25")
+    assert server.args[-2:] == ("--kv-cache-memory-gib", "0.5")
     _, models = server.get("/v1/models", key=KEY)
     kv = models["data"][0]["kv_cache_dtype"]
     blocks = {
-        "float16": 2**28 // (2 * 30 * 3 * 64 * 2 * 16),
-        "float32": 2**28 // (2 * 30 * 3 * 64 * 4 * 16),
+        "float16": 2**29 // (2 * 30 * 3 * 64 * 2 * 16),
+        "float32": 2**29 // (2 * 30 * 3 * 64 * 4 * 16),
     }
-    assert blocks == {"float16": 728, "float32": 364}
+    assert blocks == {"float16": 1456, "float32": 728}
     assert free + cached == blocks[kv]
     hits, queries = stats.pop("prefix_cache_hits"), stats.pop("prefix_cache_queries")
     assert stats.pop("busy_ms") > 0  # it ran steps
