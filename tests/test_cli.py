@@ -34,7 +34,7 @@ def test_generate_prints_the_greedy_answer() -> None:
     ):
         proc = pdserve(*question, *flags)
         assert proc.returncode == 0, proc.stderr
-        assert proc.stdout == FRANCE_ANSWERS[activations][0] + "\n", flags
+        assert proc.stdout == FRANCE_ANSWERS[activations] + "\n", flags
 
 
 def test_generate_reports_a_missing_model_cleanly(tmp_path) -> None:

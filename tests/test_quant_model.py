@@ -481,10 +481,10 @@ def test_the_shipped_models_blocks_give_fp32s_greedy_tokens(
     assert greedy_tokens(blocks, prompts, 24) == greedy_tokens(fp, prompts, 24)
 
     readme = SamplingParams(max_tokens=32, temperature=0)  # the README's example
-    served = FRANCE_ANSWERS[resolved_activations(EngineConfig.activations)][0]
+    served = FRANCE_ANSWERS[resolved_activations(EngineConfig.activations)]
     for engine, answer in (
-        (fp, FRANCE_ANSWERS["fp32"][0]),
-        (blocks, FRANCE_ANSWERS["fp32"][0]),
+        (fp, FRANCE_ANSWERS["fp32"]),
+        (blocks, FRANCE_ANSWERS["fp32"]),
         (served_engine, served),
     ):
         engine.add_request(prompts[0], readme)

@@ -37,11 +37,8 @@ _SAMPLING = (
 # same GGUF (llama-cpp-python 0.3.36, create_chat_completion, temperature 0, 32 tokens;
 # docs/benchmarks-history.md, stop 71), whose rounding the int8 kernels share.
 FRANCE_ANSWERS = {
-    "fp32": ("The capital of France is Paris.", "stop"),
-    "int8": (
-        "L'Étoile, la Marseillaise, la femme, la femme au martyre, la femme au martyre, la fem",
-        "length",
-    ),
+    "fp32": "The capital of France is Paris.",
+    "int8": "L'Étoile, la Marseillaise, la femme, la femme au martyre, la femme au martyre, la fem",
 }
 
 
