@@ -12,6 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from pdserve.bench.cli import main
@@ -125,6 +126,23 @@ def test_faults_are_recorded_failures_and_results_are_written(
     assert summary["failed"] == 3 and summary["attainment"] == 0.0
     assert (tmp_path / "res-plots" / "latency_breakdown.png").exists() is False  # nothing to draw
     assert (tmp_path / "res-plots" / "attainment_vs_rate.png").exists() is False  # rate inf
+
+
+def test_only_request_timeout_limits_a_request(
+    stubs: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request runs as long as `--request-timeout` allows, not aiohttp's session-wide
+    default (300 s, which cut long-context runs short): with that default shrunk to 0.3 s,
+    4 tokens 0.2 s apart (0.6-0.8 s) complete under `--request-timeout 5`."""
+    monkeypatch.setattr(aiohttp.client, "DEFAULT_TIMEOUT", aiohttp.ClientTimeout(total=0.3))
+    stub = stubs(token_delay_s=0.2)
+    code, doc = run(
+        tmp_path, "run", "--base-url", stub.url, *SMALL, "--num-prompts", "1",
+        "--request-timeout", "5",
+    )  # fmt: skip
+    assert code == 0, records(doc)
+    [rec] = records(doc)
+    assert rec["success"] and rec["e2e_s"] >= 0.6, rec
 
 
 def test_server_down_ends_the_run_with_reasons(tmp_path: Path) -> None:

@@ -59,9 +59,13 @@ def headers(target: Target, session_id: str | None = None) -> dict[str, str]:
 
 
 def new_session(max_concurrency: int | None) -> aiohttp.ClientSession:
-    """Keep-alive connections, as many as requests in flight (none refused client-side)."""
+    """Keep-alive connections, as many as requests in flight (none refused client-side).
+    No session-wide time limit: each request has its own (`send`'s `timeout_s`,
+    `--request-timeout`); aiohttp's default of 300 s in all would cut a long request
+    short whatever the user asked for."""
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, enable_cleanup_closed=True)
-    return aiohttp.ClientSession(connector=connector, trust_env=False)
+    unlimited = aiohttp.ClientTimeout(total=None)
+    return aiohttp.ClientSession(connector=connector, trust_env=False, timeout=unlimited)
 
 
 async def send(
