@@ -59,10 +59,10 @@ def add_quantization_flag(p: argparse.ArgumentParser) -> None:
         "--activations",
         choices=ACTIVATIONS,
         default=EngineConfig.activations,
-        help="how the quantized kernels take activations: fp32 = exact (the fp32 model's "
-        "text); int8 = rounded per 32 values and multiplied as integers (llama.cpp's "
-        "method and default; 2-4x faster products, needs AVX2, fastest with AVX-512 VNNI; "
-        "perplexity +0.2-0.6%% on SmolLM2, as llama.cpp's own; greedy text can differ); "
+        help="how the quantized kernels take activations: int8 = rounded per 32 values "
+        "and multiplied as integers (llama.cpp's method and default; 2-4x faster "
+        "products, needs AVX2, fastest with AVX-512 VNNI; perplexity +0.5%% on SmolLM2, "
+        "greedy text can differ from fp32's); fp32 = exact (the fp32 model's text); "
         "auto = int8 where the weights are quantized and this CPU runs it, else fp32 "
         "(default: %(default)s)",
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -22,11 +23,27 @@ QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0")
 STUB_PREFIX = "stub:"
 # --activations values: how the quantized kernels take activations (pdserve/quant/linear.py);
 # "auto" is "int8" where the weights are served in blocks and this CPU runs the int8
-# kernels (AVX2), else "fp32" (model/loader.py `resolve_quantization`): the fast path
-# wherever it runs, never a usage error.
+# kernels (AVX2), else "fp32" (model/loader.py `resolve_quantization`).
 ACTIVATIONS = ("auto", "fp32", "int8")
 # What "auto" resolves to, and what a quantized op takes.
 OP_ACTIVATIONS = ("fp32", "int8")
+
+
+def deployment_activations(requested: str, tensor_parallel_sizes: Iterable[int]) -> str:
+    """What `--activations` comes to for every instance of a deployment whose instances
+    have these tensor-parallel sizes: `requested`, but "auto" is "fp32" where any instance
+    is tensor-parallel. Why: such an instance sums its ranks' partial products in another
+    order than one process (docs/parallelism.md, "Exactness"); under fp32 activations the
+    logits move by ~1e-4 and the greedy text stays one engine's, under int8 so small a
+    move can cross an activation's rounding step (dx/2 of a block) and change the text.
+    "auto" keeps every layout's text the same; `--activations int8` with tensor
+    parallelism is still allowed (the text then is its layout's own). Applied to the whole
+    deployment, so that no request is prefilled under one and decoded under the other."""
+    if requested == "auto" and any(tp > 1 for tp in tensor_parallel_sizes):
+        return "fp32"
+    return requested
+
+
 # What the KV pool holds (--kv-cache-dtype): "auto" is float16 under quantized weights
 # (llama.cpp's default; the compiled attention widens it exactly as it reads, half the
 # bytes of float32 to read, hold, swap and move; docs/benchmarks.md "An fp16 KV cache")
@@ -210,13 +227,13 @@ class EngineConfig:
     # "gguf" a GGUF file's blocks as they are; "q8_0"/"q4_0" fp weights quantized at
     # load; "auto" "gguf" where the file and this install allow it, else "none".
     quantization: str = "auto"
-    # How the quantized kernels take activations (ACTIVATIONS): "fp32" exact (the
-    # default: the fp32 model's text up to the order of the sums); "int8" rounded per 32
+    # How the quantized kernels take activations (ACTIVATIONS): "int8" rounded per 32
     # values, integer products (llama.cpp's method: faster, not fp32's text;
-    # pdserve/kernels/README.md; needs quantized weights and AVX2); "auto" int8 where it
-    # can run, else fp32. Not the default yet: int8's text is not yet the same in every
-    # deployment (docs/benchmarks.md, "The quality gate for int8 activations").
-    activations: str = "fp32"
+    # pdserve/kernels/README.md; needs quantized weights and AVX2); "fp32" exact (the
+    # fp32 model's text up to the order of the sums); "auto" (the default) int8 where it
+    # can run, else fp32 - the gate that made it the default: docs/benchmarks.md,
+    # "The quality gate for int8 activations".
+    activations: str = "auto"
     # The KV pool's dtype (KV_CACHE_DTYPES); resolved by `kv_dtype`.
     kv_cache_dtype: str = "auto"
     role: Role = Role.COLOCATED

@@ -42,7 +42,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 # A test that uses one of these loads or serves the shipped model: what it asserts depends
 # on how the model computes, the compiled kernels or the fp32 fallback (marked `fallback`).
-FALLBACK_FIXTURES = frozenset({"smollm2", "served_engine", "keyed_server"})
+FALLBACK_FIXTURES = frozenset({"smollm2", "served_engine", "exact_engine", "keyed_server"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -98,18 +98,21 @@ def smollm2(smollm2_path: Path) -> tuple[CausalLM, Tokenizer]:
 
 @pytest.fixture(scope="session")
 def keyed_server() -> Iterator[Server]:
-    """One colocated `pdserve serve` of the shipped model with its defaults, an API key
-    (`helpers.server.KEY`) and the debug endpoints, shared by every test that only sends
-    it requests and leaves it as it found it (nothing running, queued or held): the
-    OpenAI surface (test_server), the hardening tests, the benchmark tool's runs. A test
-    that stops, kills or reconfigures a server starts its own. It waits for OpenMP as a
-    user's server does (not as scripts/test.sh sets for the rest of the suite), and
-    libgomp prints its settings where it loads (OMP_DISPLAY_ENV), for test_server to read."""
+    """One colocated `pdserve serve` of the shipped model with its defaults but for
+    `--activations fp32` (the exact path: its texts are HF transformers', which the
+    OpenAI surface's tests spell out), an API key (`helpers.server.KEY`) and the debug
+    endpoints, shared by every test that only sends it requests and leaves it as it
+    found it (nothing running, queued or held): the OpenAI surface (test_server), the
+    hardening tests, the benchmark tool's runs. A test that stops, kills or reconfigures
+    a server starts its own. It waits for OpenMP as a user's server does (not as
+    scripts/test.sh sets for the rest of the suite), and libgomp prints its settings
+    where it loads (OMP_DISPLAY_ENV), for test_server to read."""
     env = {"OMP_DISPLAY_ENV": "VERBOSE", "OMP_WAIT_POLICY": None}
     # 0.5 GiB: the model's whole 8,192-token context fits its pool in fp32 too (the
     # fallback path's KV), as the context-limit tests expect.
     kv = ("--kv-cache-memory-gib", "0.5")
-    server = Server("--api-key", KEY, "--enable-debug-endpoints", *kv, env=env)
+    exact = ("--activations", "fp32")
+    server = Server("--api-key", KEY, "--enable-debug-endpoints", *kv, *exact, env=env)
     yield server
     stop(server)
 
@@ -122,6 +125,15 @@ def served_engine() -> Engine:
     the test servers' (helpers/server.py): the pool's size changes no text."""
     cache = CacheConfig(kv_cache_memory_gib=float(TEST_KV_GIB))
     return Engine.from_config(EngineConfig(num_threads=2, cache=cache))
+
+
+@pytest.fixture(scope="session")
+def exact_engine() -> Engine:
+    """`served_engine` with fp32 activations (`--activations fp32`): the reference of a
+    deployment that serves them - any with a tensor-parallel instance, under the default
+    `auto` (config.py `deployment_activations`). The same contract as `served_engine`."""
+    cache = CacheConfig(kv_cache_memory_gib=float(TEST_KV_GIB))
+    return Engine.from_config(EngineConfig(num_threads=2, activations="fp32", cache=cache))
 
 
 EngineFactory = Callable[..., Engine]

@@ -8,7 +8,9 @@ computing in the shared-memory pools their driver made - with block sizes that d
 in each transfer mode. Every request's text equals a colocated one-process core's, and
 the KV the decode instance holds for each prompt equals, bit for bit, the KV the prefill
 instance held when it handed the request off: each rank's pool gathered into the layers
-and heads it holds, every element from exactly one rank (`instance_kv`).
+and heads it holds, every element from exactly one rank (`instance_kv`). Every side takes
+fp32 activations (`exact_engine`'s): what a deployment with a tensor-parallel instance
+serves by default.
 
 Served: a prefill TP 2 -> decode PP 2 cluster started from a placement file, and a
 `--prefill-pp 2 --decode-tp 2` one from flags, answer as the undisturbed colocated engine
@@ -62,6 +64,7 @@ def parallel_core(
         num_threads=tp * pp,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        activations="fp32",  # exact_engine's, which the one-process side shares
         microbatch_swap_blocks=swap,
         max_model_len=128 if swap else None,
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64),
@@ -77,10 +80,10 @@ OneProcess = tuple[list[list[int]], dict[str, list[int]]]
 
 
 @pytest.fixture(scope="module")
-def one_process(served_engine: Engine) -> OneProcess:
+def one_process(exact_engine: Engine) -> OneProcess:
     """TEXTS' token ids and each one's greedy tokens by a colocated one-process core."""
-    model, path = served_engine.core.model, resolve_model(None)
-    batch = [served_engine.tokenizer.encode(t) for t in TEXTS]
+    model, path = exact_engine.core.model, resolve_model(None)
+    batch = [exact_engine.tokenizer.encode(t) for t in TEXTS]
     return batch, colocated_outputs(make_core(path, model, Role.COLOCATED), batch, GREEDY)
 
 
@@ -123,14 +126,14 @@ HANDOFFS = [
     ids=[f"P{p}-D{d}-{m}".replace(" ", "") for p, d, m in HANDOFFS],
 )
 def test_a_parallel_instance_hands_kv_to_another_layout(
-    served_engine: Engine,
+    exact_engine: Engine,
     one_process: OneProcess,
     threads: None,
     prefill: tuple[int, int, int],
     decode: tuple[int, int, int],
     mode: str,
 ) -> None:
-    model, path = served_engine.core.model, resolve_model(None)
+    model, path = exact_engine.core.model, resolve_model(None)
     sides: list[EngineCore] = []
     try:
         for role, (tp, pp, block) in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
@@ -146,7 +149,7 @@ def test_a_parallel_instance_hands_kv_to_another_layout(
 
 @pytest.mark.parametrize(("tp", "pp", "swap"), [(2, 1, 0), (1, 2, 16)], ids=["tp2", "pp2-swap"])
 def test_a_colocated_parallel_instance_flips_to_prefill_with_its_cache(
-    served_engine: Engine, one_process: OneProcess, threads: None, tp: int, pp: int, swap: int
+    exact_engine: Engine, one_process: OneProcess, threads: None, tp: int, pp: int, swap: int
 ) -> None:
     """A colocated TP 2 (or PP 2 swapping its micro-batches) instance keeps its pools
     private until its first hand-off: the flip to prefill opens its link, and its worker
@@ -156,7 +159,7 @@ def test_a_colocated_parallel_instance_flips_to_prefill_with_its_cache(
     the KV bit for bit. With swapping, each stage's staging copies from and writes back
     to the pool where it now is (a stage that kept the private pool would hand off stale
     KV)."""
-    model, path = served_engine.core.model, resolve_model(None)
+    model, path = exact_engine.core.model, resolve_model(None)
     batch, reference = one_process
     sides = [parallel_core(Role.COLOCATED, tp, pp, "pull", 16, swap)]
     try:
@@ -185,8 +188,11 @@ def load() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(served_engine: Engine) -> list:
-    return run(served_engine, load())
+def reference(exact_engine: Engine) -> list:
+    """The servers below each hold a tensor-parallel instance: under the default
+    activations (`auto`) the whole deployment serves fp32 (config.py
+    `deployment_activations`), `exact_engine`'s."""
+    return run(exact_engine, load())
 
 
 def test_served_prefill_tp2_to_decode_pp2_answers_as_one_engine(

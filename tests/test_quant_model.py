@@ -22,7 +22,7 @@ import torch
 from helpers.reference import FRANCE_ANSWERS, resolved_activations
 from helpers.tiny_models import make_tiny_gguf, make_tiny_model
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, deployment_activations
 from pdserve.engine.engine import Engine, load_model
 from pdserve.errors import ModelLoadError
 from pdserve.model.base import CausalLM
@@ -277,9 +277,9 @@ def test_int8_activations_need_weights_in_blocks_and_say_so() -> None:
 @pytest.mark.kernels
 @pytest.mark.int8
 def test_auto_activations_are_int8_where_they_run_and_fp32_where_the_weights_are_fp() -> None:
-    """`--activations auto`: the shipped GGUF's blocks with int8 activations on a CPU that
-    runs them; fp weights (`--quantization none`) keep fp32 activations without the usage
-    error that an explicit `int8` gets; `fp32` (the default) stays fp32."""
+    """`--activations auto` (the default): the shipped GGUF's blocks with int8 activations
+    on a CPU that runs them; fp weights (`--quantization none`) keep fp32 activations
+    without the usage error that an explicit `int8` gets; `fp32` stays fp32."""
     from pdserve.model.default import default_model_path
 
     path = default_model_path()
@@ -290,7 +290,20 @@ def test_auto_activations_are_int8_where_they_run_and_fp32_where_the_weights_are
     assert resolve_quantization("auto", path, activations="fp32") == Quantization("gguf")
     with pytest.raises(ValueError, match="--activations int8 needs weights in blocks"):
         resolve_quantization("none", path, activations="int8")
-    assert EngineConfig().activations == "fp32"
+    assert EngineConfig().activations == "auto"
+
+
+def test_a_deployment_with_a_tensor_parallel_instance_takes_fp32_activations_under_auto() -> None:
+    """`auto` is fp32 for every instance of a deployment where any is tensor-parallel (its
+    ranks' sums in another order would move int8's rounding, and with it the text); an
+    explicit choice is kept, and `auto` without tensor parallelism is left to each
+    instance's kernels (int8 where they run)."""
+    assert deployment_activations("auto", [1, 2]) == "fp32"
+    assert deployment_activations("auto", [2]) == "fp32"
+    assert deployment_activations("auto", [1, 1]) == "auto"
+    assert deployment_activations("auto", []) == "auto"
+    assert deployment_activations("int8", [2, 1]) == "int8"
+    assert deployment_activations("fp32", [1]) == "fp32"
 
 
 def test_the_startup_line_says_how_activations_are_taken_and_what_the_kv_cache_holds() -> None:
@@ -467,7 +480,8 @@ def test_the_shipped_models_blocks_give_fp32s_greedy_tokens(
     the compiled kernels (KV cache in float32, to compare the weights alone) give every
     token of `--quantization none` (the fp32 weights, tests/conftest.py's `smollm2`). And
     the README's own question gets the README's answer from both, and from what `pdserve
-    serve` runs by default (`served_engine`: the blocks over an fp16 KV cache)."""
+    serve` runs by default (`served_engine`: the blocks over an fp16 KV cache, int8
+    activations where they run: llama.cpp's answer, helpers/reference.py)."""
     fp = make_engine()
     cache = CacheConfig(num_blocks=256)
     blocks = Engine.from_config(

@@ -305,15 +305,16 @@ def rank_actors() -> list[int]:
 
 
 def test_a_tensor_parallel_instance_holds_one_placement_group_and_survives_its_rank_kill(
-    ray_cluster: tuple[Cluster, str, str],
-    reference: tuple[list[str], list[Expected]],
-    tmp_path: Path,
+    ray_cluster: tuple[Cluster, str, str], exact_engine: Engine, tmp_path: Path
 ) -> None:
     """A placement's TP 2 prefill instance on the head node (2 CPUs, a bundle of 1 CPU per
     rank, STRICT_PACK) hands its two ranks' KV over TCP to a TP 1 decode instance on the
     worker node under 16 streams; its worker rank's actor is SIGKILLed once every stream
     has 8 tokens: one instance failure, every stream ends with the undisturbed engine's
-    text, and nothing is left: no rank actor, no placement group."""
+    text (fp32 activations': a deployment with a tensor-parallel instance serves them by
+    default, config.py `deployment_activations`), and nothing is left: no rank actor, no
+    placement group."""
+    want_texts = [out.text for out in run(exact_engine, stream_bodies())]
     cluster, head, worker = ray_cluster
     path = tmp_path / "p.json"
     path.write_text(
@@ -354,9 +355,9 @@ def test_a_tensor_parallel_instance_holds_one_placement_group_and_survives_its_r
         reason = wait_dead(server, "prefill-0")
         assert reason is not None and "rank 1" in reason, reason
         results = streams.results()
-        for i, (got, want) in enumerate(zip(results, reference[1], strict=True)):
+        for i, (got, want) in enumerate(zip(results, want_texts, strict=True)):
             assert (got.status, got.error, got.finish_reason) == (200, None, "length"), (i, got)
-            assert got.text == want.text, (i, got.text, want.text)
+            assert got.text == want, (i, got.text, want)
         _, reply = server.get("/debug/cluster")
         assert reply["controller"]["instance_failures"] == {"prefill": 1}
         wait_clean(server, every_role=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from helpers.reference import FRANCE_ANSWERS
 from helpers.server import (
     KEY,
     MODEL,
@@ -52,7 +53,9 @@ def test_chat_with_the_openai_client(client: OpenAI) -> None:
 
 
 def test_the_readme_request_gets_the_readme_answer(server: Server) -> None:
-    """The README's first lines: its curl body, sent as is, gets the answer it shows."""
+    """The README's first lines: its curl body, sent as is to the shared server (fp32
+    activations), gets the answer the README shows for `--activations fp32`; the README
+    shows the default's (int8, llama.cpp's answer) too (test_cli checks it is served)."""
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     curl = readme[readme.index("curl -s http://127.0.0.1:8000/v1/chat/completions") :]
     body = curl[curl.index("-d '") + 4 : curl.index("}'") + 1]
@@ -60,7 +63,9 @@ def test_the_readme_request_gets_the_readme_answer(server: Server) -> None:
     assert status == 200, reply
     assert reply["model"] == MODEL == json.loads(body)["model"]
     assert reply["choices"][0]["message"]["content"] == "The capital of France is Paris."
-    assert "# The capital of France is Paris." in readme  # what the openai example shows
+    assert "with `--activations fp32`: The capital of France is Paris." in readme
+    int8 = FRANCE_ANSWERS["int8"]
+    assert f"# {int8[: int8.index(', la femme')]}, ..." in readme
 
 
 def test_chat_streaming_role_first_then_deltas_and_usage(client: OpenAI) -> None:
@@ -317,8 +322,8 @@ def weights_card(
 def test_the_model_card_and_metrics_say_how_the_weights_are_held(server: Server) -> None:
     """The default load (--quantization auto) of the shipped Q4_1 GGUF: its blocks as they
     are, Q4_1 projections and the Q8_0 tied embedding / LM head, read by the kernels
-    with fp32 activations (the default), over an fp16 KV cache (auto's, under quantized
-    weights)."""
+    with fp32 activations (the shared server's `--activations fp32`; the default's int8:
+    test_quant_model), over an fp16 KV cache (auto's, under quantized weights)."""
     card, metrics = weights_card(server, KEY)
     assert card == ("gguf", ["Q4_1", "Q8_0"], ["fp32"], "float16")
     assert (

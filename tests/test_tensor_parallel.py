@@ -229,14 +229,17 @@ def rank_processes() -> list[psutil.Process]:
 
 @pytest.mark.parametrize("tp,pp,blocks", [(2, 1, 24), (1, 2, 24), (2, 2, None)])
 def test_an_engine_on_parallel_ranks_generates_the_whole_engines_text(
-    served_engine: Engine, tp: int, pp: int, blocks: int | None
+    served_engine: Engine, exact_engine: Engine, tp: int, pp: int, blocks: int | None
 ) -> None:
     """An engine of tp x pp ranks (the default quantized weights, split): the greedy text
     of one process's engine, token for token, a long prompt's prefill (over 2 x
     MIN_PART_ROWS rows) cut into micro-batches; its worker ranks leave with it. With a pool
     too small for the load (24 blocks) requests are preempted by swapping their KV to the
     host tier and back - on every rank: the driver's swap plans run on the workers' pools,
-    each of its own heads and layers - and the texts are still one big-pool engine's."""
+    each of its own heads and layers - and the texts are still one big-pool engine's: with
+    the default activations, `served_engine`'s where no rank is tensor-parallel (int8
+    where it runs: the stages' logits are one process's bit for bit) and `exact_engine`'s
+    (fp32) where one is (config.py `deployment_activations`)."""
     # 4 ranks on a 2-core machine: asked for with the threads (check_ranks_fit)
     config = EngineConfig(
         num_threads=max(2, tp * pp),
@@ -266,7 +269,8 @@ def test_an_engine_on_parallel_ranks_generates_the_whole_engines_text(
             assert sum(done[i].metrics.num_preemptions for i in ids) > 0
         assert engine.core.kv.num_free_host_blocks == 256
         body = {**BODY, "max_tokens": tokens}
-        want = [e.text for e in run(served_engine, [{**body, "prompt": p} for p in prompts])]
+        reference = exact_engine if tp > 1 else served_engine
+        want = [e.text for e in run(reference, [{**body, "prompt": p} for p in prompts])]
         assert [done[i].text for i in ids] == want
     finally:
         engine.core.close()

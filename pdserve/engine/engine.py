@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.config import EngineConfig, check_device
+from pdserve.config import EngineConfig, check_device, deployment_activations
 from pdserve.engine.core import EngineCore
 from pdserve.engine.mb_swap import check_staging
 from pdserve.engine.ranks import RankGroup, Spawn, rank_threads
@@ -119,7 +119,11 @@ def load_model(config: EngineConfig, shard: Shard | None = None) -> CausalLM:
     path = resolve_model(config.model)
     check_device(config.device)
     quant = resolve_quantization(
-        config.quantization, path, config.device, config.activations, config.dtype
+        config.quantization,
+        path,
+        config.device,
+        deployment_activations(config.activations, [config.tensor_parallel_size]),
+        config.dtype,
     )
     if shard is not None:
         model = load_shard(path, shard, config.torch_dtype, quant)

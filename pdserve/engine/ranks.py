@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, deployment_activations
 from pdserve.engine.mb_swap import MicrobatchSwap
 from pdserve.engine.model_runner import ModelRunner, StepInputs
 from pdserve.engine.pipeline import Stage
@@ -248,7 +248,11 @@ def worker_main(
         path = resolve_model(config.model)
         shard = split_model(load_config(path), tp, pp)[rank]
         quant = resolve_quantization(
-            config.quantization, path, config.device, config.activations, config.dtype
+            config.quantization,
+            path,
+            config.device,
+            deployment_activations(config.activations, [config.tensor_parallel_size]),
+            config.dtype,
         )
         model = load_shard(path, shard, config.torch_dtype, quant)
         model.to(config.device)

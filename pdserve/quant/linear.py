@@ -1,14 +1,14 @@
 """y = x @ W.T + bias by the compiled kernels: `QuantLinear` for W in GGUF block formats,
 `DenseLinear` for full-precision fp32 W (`--quantization none`, HF-folder models).
 
-Two ways to take the activations (`OP_ACTIVATIONS`; `--activations auto` picks "int8"
-where `int8_blocker` finds nothing in its way): "fp32", the default - the weights
+Two ways to take the activations (`OP_ACTIVATIONS`; `--activations auto`, the default,
+picks "int8" where `int8_blocker` finds nothing in its way): "fp32" - the weights
 dequantized in registers to their exact fp32 values and multiplied by the fp32
 activations (`_kernels.c`); "int8" - llama.cpp's method, each row rounded to int8 per 32
 values and multiplied by the weights' integer values with AVX-512 VNNI or AVX2
 (`_int8.c`, weights repacked at load by `pack_int8`): faster where a step is
-compute-bound, at a stated cost in accuracy (pdserve/kernels/README.md; measured against
-llama.cpp's own: docs/benchmarks.md, "The quality gate for int8 activations"). Full-precision
+compute-bound, at a stated cost in accuracy (pdserve/kernels/README.md; the gate that
+made it the default: docs/benchmarks.md, "The quality gate for int8 activations"). Full-precision
 weights are repacked at load into panels of 16 columns (`pack_dense`, `_dense.c`).
 Either way each output element is computed the same way whatever the batch.
 """

@@ -25,7 +25,7 @@ from pdserve.cluster.config import ClusterConfig, instance_configs
 from pdserve.cluster.controller import Cluster
 from pdserve.cluster.instance import Launcher
 from pdserve.cluster.replanning import SplitPlanner
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, deployment_activations
 from pdserve.errors import RequestCancelledError
 from pdserve.model.loader import load_config, resolve_model, resolve_quantization
 from pdserve.parallel.layout import check_ranks_fit, split_model
@@ -54,6 +54,11 @@ def engine_config(
     --quantization that does not fit the model, a KV cache dtype its attention cannot
     read, or an instance's tensor/pipeline-parallel layout that cannot split it or has
     fewer threads than ranks, is a usage error here, before any instance starts."""
+    instances = instance_configs(cluster, flags)
+    activations = deployment_activations(
+        flags.activations, [c.tensor_parallel_size for c in instances]
+    )
+    flags = dataclasses.replace(flags, activations=activations)
     quant = resolve_quantization(
         flags.quantization, flags.model, flags.device, flags.activations, flags.dtype
     )
