@@ -474,15 +474,17 @@ def test_cli_plan_weighs_the_streamed_tokens_against_one_front_end(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], sustained: float
 ) -> None:
     """`--frontend-tokens-per-s`: the cluster's streamed tokens/s (the rate times the
-    workload's mean output) against what one front end sustains; a WARNING past it."""
+    workload's mean output) against what one front end sustains; a WARNING past it. The
+    plan's verified attainment is the sized cluster's through that front end: a front end
+    of 100 tokens/s offered several times that saturates and the requests after the first
+    few miss TTFT; one of 1e9 tokens/s changes nothing (the attainment without the flag)."""
     from pdserve.planner.workload import sample_workload
 
-    argv = _plan(
-        tmp_path,
+    flags = (
         "--model", "opt-13b", "--nodes", "1", "--devices-per-node", "2", "--ttft", "0.25",
         "--tpot", "0.1", "--rate", "4", "--affinity", "high", "--no-plot",
-        "--frontend-tokens-per-s", f"{sustained:g}",
     )  # fmt: skip
+    argv = _plan(tmp_path, *flags, "--frontend-tokens-per-s", f"{sustained:g}")
     assert cli_main(argv) == 0
     mean = float(sample_workload("chatbot", 200, 1.0, 0, None).output_lens.mean())
     tokens = 4 * mean
@@ -490,13 +492,23 @@ def test_cli_plan_weighs_the_streamed_tokens_against_one_front_end(
     want = (
         f"WARNING: at 4 req/s the cluster streams ~{tokens:.4g} tokens/s (mean output "
         f"{mean:.0f} tokens), beyond the 100 tokens/s one front end sustains "
-        "(--frontend-tokens-per-s): its queue would add to every TTFT and TPOT above; run "
-        "more front ends, each for part of the instances"
+        "(--frontend-tokens-per-s): its queue adds to every TTFT and TPOT (the verified "
+        "attainment above counts it); run more front ends, each for part of the instances"
         if sustained == 100
         else f"front end: at 4 req/s the cluster streams ~{tokens:.4g} tokens/s, "
         f"{tokens / 1e9:.0%} of the 1e+09 one front end sustains"
     )
     assert want in lines, lines
+    verified = json.loads((tmp_path / "plan.json").read_text())["verified_attainment"]
+    free = tmp_path / "free"
+    free.mkdir()
+    assert cli_main(_plan(free, *flags)) == 0
+    unqueued = json.loads((free / "plan.json").read_text())["verified_attainment"]
+    assert unqueued >= 0.9  # the cluster was sized for the SLOs' 90%
+    if sustained == 100:
+        assert verified < 0.1  # all but the first few requests wait past TTFT 0.25 s
+    else:
+        assert verified == unqueued
 
 
 def test_parallel_instances_are_laid_out_one_device_a_rank_and_read_back(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from pdserve.planner.model_spec import PlanInputError
 from pdserve.planner.simulator import (
     ColocatedSystem,
     DisaggSystem,
+    FrontEnd,
     InstanceSpec,
     simulate,
     simulate_decode,
@@ -467,6 +468,54 @@ def test_two_stage_pipeline_matches_distserve_eq2() -> None:
     r = simulate_prefill(inst, w)
     expected = d + rate * d * d / (4 * (2 - rate * d))  # eq. 2
     assert r.ttft.mean() == pytest.approx(expected, rel=0.025)
+
+
+# ---- the front end --------------------------------------------------------------------------
+
+
+def test_tokens_reach_the_client_through_a_fifo_front_end() -> None:
+    """The colocated timeline above (A's tokens made at 3.5, 4.85, 6.2, B's at 6.2, 7.3)
+    through a front end of 1 s a token: they leave at 4.5, 5.85, 7.2 (A), 8.2, 9.2 (B;
+    A's last token, made at the same time, first). A front end of 0 s changes nothing."""
+    c = cost(base=1.0, prompt_token=0.01, decode_token=0.1)
+    system = ColocatedSystem((InstanceSpec(c, 10_000, 64, 100, chunked=True),))
+    w = wl([0.0, 4.0], [150, 50], [3, 2])
+    r = simulate(system, w, frontend=FrontEnd(1.0))
+    assert r.first_token.tolist() == pytest.approx([4.5, 8.2])
+    assert r.finish.tolist() == pytest.approx([7.2, 9.2])
+    assert r.ttft.tolist() == pytest.approx([4.5, 4.2])
+    assert r.tpot.tolist() == pytest.approx([1.35, 1.0])
+    assert r.utilization["frontend"] == pytest.approx(5 / 9.2)
+    free = simulate(system, w, frontend=FrontEnd(0.0))
+    plain = simulate(system, w)
+    assert free.first_token.tolist() == plain.first_token.tolist() == pytest.approx([3.5, 6.2])
+    assert free.finish.tolist() == plain.finish.tolist()
+
+
+def test_a_front_end_under_poisson_tokens_is_an_md1_queue() -> None:
+    """One-token requests on an instance that costs nothing: the front end alone, an
+    M/D/1 queue at 80% busy (TTFT = its service time + eq. 1's wait)."""
+    c, rho, n = 0.001, 0.8, 200_000
+    rate = rho / c
+    rng = np.random.default_rng(3)
+    w = wl(np.cumsum(rng.exponential(1 / rate, n)).tolist(), [1] * n, [1] * n)
+    system = ColocatedSystem((InstanceSpec(cost(base=0.0), 10**9, 10**6, 10**6),))
+    r = simulate(system, w, frontend=FrontEnd(c))
+    assert r.ttft.mean() == pytest.approx(c + rho * c / (2 * (1 - rho)), rel=0.025)
+    assert r.utilization["frontend"] == pytest.approx(rho, rel=0.02)
+
+
+def test_a_saturated_front_end_delays_every_token_more_than_the_last() -> None:
+    """Tokens offered at 1.25x what the front end serves (every 0.8 s, 1 s each): the
+    k-th leaves at k + 1, so its wait grows by 0.2 s a request, without bound."""
+    n = 50
+    w = wl([0.8 * k for k in range(n)], [1] * n, [1] * n)
+    system = ColocatedSystem((InstanceSpec(cost(base=0.0), 10**9, 10**6, 10**6),))
+    r = simulate(system, w, frontend=FrontEnd(1.0))
+    assert r.ttft.tolist() == pytest.approx([1 + 0.2 * k for k in range(n)])
+    with pytest.raises(PlanInputError) as exc:
+        FrontEnd(-1.0)
+    assert str(exc.value) == "front end seconds per token must be >= 0, got -1.0"
 
 
 # ---- workloads and bad input -------------------------------------------------------------

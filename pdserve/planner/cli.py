@@ -185,7 +185,11 @@ def _run_distserve(args: argparse.Namespace, spec: Any, hw: Any, cluster: Any) -
     slo = SLOTarget(args.ttft, args.tpot, args.attainment)
     workload = sample_workload(args.workload, args.num_requests, 1.0, args.seed, args.burstiness)
     knobs = InstanceKnobs(args.max_batch_size, args.prefill_batch_tokens, args.chunk_size)
-    ctx = SearchContext(spec, hw, cluster, knobs, slo, workload)
+    from pdserve.planner.simulator import FrontEnd
+
+    sustained = args.frontend_tokens_per_s
+    frontend = FrontEnd(1.0 / sustained) if sustained is not None else None
+    ctx = SearchContext(spec, hw, cluster, knobs, slo, workload, frontend=frontend)
     start = time.perf_counter()
     result = make_plan(ctx, args.rate, args.affinity, args.workers, _progress_bar)
     elapsed = time.perf_counter() - start

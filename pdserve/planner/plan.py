@@ -113,7 +113,8 @@ def make_plan(
     colo_sizing = colo.instances_for(rate) if colo is not None else None
     dis = outcome.best_disaggregated
     dis_sizing = dis.instances_for(rate) if dis is not None else None
-    verified = simulate(build_system(ctx, chosen, rate), ctx.workload.with_rate(rate)).attainment(
+    system = build_system(ctx, chosen, rate)
+    verified = simulate(system, ctx.workload.with_rate(rate), frontend=ctx.frontend).attainment(
         ctx.slo.ttft, ctx.slo.tpot
     )
     return PlanResult(
@@ -202,7 +203,9 @@ def attainment_curve(
     """Attainment of the cluster sized for `size_rate`, at each of `rates`."""
     system = build_system(ctx, placement, size_rate)
     return [
-        simulate(system, ctx.workload.with_rate(r)).attainment(ctx.slo.ttft, ctx.slo.tpot)
+        simulate(system, ctx.workload.with_rate(r), frontend=ctx.frontend).attainment(
+            ctx.slo.ttft, ctx.slo.tpot
+        )
         for r in rates
     ]
 

@@ -72,8 +72,9 @@ def frontend_load(result: PlanResult) -> tuple[float, float]:
 def frontend_line(result: PlanResult, sustained_tokens_s: float) -> str:
     """What one front end makes of the plan: the cluster's streamed tokens/s against
     `sustained_tokens_s` (bench/bench_frontend.py's figure for the host that runs it),
-    a WARNING past it - every stream then waits for the front end, a wait the simulated
-    TTFT and TPOT leave out."""
+    a WARNING past it - every stream then waits for the front end. The plan's verified
+    attainment (the sized cluster simulated with it: simulator.FrontEnd) counts that
+    wait; the search's per-device goodput, one instance at a time, does not."""
     rate, tokens = frontend_load(result)
     if tokens <= sustained_tokens_s:
         return (
@@ -84,8 +85,9 @@ def frontend_line(result: PlanResult, sustained_tokens_s: float) -> str:
     return (
         f"WARNING: at {rate:.4g} req/s the cluster streams ~{tokens:.4g} tokens/s (mean "
         f"output {tokens / rate:.0f} tokens), beyond the {sustained_tokens_s:.4g} tokens/s "
-        "one front end sustains (--frontend-tokens-per-s): its queue would add to every "
-        "TTFT and TPOT above; run more front ends, each for part of the instances"
+        "one front end sustains (--frontend-tokens-per-s): its queue adds to every TTFT "
+        "and TPOT (the verified attainment above counts it); run more front ends, each "
+        "for part of the instances"
     )
 
 

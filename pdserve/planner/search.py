@@ -46,6 +46,7 @@ from pdserve.planner.model_spec import ModelSpec, PlanInputError
 from pdserve.planner.simulator import (
     ColocatedSystem,
     DisaggSystem,
+    FrontEnd,
     InstanceSpec,
     SimResult,
     simulate,
@@ -79,6 +80,10 @@ class SearchContext:
     slo: SLOTarget
     workload: SimWorkload  # at 1 request/s; every rate rescales the same arrivals
     rel_tol: float = 0.02
+    # The one front end the whole sized cluster streams through (None: free). The search
+    # prices one instance (or unit) at a time and scales, so it leaves the front end out:
+    # a cluster-wide resource; the plan's check of the sized cluster takes it in.
+    frontend: FrontEnd | None = None
 
     @property
     def max_tp(self) -> int | None:

@@ -48,6 +48,11 @@ Semantics (each mirrors an engine; tests pin them down exactly):
 - **Dispatch**: prefill to the instance with the fewest requests not yet prefilled,
   decode and colocated to the fewest unfinished (ties: lowest index), at the moment
   of dispatch.
+- **Front end** (`FrontEnd`, when given): every token the instances make then passes
+  through one FIFO server of a fixed cost per token (pdserve's HTTP process, measured
+  by bench/bench_frontend.py) before its client sees it (`through_frontend`); TTFT and
+  TPOT are the client's. It never slows the instances (pdserve's front end does not
+  stop them: it queues).
 
 Step times: a decode or colocated iteration costs `stages * base + prices . counts`
 (a pipeline cycles `stages` micro-batches; the per-count prices are per stage), where
@@ -174,6 +179,20 @@ class _Speed:
 
     def next_change(self, t: float) -> float:
         return (math.floor(t / self.interval) + 1) * self.interval
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """The one front end every streamed token of the cluster passes through (pdserve's
+    HTTP process: detokenization, stop strings, the SSE write), as one FIFO server that
+    spends `token_s` seconds of its core on each token: 1 / the tokens/s it sustains on
+    its host (`bench/bench_frontend.py`; `pdserve plan --frontend-tokens-per-s`)."""
+
+    token_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.token_s >= 0 and math.isfinite(self.token_s)):
+            raise PlanInputError(f"front end seconds per token must be >= 0, got {self.token_s}")
 
 
 @dataclass
@@ -925,16 +944,52 @@ def _dispatch(instances: list[Any], rid: int, now: float) -> Any:
     return best
 
 
-def _result(reqs: _Requests, instances: list[Any], start: float) -> SimResult:
+def _result(
+    reqs: _Requests, instances: list[Any], start: float, frontend: FrontEnd | None = None
+) -> SimResult:
     arrival = np.asarray(reqs.arrival)
     first = np.asarray(reqs.first)
     finish = np.asarray(reqs.finish)
     out = np.asarray(reqs.out)
+    busy = {i.name: i.busy for i in instances}
+    if frontend is not None:
+        first, finish = through_frontend(first, finish, out, frontend.token_s)
+        busy["frontend"] = frontend.token_s * float(out.sum())
     tpot = np.where(out > 1, (finish - first) / np.maximum(out - 1, 1), 0.0)
     makespan = float(finish.max() - start) if len(finish) else 0.0
-    util = {i.name: (i.busy / makespan if makespan > 0 else 0.0) for i in instances}
+    util = {name: (b / makespan if makespan > 0 else 0.0) for name, b in busy.items()}
     swaps = sum(i.num_preemptions for i in instances if isinstance(i, _Decode))
     return SimResult(first - arrival, tpot, finish - arrival, first, finish, util, makespan, swaps)
+
+
+def through_frontend(
+    first: np.ndarray, finish: np.ndarray, out: np.ndarray, token_s: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """When each request's first and last token reach its client through one FIFO front
+    end spending `token_s` on each token (`FrontEnd`), given when the instances made them:
+    request i's k-th token (k = 0 .. out[i] - 1) at first[i] + k * its TPOT (between
+    events a decode batch's steps are even: the simulator's own jumps). The queue is
+    exact for those times: token j (in time order) leaves at d_j = max(a_j, d_(j-1)) + c,
+    which is c (j + 1) + max over i <= j of (a_i - c i) - one cumulative maximum, so a
+    million tokens cost milliseconds. Past 1 / token_s tokens/s the queue grows without
+    bound and every later token waits longer: what saturation does to TTFT and TPOT."""
+    n = out.astype(np.int64)
+    if n.sum() == 0:
+        return first, finish
+    step = np.where(n > 1, (finish - first) / np.maximum(n - 1, 1), 0.0)
+    owner = np.repeat(np.arange(len(n)), n)
+    begins = np.cumsum(n) - n
+    k = np.arange(int(n.sum())) - np.repeat(begins, n)
+    made = first[owner] + k * step[owner]
+    order = np.argsort(made, kind="stable")
+    j = np.arange(len(made))
+    left = np.empty_like(made)
+    left[order] = np.maximum.accumulate(made[order] - token_s * j) + token_s * (j + 1)
+    has = n > 0
+    return (
+        np.where(has, left[np.minimum(begins, len(made) - 1)], first),
+        np.where(has, left[np.minimum(begins + n - 1, len(made) - 1)], finish),
+    )
 
 
 class _DisaggRun:
@@ -1067,9 +1122,11 @@ def simulate(
     system: DisaggSystem | ColocatedSystem,
     workload: SimWorkload,
     noise: SpeedNoise | None = None,
+    frontend: FrontEnd | None = None,
 ) -> SimResult:
     """Every request of `workload` through `system`; `noise`: the machine's speed
-    drifting (None: every step exactly as priced)."""
+    drifting (None: every step exactly as priced); `frontend`: the front end the tokens
+    then pass through (None: free), its busy share in `utilization["frontend"]`."""
     reqs = _Requests(workload, noise)
     start = float(workload.arrivals[0])
     if isinstance(system, ColocatedSystem):
@@ -1081,7 +1138,7 @@ def simulate(
             _dispatch(colo, rid, t)
         for c in colo:
             c.drain()
-        return _result(reqs, colo, start)
+        return _result(reqs, colo, start, frontend)
     if not system.prefill or not system.decode:
         raise PlanInputError("a disaggregated system needs prefill and decode instances")
     if not system.transfer_bandwidth > 0:
@@ -1094,7 +1151,7 @@ def simulate(
         for i, s in enumerate(system.decode)
     ]
     _DisaggRun(prefills, decodes, reqs).run()
-    return _result(reqs, [*prefills, *decodes], start)
+    return _result(reqs, [*prefills, *decodes], start, frontend)
 
 
 def simulate_prefill(instance: InstanceSpec, workload: SimWorkload) -> SimResult:
