@@ -112,7 +112,7 @@ def keyed_server() -> Iterator[Server]:
     # fallback path's KV), as the context-limit tests expect.
     kv = ("--kv-cache-memory-gib", "0.5")
     exact = ("--activations", "fp32")
-    server = Server("--api-key", KEY, "--enable-debug-endpoints", *kv, *exact, env=env)
+    server = Server("--api-key", KEY, "--enable-debug-endpoints", *exact, *kv, env=env)
     yield server
     stop(server)
 

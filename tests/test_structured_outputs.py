@@ -216,7 +216,9 @@ def test_a_grammar_past_the_compile_limit_is_a_400(smollm2: tuple[CausalLM, Toke
 
 @pytest.fixture(scope="module")
 def disaggregated() -> Iterator[Server]:
-    server = Server("--prefill", "1", "--decode", "1")
+    """1P1D beside the shared colocated server (`keyed_server`), taking its activations
+    (fp32): the tests below want the same text from both deployments."""
+    server = Server("--prefill", "1", "--decode", "1", "--activations", "fp32")
     yield server
     stop(server)
 

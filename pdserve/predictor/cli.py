@@ -88,6 +88,15 @@ def _kv_dtype(engine: Engine) -> str:
     return engine.config.kv_dtype(engine.core.model.quantization.quantized)
 
 
+def _made_with(engine: Engine) -> dict[str, str]:
+    """How the engine computed a data set's rows (its meta): its KV cache dtype and how
+    its projections took activations - what a rerun must match to give the same rows."""
+    return {
+        "kv_cache_dtype": _kv_dtype(engine),
+        "activations": engine.core.model.quantization.activations,
+    }
+
+
 def _data(args: argparse.Namespace, engine: Engine) -> LengthData:
     from pdserve.predictor.data import LengthData, collect
     from pdserve.predictor.prompts import make_prompts
@@ -99,7 +108,7 @@ def _data(args: argparse.Namespace, engine: Engine) -> LengthData:
     t0 = time.monotonic()
     data = collect(engine, prompts, args.window, args.sampled_fraction, args.seed)
     data.meta["model"] = engine.config.model or "shipped SmolLM2-135M-Instruct"
-    data.meta["kv_cache_dtype"] = _kv_dtype(engine)
+    data.meta.update(_made_with(engine))
     data.meta["collect_s"] = time.monotonic() - t0
     if args.data is not None:
         data.save(args.data)
@@ -239,7 +248,7 @@ def _held_out(args: argparse.Namespace) -> int:
         else:
             spent += float(str(done.meta["collect_s"]))
             done = LengthData.join(done, group)
-        done.meta.update(split="test", collect_s=spent, kv_cache_dtype=_kv_dtype(engine))
+        done.meta.update(split="test", collect_s=spent, **_made_with(engine))
         done.save(out)
         print(f"{len(done)} of the test rows of {args.report} in {out}", file=sys.stderr)
     return 0
