@@ -104,7 +104,7 @@ def bench(s: Spec, port: int, test: str, out: Path, label: str) -> dict:
     with open(out / f"{label}.log", "wb") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=True)
     result = json.loads((out / name).read_text())
-    if "request_goodput" in result and result.get("request_throughput"):
+    if result.get("request_goodput") is not None and result.get("request_throughput"):
         result["slo_share"] = 100.0 * result["request_goodput"] / result["request_throughput"]
     return result
 
