@@ -53,7 +53,9 @@ def engine_config(
     """The instances' config: `flags` (server/flags.py) checked against the model file. A
     --quantization that does not fit the model, a KV cache dtype its attention cannot
     read, or an instance's tensor/pipeline-parallel layout that cannot split it or has
-    fewer threads than ranks, is a usage error here, before any instance starts."""
+    fewer threads than ranks, is a usage error here, before any instance starts. The
+    activations are the deployment's (`deployment_activations`: `auto` is fp32 in every
+    instance when one is tensor-parallel)."""
     instances = instance_configs(cluster, flags)
     activations = deployment_activations(
         flags.activations, [c.tensor_parallel_size for c in instances]
