@@ -64,7 +64,7 @@ def engine_config(
     quant = resolve_quantization(
         flags.quantization, flags.model, flags.device, flags.activations, flags.dtype
     )
-    parallel = [c for c in instance_configs(cluster, flags) if c.world_size > 1]
+    parallel = [c for c in instances if c.world_size > 1]  # layouts: as before the rule
     if parallel:
         model = load_config(resolve_model(flags.model))
         for instance in parallel:
