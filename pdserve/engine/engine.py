@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.config import EngineConfig, check_device, deployment_activations
+from pdserve.config import EngineConfig, check_device
 from pdserve.engine.core import EngineCore
 from pdserve.engine.mb_swap import check_staging
 from pdserve.engine.ranks import RankGroup, Spawn, rank_threads
@@ -20,10 +20,10 @@ from pdserve.kv.layout import DTYPE_SIZES
 from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import (
+    instance_quantization,
     iter_weights,
     load_config,
     resolve_model,
-    resolve_quantization,
 )
 from pdserve.model.registry import build_model
 from pdserve.model.tokenizer import Tokenizer
@@ -118,13 +118,7 @@ def load_model(config: EngineConfig, shard: Shard | None = None) -> CausalLM:
     torch.set_num_threads(rank_threads(config))
     path = resolve_model(config.model)
     check_device(config.device)
-    quant = resolve_quantization(
-        config.quantization,
-        path,
-        config.device,
-        deployment_activations(config.activations, [config.tensor_parallel_size]),
-        config.dtype,
-    )
+    quant = instance_quantization(config, path)
     if shard is not None:
         model = load_shard(path, shard, config.torch_dtype, quant)
         model.to(config.device)

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pdserve.config import EngineConfig, deployment_activations
+from pdserve.config import EngineConfig
 from pdserve.engine.mb_swap import MicrobatchSwap
 from pdserve.engine.model_runner import ModelRunner, StepInputs
 from pdserve.engine.pipeline import Stage
@@ -235,7 +235,7 @@ def worker_main(
 ) -> None:
     """Rank `rank`: join the group, load the shard, then run what the driver sends."""
     from pdserve.kv.cache import KVCache
-    from pdserve.model.loader import load_config, resolve_model, resolve_quantization
+    from pdserve.model.loader import instance_quantization, load_config, resolve_model
     from pdserve.parallel.layout import split_model
     from pdserve.parallel.shard import load_shard
     from pdserve.runtime import ended
@@ -247,13 +247,7 @@ def worker_main(
     try:
         path = resolve_model(config.model)
         shard = split_model(load_config(path), tp, pp)[rank]
-        quant = resolve_quantization(
-            config.quantization,
-            path,
-            config.device,
-            deployment_activations(config.activations, [config.tensor_parallel_size]),
-            config.dtype,
-        )
+        quant = instance_quantization(config, path)
         model = load_shard(path, shard, config.torch_dtype, quant)
         model.to(config.device)
         if tp > 1:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pdserve.config import ACTIVATIONS
+from pdserve.config import ACTIVATIONS, EngineConfig, deployment_activations
 from pdserve.errors import ModelLoadError
 from pdserve.kernels import unavailable_reason
 from pdserve.model import gguf_loader
@@ -223,6 +223,14 @@ def resolve_quantization(
     if blocker := int8_blocker():
         raise ValueError(f"--activations {activations}: {blocker}")
     return dataclasses.replace(quant, activations=activations)
+
+
+def instance_quantization(config: EngineConfig, path: ModelPath | ModelSource) -> Quantization:
+    """`resolve_quantization` for an instance (or rank) of `config`: its activations as
+    `deployment_activations` gives them for its own layout (a deployment has already
+    set them for all its instances: server/launch.py)."""
+    activations = deployment_activations(config.activations, [config.tensor_parallel_size])
+    return resolve_quantization(config.quantization, path, config.device, activations, config.dtype)
 
 
 def _resolve_weights(
