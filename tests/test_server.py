@@ -24,6 +24,7 @@ from helpers.server import (
     Server,
     auth,
     pdkv_segments,
+    post_and_leave,
     segments_left,
     stop,
     wait_for,
@@ -677,18 +678,24 @@ def test_oversized_bodies_are_413_whether_declared_or_streamed(server: Server) -
 
 
 def test_full_waiting_queue_answers_503_and_keeps_the_rest() -> None:
+    """A full queue refuses the next request with a 503; a queued request whose client
+    leaves is dropped from the queue at once (not when it would have had its first
+    token); the one left runs in full once the running one leaves."""
     s = Server("--max-num-seqs", "1", "--max-queued-requests", "2", "--enable-debug-endpoints")
     url = s.url + "/v1/completions"
     long = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     short = json.dumps({"prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True})
+
+    def waiting() -> int:
+        return int(s.get("/debug/engine")[1]["num_waiting"])
+
     try:
         running = sse(url, long)
         assert next(running)["choices"][0]["text"]  # it holds the only sequence slot
-        with ThreadPoolExecutor(2) as pool:
-            queued = [pool.submit(s.post, "/v1/completions", short.encode(), None) for _ in "ab"]
-            deadline = time.monotonic() + 30
-            while s.get("/debug/engine")[1]["num_waiting"] < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(s.post, "/v1/completions", short.encode(), None)
+            leaving = post_and_leave(s, short.encode())
+            wait_for(lambda: waiting() == 2, 30)
             status, body = s.post("/v1/completions", b'{"prompt": "hi"}', key=None)
             assert status == 503
             assert body["error"] == {
@@ -698,10 +705,12 @@ def test_full_waiting_queue_answers_503_and_keeps_the_rest() -> None:
                 "param": None,
                 "code": 503,
             }
-            running.close()  # the running request leaves: the queued ones run, in full
-            for future in queued:
-                status, body = future.result(60)
-                assert status == 200 and body["usage"]["completion_tokens"] == 4
+            leaving.close()
+            wait_for(lambda: waiting() == 1, 30)
+            assert s.get("/debug/engine")[1]["num_running"] == 1  # still the long one
+            running.close()  # the running request leaves: the queued one runs, in full
+            status, body = queued.result(60)
+            assert status == 200 and body["usage"]["completion_tokens"] == 4
         stats = s.get("/debug/engine")[1]
         assert (stats["num_running"], stats["num_waiting"], stats["num_used_blocks"]) == (0, 0, 0)
         assert stats["integrity_error"] is None
@@ -758,9 +767,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_with_no_child_left() -> No
     naming the timeout; new requests and /health get 503 meanwhile; the server exits 0,
     leaving no child. The engine is stopped (SIGSTOP) from the moment all three are
     inside until the server has turned to draining, so the short one is mid-stream when
-    the drain starts however busy the machine; then it has the 30 s for its <= 100
-    tokens, and the long ones cannot make 8,000 in them."""
-    s = Server("--shutdown-timeout", "30", "--instance-timeout", "600", "--enable-debug-endpoints")
+    the drain starts however busy the machine; then it has the 15 s for its <= 100
+    tokens (~1 s alone), and the long ones cannot make 8,000 in them."""
+    s = Server("--shutdown-timeout", "15", "--instance-timeout", "600", "--enable-debug-endpoints")
     try:
         url = s.url + "/v1/completions"
         long = {
@@ -801,7 +810,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_with_no_child_left() -> No
             assert cut[-2]["error"]["code"] == 503
             assert cut[-2]["error"]["message"] == (
                 "the server is shutting down and the request did not finish within the "
-                "shutdown timeout of 30 s"
+                "shutdown timeout of 15 s"
             )
             status, body = plain.result(60)
             assert status == 503 and body["error"]["message"] == cut[-2]["error"]["message"]

@@ -301,7 +301,9 @@ class _Api:
             self.client.generate(ids, _choice_params(params, i), f"{rid}-{k}", session)
             for k, (ids, i) in enumerate(jobs)
         ]
-        firsts = await _first_outputs(streams)  # refusals surface before any byte is sent
+        firsts = await _first_outputs(streams, request)  # refusals: before any byte is sent
+        if firsts is None:
+            return Response(status_code=499)  # client closed the connection; requests aborted
         meta = {"id": rid, "created": int(time.time()), "model": self.config.served_model_name}
         prefixes = None
         if echo is not None:  # decoded only now: the engine has checked the ids
@@ -360,10 +362,30 @@ def _field_named(engine_name: str, client_name: str) -> Iterator[None]:
         raise InvalidRequestError(e.message.replace(engine_name, client_name), client_name) from e
 
 
-async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
+async def _first_outputs(
+    streams: list[AsyncGenerator[RequestOutput, None]], request: Request
+) -> list[RequestOutput] | None:
     """Every stream's first output, all requests submitted at once (one engine step
-    can admit them together). If any is refused, all are aborted and it is raised."""
-    results = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+    can admit them together). If any is refused, all are aborted and it is raised. None
+    if the client disconnected first - while its requests queued or their prompts were
+    prefilled, which can take long: they are aborted then, not when the first token
+    comes (`_until_done_or_gone` watches the rest of a whole answer)."""
+    firsts = asyncio.ensure_future(
+        asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+    )
+    try:
+        while not firsts.done():
+            await asyncio.wait({firsts}, timeout=_DISCONNECT_POLL_S)
+            if not firsts.done() and await request.is_disconnected():
+                return None
+        results = firsts.result()
+    finally:
+        if not firsts.done():  # cancelling a stream's first step aborts its request
+            firsts.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await firsts
+            for s in streams:
+                await s.aclose()
     failure = next((r for r in results if isinstance(r, BaseException)), None)
     if failure is None:
         return [r for r in results if isinstance(r, RequestOutput)]

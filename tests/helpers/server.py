@@ -131,6 +131,23 @@ class Server:
                 self.proc.wait(10)
 
 
+def post_and_leave(
+    server: Server, body: bytes, path: str = "/v1/completions", key: str | None = None
+) -> socket.socket:
+    """Send a JSON POST on a connection of its own and read nothing: the client leaves
+    when the caller closes the returned socket (as a user's client that gives up does)."""
+    head = [
+        f"POST {path} HTTP/1.1",
+        f"Host: 127.0.0.1:{server.port}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *(f"{k}: {v}" for k, v in auth(key).items()),
+    ]
+    conn = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    conn.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + body)
+    return conn
+
+
 def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
     """Poll until `condition()` holds; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -241,6 +258,46 @@ CLEAN_FIELDS = (
     "num_offers",
     "num_prefix_fetches",
 )
+
+
+def holds(row: dict) -> int:
+    """Requests (decode) or prompt tokens (prefill) the controller has on the instance
+    and has not seen leave it: `assigned_requests` / `assigned_prefill_tokens`."""
+    return row["assigned_requests" if row["role"] == "decode" else "assigned_prefill_tokens"]
+
+
+def freeze_holding(server: Server, victim: str, timeout: float = 120.0) -> dict:
+    """SIGSTOP `victim` at a moment it holds requests (a decode instance: while it is
+    decoding) and return its row read while it is stopped.
+
+    Stopped, it produces and hands off nothing, so the requests it holds stay exactly
+    where they are until it is killed (its row's stats time out; the controller's own
+    counters are what counts)."""
+    pid = row_of(server, victim)["pid"]
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, f"{victim} never held a request under load"
+        row = row_of(server, victim)
+        busy = holds(row) > 0
+        if row["role"] == "decode":
+            busy = busy and row.get("stats", {}).get("num_running", 0) > 0
+        if not busy:
+            time.sleep(0.05)
+            continue
+        os.kill(pid, signal.SIGSTOP)
+        # What it sent before it stopped (a hand-off, a finished request) may still be on
+        # its way to the controller: read its row (its counters will not come) until two
+        # reads 0.3 s apart agree, so what it holds is what it holds while stopped.
+        row = row_of(server, victim, stats_timeout=0.1)
+        while True:
+            time.sleep(0.3)
+            again = row_of(server, victim, stats_timeout=0.1)
+            if holds(again) == holds(row):
+                break
+            row = again
+        if holds(row) > 0:
+            return row
+        os.kill(pid, signal.SIGCONT)  # it finished them meanwhile: again
 
 
 def assert_pools_clean(server: Server, every_role: bool = True) -> None:
