@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from helpers.server import (
     Server,
     cluster,
     pdkv_segments,
+    post_and_leave,
     prometheus,
     row_of,
     segments_left,
@@ -328,18 +330,18 @@ def hits(server: Server, name: str) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def busy(server: Server, name: str, prompt: str, queued: int = 0) -> Iterator[None]:
-    """While instance `name` prefills `prompt` (sent from a thread; entered once more
-    than `queued` of its tokens are assigned to `name`)."""
-    client = client_of(server)
-    thread = threading.Thread(
-        target=lambda: client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-    )
-    thread.start()
+    """While instance `name` prefills `prompt` (entered once more than `queued` of its
+    tokens are assigned to `name`). Its client leaves at the end (the request is aborted:
+    the rest of its prefill would only cost the suite time), and the context exits once
+    the controller has taken the request off `name`."""
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2}).encode()
+    conn = post_and_leave(server, body)
     try:
         wait_for(lambda: row_of(server, name)["assigned_prefill_tokens"] > queued, 30)
         yield
     finally:
-        thread.join()
+        conn.close()
+    wait_for(lambda: row_of(server, name)["assigned_requests"] == 0, 60)
 
 
 def prefill_beside_a_busy_prefill_0(server: Server, prompt: str, tag: str) -> Completion:

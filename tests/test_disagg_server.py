@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +23,8 @@ from helpers.server import (
     Server,
     cluster,
     cluster_rows,
+    freeze_holding,
+    holds,
     pdkv_segments,
     row_of,
     segments_left,
@@ -247,46 +248,6 @@ class Load:
         assert not any(t.is_alive() for t in self._threads), "a client is stuck"
         assert not self.errors, self.errors
         return self.results
-
-
-def holds(row: dict) -> int:
-    """Requests (decode) or prompt tokens (prefill) the controller has on the instance
-    and has not seen leave it: `assigned_requests` / `assigned_prefill_tokens`."""
-    return row["assigned_requests" if row["role"] == "decode" else "assigned_prefill_tokens"]
-
-
-def freeze_holding(server: Server, victim: str, timeout: float = 120.0) -> dict:
-    """SIGSTOP `victim` at a moment it holds requests (a decode instance: while it is
-    decoding) and return its row read while it is stopped.
-
-    Stopped, it produces and hands off nothing, so the requests it holds stay exactly
-    where they are until it is killed (its row's stats time out; the controller's own
-    counters are what counts)."""
-    pid = row_of(server, victim)["pid"]
-    deadline = time.monotonic() + timeout
-    while True:
-        assert time.monotonic() < deadline, f"{victim} never held a request under load"
-        row = row_of(server, victim)
-        busy = holds(row) > 0
-        if row["role"] == "decode":
-            busy = busy and row.get("stats", {}).get("num_running", 0) > 0
-        if not busy:
-            time.sleep(0.05)
-            continue
-        os.kill(pid, signal.SIGSTOP)
-        # What it sent before it stopped (a hand-off, a finished request) may still be on
-        # its way to the controller: read its row (its counters will not come) until two
-        # reads 0.3 s apart agree, so what it holds is what it holds while stopped.
-        row = row_of(server, victim, stats_timeout=0.1)
-        while True:
-            time.sleep(0.3)
-            again = row_of(server, victim, stats_timeout=0.1)
-            if holds(again) == holds(row):
-                break
-            row = again
-        if holds(row) > 0:
-            return row
-        os.kill(pid, signal.SIGCONT)  # it finished them meanwhile: again
 
 
 @pytest.fixture(scope="module", params=["layer-push", "request-push"])

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import time
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -27,7 +26,15 @@ import openai
 import pytest
 import torch
 from helpers.reference import run
-from helpers.server import KEY, Server, cluster, row_of, stop, wait_clean, wait_dead
+from helpers.server import (
+    KEY,
+    Server,
+    cluster,
+    freeze_holding,
+    stop,
+    wait_clean,
+    wait_dead,
+)
 from helpers.streams import Streams
 from pydantic import BaseModel, Field
 
@@ -787,14 +794,11 @@ def test_a_killed_decode_instance_keeps_every_constrained_stream_exact(
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": KILL_SCHEMA}}
     streams = Streams(server.url, [{**b, "response_format": rf} for b in bodies])
     streams.wait_tokens(8)
-    # Stopped first, so that what it holds cannot change between the count and the kill
-    # (a stream of it finishing in between left one migration fewer than counted); the
-    # controller reads what it sent before it stopped meanwhile.
-    pid = row_of(server, "decode-0")["pid"]
-    os.kill(pid, signal.SIGSTOP)
-    time.sleep(0.5)
-    victim = row_of(server, "decode-0", stats_timeout=0.1)
-    os.kill(pid, signal.SIGKILL)
+    # Stopped first, at a moment it holds requests, so that what it holds cannot change
+    # between the count and the kill (a stream of it finishing in between left one
+    # migration fewer than counted; on a busy machine it could have finished all of them).
+    victim = freeze_holding(server, "decode-0")
+    os.kill(victim["pid"], signal.SIGKILL)
     assert wait_dead(server, "decode-0") == "process exited (exit code -9)"
     for i, (got, want) in enumerate(zip(streams.results(), reference, strict=True)):
         assert (got.status, got.error, got.finish_reason) == (200, None, "stop"), (i, got)
