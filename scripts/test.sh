@@ -17,12 +17,13 @@ export OMP_WAIT_POLICY=PASSIVE
 export PYTHONPATH="tests/plugins${PYTHONPATH:+:$PYTHONPATH}"
 # In a random order (pytest-randomly; the seed is in the header: `-p randomly
 # --randomly-seed=N` repeats an order, `-p no:randomly` runs in file order), in one
-# process. Two pytest-xdist workers (`-n 2 --dist loadfile`) took the main pass from 53
-# to 38.5 min on a Zen 3 VM (stop 71), at most 21 of 24 GiB in use once test servers
-# held 0.25 GiB of KV (tests/helpers/server.py; at 0.5-1 GiB a worker was OOM-killed),
-# but three tests that time a busy machine failed beside the other worker (two mended
-# since; test_replan_policy's shift still needs a window that sees >= 3 finished
-# requests on a machine running at half speed): one process until those hold.
+# process. Two pytest-xdist workers (`-n 2 --dist loadfile`) are not worth their risk:
+# on a Zen 3 VM the main pass took 37.6 min against 42.2 in one process (stop 73; stop
+# 71: 38.5 against 53), up to 20.8 of 24 GiB in use with test servers at 0.25 GiB of KV
+# (tests/helpers/server.py; at 0.5-1 GiB a worker was OOM-killed), the last big modules
+# running alone at the end, and tests that time a busy machine failing beside the other
+# worker (mended as found: the killed-decode structured test, stop 73). The suite is
+# CPU-bound on 2 cores: its time comes down by making tests cheaper, not by overlapping.
 ARGS=(-p no_skips -q)
 if [ $# -gt 0 ]; then
     .venv/bin/python -m pytest "${ARGS[@]}" --durations=25 "$@"
