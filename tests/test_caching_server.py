@@ -36,6 +36,7 @@ from helpers.server import (
     MODEL,
     Server,
     cluster,
+    holds,
     pdkv_segments,
     post_and_leave,
     prometheus,
@@ -341,7 +342,7 @@ def busy(server: Server, name: str, prompt: str, queued: int = 0) -> Iterator[No
         yield
     finally:
         conn.close()
-    wait_for(lambda: row_of(server, name)["assigned_requests"] == 0, 60)
+    wait_for(lambda: holds(row_of(server, name)) == 0, 60)
 
 
 def prefill_beside_a_busy_prefill_0(server: Server, prompt: str, tag: str) -> Completion:
