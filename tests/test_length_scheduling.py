@@ -25,7 +25,7 @@ from helpers.tiny_models import make_tiny_model
 from pdserve.cluster.config import DecodePolicy
 from pdserve.cluster.policies import DecodeChooser, same_class
 from pdserve.config import DecodeAdmission, EngineConfig, PrefillPolicy, Role, SchedulerConfig
-from pdserve.engine.admission import KVJob, admits, peak_future_blocks, remaining_tokens
+from pdserve.engine.admission import KVJob, admits, peak_future_blocks
 from pdserve.engine.engine import load_model
 from pdserve.engine.length_head import HeadSpec, LengthHead, set_probe
 from pdserve.engine.prefill_queue import PrefillQueue
@@ -33,7 +33,7 @@ from pdserve.engine.request import Request
 from pdserve.errors import ModelLoadError
 from pdserve.model.base import CausalLM
 from pdserve.protocol.core import LoadReport
-from pdserve.protocol.prediction import LengthPrediction
+from pdserve.protocol.prediction import LengthPrediction, remaining_tokens
 from pdserve.protocol.sampling_params import SamplingParams
 
 # ---- prefill order -------------------------------------------------------------------------

@@ -38,7 +38,6 @@ from pdserve.cluster.routing import Donor, Router
 from pdserve.cluster.table import Phase, Record
 from pdserve.cluster.transfer_policy import transfer_policy
 from pdserve.config import Role
-from pdserve.engine.admission import remaining_tokens
 from pdserve.errors import InstanceFailedError
 from pdserve.protocol.core import AbortRequests, AddRequest
 from pdserve.protocol.handoff import (
@@ -51,6 +50,7 @@ from pdserve.protocol.handoff import (
     ReleaseKV,
     ReserveKV,
 )
+from pdserve.protocol.prediction import remaining_tokens
 
 
 class Dispatch(Feature):

@@ -30,27 +30,13 @@ from dataclasses import dataclass
 from pdserve.config import DecodeAdmission
 from pdserve.engine.request import Request
 from pdserve.kv.manager import KVManager
-from pdserve.protocol.prediction import LengthPrediction
+from pdserve.protocol.prediction import remaining_tokens
 
 
 @dataclass(frozen=True)
 class KVJob:
     tokens: int  # tokens whose KV the request holds (or will, once admitted)
     remaining: int  # tokens it is predicted to generate still (>= 1 while running)
-
-
-def remaining_tokens(prediction: LengthPrediction | None, generated: int, max_left: int) -> int:
-    """Tokens a request is predicted to generate still: up to its bucket's upper end,
-    capped by what max_tokens leaves (`max_left`, the one bound that is certain). With no
-    prediction, or an open last bucket, `max_left`. A request already past its bucket is
-    given the next bucket of the same width. Always >= 1 while `max_left` >= 1."""
-    if prediction is None or prediction.high is None:
-        return max(max_left, 1)
-    high = prediction.high
-    if generated >= high:
-        width = max(high - prediction.low, 1)
-        high = (generated // width + 1) * width
-    return max(1, min(max_left, high - generated))
 
 
 def _blocks(tokens: int, block_size: int) -> int:

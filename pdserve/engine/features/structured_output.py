@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from pdserve.engine.participant import Participant
@@ -102,7 +102,9 @@ class StructuredOutput(Participant):
 
     def _masks(self, rows: list[_Row]) -> dict[str, torch.Tensor]:
         """(mask thread) Each row's matcher brought up to date, and its bitmask."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self._vocab)
+        # llguidance's numpy helpers, not its torch ones: llguidance.torch applies
+        # torch.compile at import, ~6 s of CPU in every process that loads the engine.
+        bitmask = torch.from_numpy(llguidance.numpy.allocate_token_bitmask(len(rows), self._vocab))
         out: dict[str, torch.Tensor] = {}
         for i, (rid, grammar, new) in enumerate(rows):
             matcher = self._states.get(rid)
@@ -113,7 +115,7 @@ class StructuredOutput(Participant):
                     matcher.consume_tokens(new)
                 if matcher.is_error():
                     raise ValueError(matcher.get_error())
-                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+                llguidance.numpy.fill_next_token_bitmask(matcher, bitmask.numpy(), i)
             except Exception as e:  # a grammar or a tokenizer that fails: this request alone
                 self.num_errors += 1
                 log.warning("request %s: its grammar failed (%s); only EOS is allowed", rid, e)
