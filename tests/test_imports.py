@@ -221,3 +221,18 @@ def test_the_fork_server_starts_before_the_server_and_torch_load() -> None:
     )
     out = _python(code)
     assert out.splitlines() == ["[]"]
+
+
+def test_an_instance_imports_no_compiler() -> None:
+    """What every instance imports (the fork server imports it once a server; a Ray actor
+    or a spawned rank imports it each) loads neither torch's compiler stack nor a module
+    that compiles at import: llguidance.torch applies `torch.compile` to a function as it
+    loads, ~6.6 CPU-s on this machine's cores (structured_output.py takes its numpy
+    helpers instead)."""
+    code = (
+        "import sys, pdserve.engine.engine_process, pdserve.engine.engine\n"
+        "print(sorted(m for m in sys.modules if m.startswith(("
+        "'torch._dynamo', 'torch._inductor', 'llguidance.torch'))))\n"
+    )
+    out = _python(code)
+    assert out.splitlines() == ["[]"]
