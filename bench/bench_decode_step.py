@@ -42,7 +42,7 @@ import torch
 import pdserve
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reads

@@ -52,14 +52,9 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import (
-    Quantization,
-    iter_weights,
-    load_config,
-    quantize_weights,
-    resolve_model,
-)
+from pdserve.model.loader import Quantization, iter_weights, quantize_weights
 from pdserve.model.registry import build_model
+from pdserve.model.source import load_config, resolve_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.quant.formats import QuantType

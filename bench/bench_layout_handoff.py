@@ -26,7 +26,7 @@ import torch
 
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer import flush_moves, make_transport, moves_nbytes, plans_between
-from pdserve.model.loader import load_config, resolve_model
+from pdserve.model.source import load_config, resolve_model
 from pdserve.parallel.layout import rank_kv_layout, split_model
 
 # (prefill tp, pp, block), (decode tp, pp, block)

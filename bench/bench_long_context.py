@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reads
 from servers import free_port, pdserve_cmd, start, stop
 
-from pdserve.model.loader import load_config, resolve_model
+from pdserve.model.source import load_config, resolve_model
 
 FLAG_RATIO = 1.5
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from pdserve.config import CacheConfig, EngineConfig, PrefillPolicy, SchedulerConfig
 from pdserve.engine.engine import Engine, load_model
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.workload.profiles import PROFILES, draw_lengths

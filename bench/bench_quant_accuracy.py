@@ -45,7 +45,7 @@ from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.model.attention import AttentionMetadata, SeqSpec
 from pdserve.model.base import CausalLM
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 from pdserve.predictor.prompts import make_prompts
 from pdserve.protocol.sampling_params import SamplingParams
 

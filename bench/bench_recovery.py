@@ -138,7 +138,7 @@ def mixed_lengths(count: int, low: int, high: int) -> list[int]:
 
 def load_prompt_ids() -> Callable[[str], list[int]]:
     """The served model's tokenizer (the shipped SmolLM2 by default)."""
-    from pdserve.model.loader import resolve_model
+    from pdserve.model.source import resolve_model
     from pdserve.model.tokenizer import Tokenizer
 
     return Tokenizer.from_model_path(resolve_model(None)).prompt_ids

@@ -38,7 +38,7 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.model.layers import DecoderLayer
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.quant.linear import QuantLinear
 

@@ -40,7 +40,7 @@ from bench_server import free_port
 
 from pdserve.grammar.compiler import LIMITS, ll_tokenizer
 from pdserve.grammar.requests import json_schema
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 
 TYPICAL = {

@@ -15,8 +15,9 @@ from helpers.server import KEY, TEST_KV_GIB, Server, pdkv_segments, segments_lef
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.base import CausalLM
-from pdserve.model.loader import iter_weights, load_config, resolve_model
+from pdserve.model.loader import iter_weights
 from pdserve.model.registry import build_model
+from pdserve.model.source import load_config, resolve_model
 from pdserve.model.tokenizer import CACHE_ENV, Tokenizer
 
 torch.set_num_threads(2)

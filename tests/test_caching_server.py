@@ -50,7 +50,7 @@ from openai import OpenAI
 from openai.types import Completion
 
 from pdserve.engine.engine import Engine
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.text.outputs import RequestOutput

@@ -1,4 +1,4 @@
-"""The GGUF header parse (pdserve/model/gguf_loader.py `_PlainReader`): its one-pass
+"""The GGUF header parse (pdserve/model/gguf_header.py `_PlainReader`): its one-pass
 arrays give every field exactly as gguf's own reader does, part by part, on the shipped
 model and on a tiny one, and a file cut inside an array is refused."""
 
@@ -11,8 +11,8 @@ import pytest
 from helpers.tiny_models import make_tiny_gguf
 
 from pdserve.errors import ModelLoadError
-from pdserve.model.gguf_loader import _PlainReader, open_gguf
-from pdserve.model.loader import resolve_model
+from pdserve.model.gguf_header import _PlainReader, open_gguf
+from pdserve.model.source import resolve_model
 
 
 def assert_same_parse(path: Path) -> None:

@@ -202,6 +202,18 @@ def test_the_http_process_loads_no_engine_and_no_transport() -> None:
     assert out.splitlines() == ["[]"]
 
 
+def test_the_front_ends_requests_path_loads_no_torch() -> None:
+    """The HTTP app, the controller and what they read of a model (its config, tokenizer
+    and length head's spec: model/source.py, gguf_header.py, engine/head_spec.py) import
+    no torch, ~2.5 CPU-s a process here."""
+    code = (
+        "import sys, pdserve.server.app, pdserve.cluster.controller, pdserve.model.tokenizer\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    out = _python(code)
+    assert out.splitlines() == ["[]"]
+
+
 def _python(code: str) -> str:
     """What `code` prints, run by a fresh interpreter (its own sys.modules)."""
     return subprocess.run(

@@ -13,11 +13,14 @@ the engine running under every combination of them with greedy outputs unchanged
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from helpers.pairs import Router, assert_clean, colocated_outputs, make_core, prompts
 from helpers.tiny_models import make_tiny_model
@@ -27,7 +30,8 @@ from pdserve.cluster.policies import DecodeChooser, same_class
 from pdserve.config import DecodeAdmission, EngineConfig, PrefillPolicy, Role, SchedulerConfig
 from pdserve.engine.admission import KVJob, admits, peak_future_blocks
 from pdserve.engine.engine import load_model
-from pdserve.engine.length_head import HeadSpec, LengthHead, set_probe
+from pdserve.engine.head_spec import HeadSpec, head_shapes
+from pdserve.engine.length_head import LengthHead, set_probe
 from pdserve.engine.prefill_queue import PrefillQueue
 from pdserve.engine.request import Request
 from pdserve.errors import ModelLoadError
@@ -312,6 +316,24 @@ def test_bad_head_files_are_refused_with_the_file_and_the_mismatch(
         f"{c.vocab_size} and hidden size 48; the served model has {c.vocab_size} and "
         f"{c.hidden_size}"
     )
+    # A file whose tensors are not what its spec says (the front end reads it so, with
+    # no torch, before any instance starts: head_spec.read_head_file).
+    spec = HeadSpec(8, 4, c.hidden_size, c.vocab_size, c.architecture)
+    tensors = {k: v.clone() for k, v in LengthHead(spec).state_dict().items()}
+    tensors["net.bias"] = torch.zeros(5)
+    meta = {"format": "pdserve-length-head/1", "spec": json.dumps(dataclasses.asdict(spec))}
+    short = tmp_path / "short.safetensors"
+    safetensors.torch.save_file(tensors, str(short), metadata=meta)
+    msg = load(short)
+    assert msg.startswith(f"length predictor file {short} is corrupt: it holds {{")
+    assert "'net.bias': (5,)" in msg and "'net.bias': (4,)" in msg
+
+
+@pytest.mark.parametrize("mlp_hidden", [0, 32])
+def test_a_heads_tensors_are_the_shapes_its_file_is_checked_against(mlp_hidden: int) -> None:
+    spec = HeadSpec(8, 5, 64, 1000, "LlamaForCausalLM", mlp_hidden=mlp_hidden)
+    module = {k: tuple(v.shape) for k, v in LengthHead(spec).state_dict().items()}
+    assert head_shapes(spec) == module
 
 
 def test_the_prediction_rides_on_the_first_output_and_on_to_the_decode_core(

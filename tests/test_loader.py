@@ -18,14 +18,8 @@ from pdserve.errors import ModelLoadError
 from pdserve.model import default as default_module
 from pdserve.model.config import ModelConfig, RopeScaling
 from pdserve.model.default import default_model_path
-from pdserve.model.loader import (
-    ModelSource,
-    iter_weights,
-    load_config,
-    load_generation_defaults,
-    resolve_model,
-    weight_shapes,
-)
+from pdserve.model.loader import iter_weights, weight_shapes
+from pdserve.model.source import ModelSource, load_config, load_generation_defaults, resolve_model
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -24,8 +24,9 @@ from pdserve.model.attention import GROUP_COST_TOKENS, AttentionMetadata, SeqSpe
 from pdserve.model.base import CausalLM, ForwardHooks
 from pdserve.model.layers import DecoderLayer
 from pdserve.model.linear import Linear, PackedLinear, onednn_available
-from pdserve.model.loader import iter_weights, load_config
+from pdserve.model.loader import iter_weights
 from pdserve.model.registry import build_model
+from pdserve.model.source import load_config
 from pdserve.quant.linear import DenseLinear
 
 pytestmark = pytest.mark.fallback

@@ -39,7 +39,7 @@ from test_fault_tolerance import assert_identical, bodies
 from pdserve.config import CacheConfig, EngineConfig, Role, SchedulerConfig, TransferConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.engine import Engine, build_core, load_model, start_ranks
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 from pdserve.protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

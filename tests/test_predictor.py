@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from pdserve.cli import main
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine, load_model
-from pdserve.engine.length_head import HeadSpec, load_length_head, read_head
+from pdserve.engine.head_spec import HeadSpec
+from pdserve.engine.length_head import load_length_head, read_head
 from pdserve.predictor.data import LengthData, collect
 from pdserve.predictor.prompts import KINDS, make_prompts
 from pdserve.predictor.shipped import SHIPPED_DIR, SHIPPED_HEADS

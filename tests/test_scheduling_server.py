@@ -53,7 +53,8 @@ from test_disagg_server import PROMPTS
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine, load_model
 from pdserve.engine.features.length_prediction import LengthPredictor
-from pdserve.engine.length_head import HeadSpec, LengthHead, read_head, set_probe
+from pdserve.engine.head_spec import HeadSpec
+from pdserve.engine.length_head import LengthHead, read_head, set_probe
 from pdserve.predictor.shipped import SHIPPED_DIR, SHIPPED_HEADS
 from pdserve.protocol.sampling_params import SamplingParams
 

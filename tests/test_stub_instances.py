@@ -17,7 +17,7 @@ import pytest
 from helpers.server import Server, row_of, stop, wait_for
 from helpers.streams import Streams
 
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 
 RATE = 100.0  # tokens/s per request

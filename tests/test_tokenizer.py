@@ -14,7 +14,7 @@ from helpers.tiny_models import make_tiny_gguf, make_tiny_model
 
 import pdserve.model.tokenizer as tokenizer_module
 from pdserve.errors import InvalidRequestError, ModelLoadError
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 from pdserve.model.tokenizer import CACHE_ENV, Tokenizer, _load_backend, tokenizer_cache_dir
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

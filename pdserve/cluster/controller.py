@@ -37,14 +37,14 @@ from pdserve.cluster.replanning import SplitPlanner
 from pdserve.cluster.routing import Router, session_key
 from pdserve.cluster.table import Item, Phase, Record, RequestTable, take_queued
 from pdserve.config import EngineConfig, Role
-from pdserve.engine.length_head import HeadSpec, read_head
+from pdserve.engine.head_spec import HeadSpec, read_head_file
 from pdserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InstanceFailedError,
     InvalidRequestError,
 )
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.predictor.confusion import PredictionCounters
 from pdserve.protocol.core import (
@@ -363,4 +363,4 @@ class Cluster:
 def _head_spec(path: str | None) -> HeadSpec | None:
     """What the instances' length head predicts (its file is read here first, so a
     missing or corrupt one stops the start before any instance spawns)."""
-    return None if path is None else read_head(path).spec
+    return None if path is None else read_head_file(path)[0]

@@ -49,7 +49,7 @@ from pdserve.cluster.ray_ranks import bundle_options, first_line, rank_bundles, 
 from pdserve.config import EngineConfig
 from pdserve.engine.ranks import rank_threads
 from pdserve.errors import EngineDeadError
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 
 _GIB = 1 << 30
 RUNTIME_BYTES = _GIB // 2  # an engine process beyond its weights and KV: torch, buffers

@@ -33,7 +33,7 @@ from pdserve.engine.step_trace import StepTrace
 from pdserve.engine.stub import run_stub
 from pdserve.errors import EngineOverloadedError, InvalidRequestError
 from pdserve.model.base import CausalLM
-from pdserve.model.loader import resolve_model
+from pdserve.model.source import resolve_model
 from pdserve.protocol.core import (
     AbortRequests,
     AddRequest,

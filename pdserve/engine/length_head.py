@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from pdserve.engine.head_spec import FORMAT, NUM_PROBES, HeadSpec, read_head_file
 from pdserve.errors import ModelLoadError
 from pdserve.protocol.prediction import LengthPrediction
 
@@ -39,37 +40,7 @@ if TYPE_CHECKING:  # the front end reads head files without loading the model co
     from pdserve.model.base import CausalLM
     from pdserve.quant.linear import QuantEmbedding
 
-FORMAT = "pdserve-length-head/1"
-NUM_PROBES = 16
 PROBE_MIN_COSINE = 0.95
-
-
-@dataclass(frozen=True)
-class HeadSpec:
-    """What a head predicts and which model it reads."""
-
-    granularity: int  # bucket width in output tokens
-    num_buckets: int  # the last bucket is open-ended: >= (num_buckets - 1) * granularity
-    hidden_size: int
-    vocab_size: int
-    architecture: str
-    mlp_hidden: int = 0  # 0: a linear head (softmax regression); else one hidden layer
-    model_name: str = ""
-
-    def __post_init__(self) -> None:
-        if self.granularity < 1 or self.num_buckets < 2:
-            raise ValueError(
-                f"a head needs granularity >= 1 and >= 2 buckets, got {self.granularity} "
-                f"and {self.num_buckets}"
-            )
-
-    def bucket(self, num_tokens: int) -> int:
-        return min(num_tokens // self.granularity, self.num_buckets - 1)
-
-    def prediction(self, bucket: int) -> LengthPrediction:
-        low = bucket * self.granularity
-        high = None if bucket == self.num_buckets - 1 else low + self.granularity
-        return LengthPrediction(bucket, low, high)
 
 
 def probe_ids(vocab_size: int) -> list[int]:
@@ -134,27 +105,10 @@ def set_probe(head: LengthHead, embeddings: torch.Tensor | QuantEmbedding) -> No
 
 def read_head(path: str | Path) -> LengthHead:
     """The head in `path`, unchecked against any model. ModelLoadError names the file and
-    what is wrong with it."""
-    from safetensors import SafetensorError, safe_open
-
-    p = Path(path)
-    if not p.is_file():
-        raise ModelLoadError(f"length predictor file {p} does not exist")
-    try:
-        with safe_open(str(p), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ModelLoadError(f"length predictor file {p} is not a safetensors file: {e}") from e
-    if meta.get("format") != FORMAT:
-        raise ModelLoadError(
-            f"length predictor file {p} has format {meta.get('format')!r}, expected {FORMAT!r}"
-        )
-    try:
-        head = LengthHead(HeadSpec(**json.loads(meta["spec"])))
-        head.load_state_dict(tensors)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ModelLoadError(f"length predictor file {p} is corrupt: {e}") from e
+    what is wrong with it (`read_head_file`)."""
+    spec, arrays = read_head_file(path)
+    head = LengthHead(spec)
+    head.load_state_dict({k: torch.from_numpy(v) for k, v in arrays.items()})
     return head.eval()
 
 

@@ -225,7 +225,7 @@ def run_stub(
     heartbeats and closes the sockets). The geometry is the real instance's for the same
     flags (`build_core`)."""
     from pdserve.engine.engine import kv_config_for, max_model_len_for
-    from pdserve.model.loader import load_config, resolve_model
+    from pdserve.model.source import load_config, resolve_model
 
     model = load_config(resolve_model(config.model))
     kv = kv_config_for(config, model, quantized=True)

@@ -1,11 +1,5 @@
-"""Find a model and read its config and weights, from a HF folder or a GGUF file.
-
-Every entry point takes what a user names (`str | Path | ModelSource | None`):
-
-* a Hugging Face folder: `config.json` plus one or more `*.safetensors` (with or without
-  `model.safetensors.index.json`), tokenizer files, optional `generation_config.json`;
-* a `.gguf` file (llama.cpp), read by `gguf_loader`;
-* `None`: the shipped SmolLM2-135M-Instruct GGUF (`default.py`).
+"""Read a model's weights, from a HF folder or a GGUF file (`source.py` finds the model
+and reads its config), and decide how they are computed (`resolve_quantization`).
 
 Weights come out under HF parameter names, checked up front against the set the config
 implies (`weight_shapes`), so a missing or misshapen tensor fails before anything is built.
@@ -16,11 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,109 +21,13 @@ from safetensors import SafetensorError, safe_open
 from pdserve.config import ACTIVATIONS, EngineConfig, deployment_activations
 from pdserve.errors import ModelLoadError
 from pdserve.kernels import unavailable_reason
-from pdserve.model import gguf_loader
+from pdserve.model import gguf_header, gguf_loader
 from pdserve.model.config import ModelConfig
-from pdserve.model.default import default_model_path
+from pdserve.model.source import ModelPath, ModelSource, load_config, read_json
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import int8_blocker
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
-
-ModelPath = str | Path | None
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A resolved model location. `format` says which reader handles it."""
-
-    path: Path  # the HF folder or the .gguf file
-    format: Literal["hf", "gguf"]
-
-    @classmethod
-    def resolve(cls, path: ModelPath | ModelSource) -> ModelSource:
-        """Check that `path` names a model; `None` means the shipped default model."""
-        if isinstance(path, ModelSource):
-            return path
-        p = default_model_path() if path is None else Path(path).expanduser()
-        if not p.exists():
-            raise ModelLoadError(f"{p}: no such file or directory")
-        if p.is_dir():
-            if not (p / CONFIG_FILE).is_file():
-                raise ModelLoadError(
-                    f"{p}: no {CONFIG_FILE} (expected a Hugging Face model folder or a .gguf file)"
-                )
-            return cls(p, "hf")
-        if p.suffix.lower() == ".gguf":
-            return cls(p, "gguf")
-        raise ModelLoadError(f"{p}: not a model folder or a .gguf file")
-
-    @property
-    def folder(self) -> Path:
-        """The folder holding the model's files (tokenizer, generation config)."""
-        return self.path if self.format == "hf" else self.path.parent
-
-
-def resolve_model(path: ModelPath | ModelSource) -> Path:
-    """The model folder or GGUF file that `path` names; ModelLoadError if there is none."""
-    return ModelSource.resolve(path).path
-
-
-def load_config(path: ModelPath | ModelSource) -> ModelConfig:
-    """The model's architecture hyper-parameters."""
-    src = ModelSource.resolve(path)
-    if src.format == "gguf":
-        return gguf_loader.load_gguf_config(src.path)
-    config_file = src.path / CONFIG_FILE
-    d = _read_json(config_file)
-    archs = d.get("architectures") or []
-    if archs and archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{config_file}: unsupported architecture {archs[0]!r} "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    if d.get("mlp_bias"):
-        raise ModelLoadError(f"{config_file}: mlp_bias=true is not supported")
-    config = ModelConfig.from_hf_dict(d, source=str(config_file))
-    return _architecture_specifics(config, d, config_file)
-
-
-def _architecture_specifics(config: ModelConfig, d: dict[str, Any], source: Path) -> ModelConfig:
-    """Make the fields mean what the HF model class does, whatever else config.json says."""
-    if config.architecture == "Qwen2ForCausalLM":
-        # Qwen2 always has q/k/v biases and has no `attention_bias` key.
-        return dataclasses.replace(
-            config, attention_bias=True, sliding_window=_qwen2_sliding_window(config, d, source)
-        )
-    if config.architecture == "LlamaForCausalLM":
-        return dataclasses.replace(config, sliding_window=None)
-    return dataclasses.replace(config, attention_bias=False)  # Mistral: no biases
-
-
-def _qwen2_sliding_window(config: ModelConfig, d: dict[str, Any], source: Path) -> int | None:
-    """Qwen2 slides the window only in layers >= max_window_layers; all or none is supported."""
-    if not d.get("use_sliding_window") or config.sliding_window is None:
-        return None
-    first_sliding = int(d.get("max_window_layers", 28))  # transformers' default
-    if first_sliding >= config.num_hidden_layers:
-        return None
-    if first_sliding > 0:
-        raise ModelLoadError(
-            f"{source}: sliding window in only some layers (max_window_layers={first_sliding}) "
-            "is not supported"
-        )
-    return config.sliding_window
-
-
-def load_generation_defaults(path: ModelPath | ModelSource) -> dict[str, Any]:
-    """The folder's generation_config.json as a dict (eos_token_id, ...); {} if absent."""
-    src = ModelSource.resolve(path)
-    file = src.path / GENERATION_CONFIG_FILE
-    if src.format != "hf" or not file.is_file():
-        return {}
-    return _read_json(file)
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -271,7 +168,7 @@ def _kernel_blocker(device: str, dtype: str) -> str:
 def _gguf_blocker(src: ModelSource) -> str:
     """Why this GGUF file's blocks cannot be served as they are ("" when they can)."""
     names = [n for n in weight_shapes(load_config(src)) if is_quantizable(n)]
-    types = gguf_loader.tensor_types(src.path, names)
+    types = gguf_header.tensor_types(src.path, names)
     for name, t in types.items():
         if QuantType.from_ggml(t) is None and t.name not in ("F32", "F16", "BF16"):
             readable = ", ".join(q.name for q in QuantType)
@@ -302,8 +199,8 @@ def iter_weights(
     expected = weight_shapes(config)
     blocks = [n for n in expected if is_quantizable(n)] if quantization.quantized else []
     if src.format == "gguf":
-        reader = gguf_loader.open_gguf(src.path)
-        found = gguf_loader.gguf_tensor_shapes(reader)
+        reader = gguf_header.open_gguf(src.path)
+        found = gguf_header.gguf_tensor_shapes(reader)
         _check_tensors(expected, found, str(src.path), _gguf_label)
         return gguf_loader.iter_gguf_tensors(src.path, expected, config, dtype, blocks)
     files, where = _safetensors_files(src.path)
@@ -336,7 +233,7 @@ def quantize_weights(
 
 
 def _gguf_label(hf_name: str) -> str:
-    return f"{gguf_loader.gguf_tensor_name(hf_name)!r} ({hf_name})"
+    return f"{gguf_header.gguf_tensor_name(hf_name)!r} ({hf_name})"
 
 
 def _check_tensors(
@@ -359,7 +256,7 @@ def _safetensors_files(folder: Path) -> tuple[list[Path], str]:
     """The weight files to read, and what to name in a 'missing tensor' error."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index}: no 'weight_map' object")
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
@@ -401,15 +298,3 @@ def _iter_safetensors(
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
             yield name, handles[file].get_tensor(name).to(dtype)
-
-
-def _read_json(file: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{file}: not valid JSON ({e})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{file}: cannot be read ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{file}: expected a JSON object, got {type(data).__name__}")
-    return data

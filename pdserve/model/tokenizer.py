@@ -31,12 +31,7 @@ import tokenizers
 import transformers
 
 from pdserve.errors import InvalidRequestError, ModelLoadError
-from pdserve.model.loader import (
-    ModelPath,
-    ModelSource,
-    load_config,
-    load_generation_defaults,
-)
+from pdserve.model.source import ModelPath, ModelSource, load_config, load_generation_defaults
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

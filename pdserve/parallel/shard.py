@@ -26,8 +26,9 @@ import torch
 
 from pdserve.model.base import CausalLM, Weight
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import ModelPath, Quantization, iter_weights, load_config
+from pdserve.model.loader import Quantization, iter_weights
 from pdserve.model.registry import build_model
+from pdserve.model.source import ModelPath, load_config
 from pdserve.parallel.layout import Shard
 from pdserve.quant.formats import QuantWeight
 

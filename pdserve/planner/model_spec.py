@@ -194,7 +194,7 @@ def _from_json_file(path: Path) -> ModelSpec:
 
 def _from_engine_model(path: str | None) -> ModelSpec:
     from pdserve.model.default import default_model_path
-    from pdserve.model.loader import load_config
+    from pdserve.model.source import load_config
 
     try:
         target = path if path is not None else default_model_path()

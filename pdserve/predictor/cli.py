@@ -136,7 +136,8 @@ def _prefill_seconds(engine: Engine, texts: list[str]) -> float:
 def _train(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from pdserve.engine.length_head import HeadSpec, set_probe
+    from pdserve.engine.head_spec import HeadSpec
+    from pdserve.engine.length_head import set_probe
     from pdserve.predictor.prompts import make_prompts
     from pdserve.predictor.train import evaluate_granularity, head_cost, split_by_prompt
 

@@ -8,7 +8,7 @@ failed requests are not counted.
 
 from __future__ import annotations
 
-from pdserve.engine.length_head import HeadSpec
+from pdserve.engine.head_spec import HeadSpec
 from pdserve.protocol.prediction import LengthPrediction
 
 

@@ -16,7 +16,7 @@ def resolve_predictor(choice: str, model: str | None) -> str | None:
         return None
     if choice != "auto":
         return choice
-    from pdserve.model.loader import resolve_model
+    from pdserve.model.source import resolve_model
 
     name = SHIPPED_HEADS.get(resolve_model(model).name)
     path = SHIPPED_DIR / name if name is not None else None

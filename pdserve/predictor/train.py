@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pdserve.engine.length_head import HeadSpec, LengthHead, features
+from pdserve.engine.head_spec import HeadSpec
+from pdserve.engine.length_head import LengthHead, features
 from pdserve.predictor.data import LengthData
 
 L2_GRID = (1e-4, 1e-3, 1e-2)

@@ -27,7 +27,8 @@ from pdserve.cluster.instance import Launcher
 from pdserve.cluster.replanning import SplitPlanner
 from pdserve.config import EngineConfig, deployment_activations
 from pdserve.errors import RequestCancelledError
-from pdserve.model.loader import load_config, resolve_model, resolve_quantization
+from pdserve.model.loader import resolve_quantization
+from pdserve.model.source import load_config, resolve_model
 from pdserve.parallel.layout import check_ranks_fit, split_model
 from pdserve.predictor.shipped import resolve_predictor
 from pdserve.protocol.core import WeightsInfo

@@ -247,7 +247,7 @@ def _write_tensors(
     drop: Collection[str],
     types: Mapping[str, str],
 ) -> None:
-    from pdserve.model.gguf_loader import gguf_tensor_name
+    from pdserve.model.gguf_header import gguf_tensor_name
 
     c = hf.config
     for name, tensor in hf.state_dict().items():

@@ -148,7 +148,7 @@ def _model_tokenizer(
     model: str | None, vocab: int, eos_token_ids: tuple[int, ...]
 ) -> llguidance.LLTokenizer:
     from pdserve.grammar.compiler import ll_tokenizer
-    from pdserve.model.loader import resolve_model
+    from pdserve.model.source import resolve_model
     from pdserve.model.tokenizer import Tokenizer, tokenizer_json
 
     path = resolve_model(model)
