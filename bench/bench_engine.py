@@ -52,7 +52,8 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import Quantization, iter_weights, quantize_weights
+from pdserve.model.loader import iter_weights, quantize_weights
+from pdserve.model.quantization import Quantization
 from pdserve.model.registry import build_model
 from pdserve.model.source import load_config, resolve_model
 from pdserve.model.tokenizer import Tokenizer

@@ -10,10 +10,13 @@ annotations only, so they cannot form a run-time cycle).
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 from helpers.imports import ROOT, import_graph, imports
+from helpers.server import Server
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -202,16 +205,27 @@ def test_the_http_process_loads_no_engine_and_no_transport() -> None:
     assert out.splitlines() == ["[]"]
 
 
-def test_the_front_ends_requests_path_loads_no_torch() -> None:
-    """The HTTP app, the controller and what they read of a model (its config, tokenizer
-    and length head's spec: model/source.py, gguf_header.py, engine/head_spec.py) import
-    no torch, ~2.5 CPU-s a process here."""
+def test_the_front_end_loads_no_torch() -> None:
+    """`pdserve serve`'s own process: the HTTP app, the controller and what they read of
+    a model (its config, tokenizer, length head's spec and quantization: model/source.py,
+    gguf_header.py, quantization.py, engine/head_spec.py) import no torch (~2.5 CPU-s a
+    process here); the kernels' verdict comes from a child of the fork server."""
     code = (
-        "import sys, pdserve.server.app, pdserve.cluster.controller, pdserve.model.tokenizer\n"
+        "import sys, pdserve.cli, pdserve.server.launch, pdserve.model.quantization\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
     out = _python(code)
     assert out.splitlines() == ["[]"]
+
+
+def test_a_serving_front_end_has_no_torch_mapped(keyed_server: Server) -> None:
+    """What it imports while it serves, not only at start: a structured-output request
+    (llguidance's tokenizer, transformers) leaves no libtorch in the process."""
+    body = {"prompt": "Hi", "max_tokens": 2, "response_format": {"type": "json_object"}}
+    status, reply = keyed_server.post("/v1/completions", json.dumps(body).encode())
+    assert status == 200, reply
+    maps = Path(f"/proc/{keyed_server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps
 
 
 def _python(code: str) -> str:

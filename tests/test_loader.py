@@ -18,8 +18,14 @@ from pdserve.errors import ModelLoadError
 from pdserve.model import default as default_module
 from pdserve.model.config import ModelConfig, RopeScaling
 from pdserve.model.default import default_model_path
-from pdserve.model.loader import iter_weights, weight_shapes
-from pdserve.model.source import ModelSource, load_config, load_generation_defaults, resolve_model
+from pdserve.model.loader import iter_weights
+from pdserve.model.source import (
+    ModelSource,
+    load_config,
+    load_generation_defaults,
+    resolve_model,
+    weight_shapes,
+)
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

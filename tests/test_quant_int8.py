@@ -25,7 +25,7 @@ import torch
 from helpers.tiny_models import quantize_blocks
 
 from pdserve.model.default import default_model_path
-from pdserve.model.loader import resolve_quantization
+from pdserve.model.quantization import resolve_quantization
 from pdserve.quant.formats import QuantType, QuantWeight
 from pdserve.quant.linear import QuantLinear, int8_blocker, pack_int8
 

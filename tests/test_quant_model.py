@@ -26,7 +26,8 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, deploymen
 from pdserve.engine.engine import Engine, load_model
 from pdserve.errors import ModelLoadError
 from pdserve.model.base import CausalLM
-from pdserve.model.loader import Quantization, iter_weights, resolve_quantization
+from pdserve.model.loader import iter_weights
+from pdserve.model.quantization import Quantization, resolve_quantization
 from pdserve.model.registry import build_model
 from pdserve.model.source import load_config
 from pdserve.protocol.sampling_params import SamplingParams

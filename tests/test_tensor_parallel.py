@@ -32,7 +32,7 @@ from pdserve.engine.mb_swap import stage_swap
 from pdserve.engine.pipeline import Part, microbatches
 from pdserve.model.attention import SeqSpec
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import Quantization, resolve_quantization
+from pdserve.model.quantization import Quantization, resolve_quantization
 from pdserve.model.source import load_config, resolve_model
 from pdserve.parallel import group
 from pdserve.parallel.layout import Shard, check_ranks_fit, split_model

@@ -20,6 +20,10 @@ Contract:
 - The server's OpenMP threads sleep when they wait (`runtime.quiet_openmp_waits`, set in
   the environment it starts with): libgomp reads it once, when torch loads, in the
   server; an instance's libgomp is the server's, forked.
+- `call` runs a function in a child of the server (with the front end's environment),
+  for a question only the instances' modules answer: whether the compiled kernels load
+  here (server/launch.py resolves `--quantization` so), which imports torch; the front
+  end's own process never does.
 - Instances are children of the server, not of the front end (`pstree`: front end ->
   fork server -> instances); multiprocessing's process handle (pid, exit code, kill,
   join) works as for a spawned child. An instance watches the front end's pid, not its
@@ -33,8 +37,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext, SpawnContext
+from typing import TypeVar
 
 from pdserve.runtime import quiet_openmp_waits
 
@@ -72,6 +79,25 @@ def context() -> ForkServerContext | SpawnContext:
     if _started:
         return multiprocessing.get_context("forkserver")
     return multiprocessing.get_context("spawn")
+
+
+T = TypeVar("T")
+
+
+def call(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` in a process forked from the fork server (its preloaded modules
+    imported, this process's environment adopted), and its result here, or its exception
+    raised here; both must pickle. Where no fork server was started, in this process."""
+    if not _started:
+        return fn(*args)
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(_in_environment, dict(os.environ), fn, *args).result()
+
+
+def _in_environment(environ: dict[str, str], fn: Callable[..., T], *args: object) -> T:
+    adopt_environment(environ)
+    return fn(*args)
 
 
 def adopt_environment(environ: dict[str, str]) -> None:

@@ -19,7 +19,8 @@ from pdserve.kv.config import KVCacheConfig
 from pdserve.kv.layout import DTYPE_SIZES
 from pdserve.model.base import CausalLM
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import instance_quantization, iter_weights
+from pdserve.model.loader import iter_weights
+from pdserve.model.quantization import instance_quantization
 from pdserve.model.registry import build_model
 from pdserve.model.source import load_config, resolve_model
 from pdserve.model.tokenizer import Tokenizer

@@ -235,7 +235,7 @@ def worker_main(
 ) -> None:
     """Rank `rank`: join the group, load the shard, then run what the driver sends."""
     from pdserve.kv.cache import KVCache
-    from pdserve.model.loader import instance_quantization
+    from pdserve.model.quantization import instance_quantization
     from pdserve.model.source import load_config, resolve_model
     from pdserve.parallel.layout import split_model
     from pdserve.parallel.shard import load_shard

@@ -22,7 +22,8 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.fused import FusedLayers, norm_rows
 from pdserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from pdserve.model.linear import Linear, PackedLinear, projection
-from pdserve.model.loader import Quantization, is_quantizable, weight_shapes
+from pdserve.model.quantization import Quantization, is_quantizable
+from pdserve.model.source import weight_shapes
 from pdserve.quant.formats import QuantWeight
 from pdserve.quant.linear import CompiledLinear, DenseLinear, QuantEmbedding, QuantLinear
 

@@ -244,3 +244,8 @@ def tensor_types(path: Path, names: Iterable[str]) -> dict[str, gguf.GGMLQuantiz
     """The GGUF type of each named HF tensor."""
     by_name = {hf_tensor_name(t.name) or t.name: t for t in open_gguf(path).tensors}
     return {n: by_name[n].tensor_type for n in names}
+
+
+def gguf_label(hf_name: str) -> str:
+    """A tensor as error messages name it: its GGUF name, then its HF name."""
+    return f"{gguf_tensor_name(hf_name)!r} ({hf_name})"

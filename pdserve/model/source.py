@@ -134,3 +134,33 @@ def read_json(file: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelLoadError(f"{file}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter the HF model class has, by HF name, in state_dict order.
+
+    Biases: Qwen2 has q/k/v biases; Llama with `attention_bias` has q/k/v/o biases.
+    `lm_head.weight` is absent when the embeddings are tied.
+    """
+    c = config
+    h = c.hidden_size
+    o_bias = c.attention_bias and c.architecture == "LlamaForCausalLM"
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
+    for n in range(c.num_hidden_layers):
+        p = f"model.layers.{n}."
+        for proj, rows in (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size)):
+            shapes[f"{p}self_attn.{proj}_proj.weight"] = (rows, h)
+            if c.attention_bias:
+                shapes[f"{p}self_attn.{proj}_proj.bias"] = (rows,)
+        shapes[f"{p}self_attn.o_proj.weight"] = (h, c.q_size)
+        if o_bias:
+            shapes[f"{p}self_attn.o_proj.bias"] = (h,)
+        shapes[f"{p}mlp.gate_proj.weight"] = (c.intermediate_size, h)
+        shapes[f"{p}mlp.up_proj.weight"] = (c.intermediate_size, h)
+        shapes[f"{p}mlp.down_proj.weight"] = (h, c.intermediate_size)
+        shapes[f"{p}input_layernorm.weight"] = (h,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    return shapes

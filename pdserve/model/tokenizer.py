@@ -210,6 +210,26 @@ def tokenizer_json(path: Path) -> Path | None:
     return file if file.is_file() else None
 
 
+def converts(path: ModelPath | ModelSource) -> bool:
+    """Whether loading the model's tokenizer here would convert a GGUF's (transformers'
+    converter imports torch, ~2.5 CPU-s): a GGUF file with no cache entry yet, and a
+    cache to keep one in."""
+    src = ModelSource.resolve(path)
+    return src.format == "gguf" and tokenizer_cache_dir() is not None and not _cached(src.path)
+
+
+def convert_into_cache(path: Path) -> None:
+    """Convert a GGUF's tokenizer into the cache, for processes that then load it from
+    there: `pdserve serve` runs this in a child of its fork server on a first start
+    (server/launch.py), so that its own process loads no torch."""
+    _gguf_backend(path)
+
+
+def _cached(path: Path) -> bool:
+    root = tokenizer_cache_dir()
+    return root is not None and (root / _cache_key(path)).is_dir()
+
+
 def _cache_key(path: Path) -> str:
     """One entry per GGUF file as it is now and per converter: its resolved path, size and
     modification time, and the transformers and tokenizers versions that converted it."""

@@ -26,7 +26,8 @@ import torch
 
 from pdserve.model.base import CausalLM, Weight
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import Quantization, iter_weights
+from pdserve.model.loader import iter_weights
+from pdserve.model.quantization import Quantization
 from pdserve.model.registry import build_model
 from pdserve.model.source import ModelPath, load_config
 from pdserve.parallel.layout import Shard

@@ -21,14 +21,16 @@ from types import FrameType
 
 import uvicorn
 
+from pdserve.cluster import forkserver
 from pdserve.cluster.config import ClusterConfig, instance_configs
 from pdserve.cluster.controller import Cluster
 from pdserve.cluster.instance import Launcher
 from pdserve.cluster.replanning import SplitPlanner
 from pdserve.config import EngineConfig, deployment_activations
 from pdserve.errors import RequestCancelledError
-from pdserve.model.loader import resolve_quantization
+from pdserve.model.quantization import resolve_quantization
 from pdserve.model.source import load_config, resolve_model
+from pdserve.model.tokenizer import convert_into_cache, converts
 from pdserve.parallel.layout import check_ranks_fit, split_model
 from pdserve.predictor.shipped import resolve_predictor
 from pdserve.protocol.core import WeightsInfo
@@ -62,9 +64,18 @@ def engine_config(
         flags.activations, [c.tensor_parallel_size for c in instances]
     )
     flags = dataclasses.replace(flags, activations=activations)
-    quant = resolve_quantization(
-        flags.quantization, flags.model, flags.device, flags.activations, flags.dtype
+    # In a child of the instances' fork server, which has the kernels' modules (and
+    # torch) imported: this process never loads them (cluster/forkserver.py `call`).
+    quant = forkserver.call(
+        resolve_quantization,
+        flags.quantization,
+        flags.model,
+        flags.device,
+        flags.activations,
+        flags.dtype,
     )
+    if converts(flags.model):  # a first start: the GGUF's tokenizer is converted there too
+        forkserver.call(convert_into_cache, resolve_model(flags.model))
     parallel = [c for c in instances if c.world_size > 1]  # layouts: as before the rule
     if parallel:
         model = load_config(resolve_model(flags.model))

@@ -45,7 +45,7 @@ FRANCE_ANSWERS = {
 def resolved_activations(activations: str) -> str:
     """What `--activations` comes to for the shipped model here (`auto`: int8, or fp32
     where the kernels are off or the CPU lacks AVX2)."""
-    from pdserve.model.loader import resolve_quantization
+    from pdserve.model.quantization import resolve_quantization
     from pdserve.model.source import resolve_model
 
     return resolve_quantization("auto", resolve_model(None), activations=activations).activations
