@@ -17,11 +17,12 @@ import os
 import re
 import signal
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import openai
 import pytest
 import torch
@@ -92,14 +93,15 @@ def test_logit_bias_bans_and_forces_exactly() -> None:
 
 
 def test_the_grammar_mask_is_llguidance_s_own() -> None:
-    """`unpack_bitmask` reads llguidance's packed layout exactly as its own kernel applies
-    it (a vocabulary that is not a multiple of 32 included)."""
+    """`unpack_bitmask` reads llguidance's packed layout exactly as its own numpy kernel
+    applies it (a vocabulary that is not a multiple of 32 included). Not its torch one:
+    llguidance.torch compiles with Inductor, at import and at first call."""
     torch.manual_seed(1)
     for vocab in (64, 1000, 49152):
         words = torch.randint(-(2**31), 2**31 - 1, (1, (vocab + 31) // 32), dtype=torch.int32)
         logits = torch.randn(1, vocab)
         theirs = logits.clone()
-        llguidance.torch.apply_token_bitmask_inplace(theirs, words)
+        llguidance.numpy.apply_token_bitmask_inplace(theirs.numpy(), words.numpy())
         ours = logits.clone()
         ours[0].masked_fill_(~unpack_bitmask(words[0], vocab), float("-inf"))
         assert torch.equal(ours, theirs), vocab
@@ -479,35 +481,48 @@ def _valid_calls(calls: list[tuple[str, str]]) -> None:
         jsonschema.validate(json.loads(args), SCHEMAS[name])
 
 
+def _tool_replies(
+    jobs: list[tuple[openai.OpenAI, list[dict], bool, dict]],
+) -> list[tuple[str | None, list[tuple[str, str]], str]]:
+    """`_tool_reply` of each (client, messages, stream, fields), sent at once (a greedy
+    reply is the same whatever it is batched with: batch-invariant kernels)."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(_tool_reply, c, m, stream, **f) for c, m, stream, f in jobs]
+        return [f.result() for f in futures]
+
+
 def test_required_and_named_tool_choices_always_call(clients: dict[str, openai.OpenAI]) -> None:
     """tool_choice "required" (one call, parallel_tool_calls false) and a named function:
     the reply is tool calls whose arguments are valid against the function's schema,
     finishing with "tool_calls", streamed as a whole reply gives them; "required" with
     parallel calls allowed gives at least one valid call."""
-    for name, client in clients.items():
-        for stream in (False, True):
-            for fields, want in (
-                ({"tool_choice": "required", "parallel_tool_calls": False}, None),
-                ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "add"),
-            ):
-                content, calls, finish = _tool_reply(client, QUESTION, stream, **fields)
-                assert (content, finish, len(calls)) == (None, "tool_calls", 1), (name, calls)
-                _valid_calls(calls)
-                assert want is None or calls[0][0] == want
-            content, calls, _ = _tool_reply(client, QUESTION, stream, tool_choice="required")
+    one = {"tool_choice": "required", "parallel_tool_calls": False}
+    named = {"tool_choice": {"type": "function", "function": {"name": "add"}}}
+    cases = [(one, None), (named, "add"), ({"tool_choice": "required"}, "any")]
+    jobs = [
+        (name, want, (client, QUESTION, stream, fields))
+        for name, client in clients.items()
+        for stream in (False, True)
+        for fields, want in cases
+    ]
+    replies = _tool_replies([job for _, _, job in jobs])
+    for (name, want, _), (content, calls, finish) in zip(jobs, replies, strict=True):
+        _valid_calls(calls)
+        if want == "any":  # parallel calls allowed: at least one
             assert content is None and calls, (name, calls)
-            _valid_calls(calls)
+            continue
+        assert (content, finish, len(calls)) == (None, "tool_calls", 1), (name, calls)
+        assert want is None or calls[0][0] == want
 
 
 def test_auto_tool_choice_and_a_multi_turn_conversation(clients: dict[str, openai.OpenAI]) -> None:
     """ "auto": whatever the model writes is content or valid calls. The conversation goes
     on with the call in the history and the tool's result as a `tool` message: the answer
     (greedy) is the same streamed or not, and in both deployments."""
-    replies = []
-    for client in clients.values():
-        _, calls, _ = _tool_reply(
-            client, QUESTION, False, tool_choice="required", parallel_tool_calls=False
-        )
+    one = {"tool_choice": "required", "parallel_tool_calls": False}
+    firsts = _tool_replies([(client, QUESTION, False, one) for client in clients.values()])
+    sent = []
+    for client, (_, calls, _) in zip(clients.values(), firsts, strict=True):
         history = [
             *QUESTION,
             {
@@ -527,13 +542,14 @@ def test_auto_tool_choice_and_a_multi_turn_conversation(clients: dict[str, opena
                 "content": '{"temperature": 21, "sky": "sunny"}',
             },
         ]
-        for messages in (QUESTION, history):
-            for stream in (False, True):
-                content, calls, finish = _tool_reply(client, messages, stream)
-                assert (content is not None) or calls, (content, calls)
-                _valid_calls(calls)
-                assert finish == ("tool_calls" if calls else finish)
-                replies.append((messages is history, content, tuple(calls)))
+        sent += [(client, m, stream, {}) for m in (QUESTION, history) for stream in (False, True)]
+    replies = []
+    for (_, messages, _, _), reply in zip(sent, _tool_replies(sent), strict=True):
+        content, calls, finish = reply
+        assert (content is not None) or calls, (content, calls)
+        _valid_calls(calls)
+        assert finish == ("tool_calls" if calls else finish)
+        replies.append((messages is not QUESTION, content, tuple(calls)))
     answers = {r for r in replies if r[0]}
     assert len(answers) == 1, answers
     first_turns = {r for r in replies if not r[0]}
