@@ -10,7 +10,9 @@ copy `pdserve/kernels/_kernels*.so` into it or build it there). The clock starts
 the process does. `/health` is polled every 50 ms; once it answers 200 one streamed
 completion is sent (greedy, 4 tokens) and the clock read again at its first token: the
 first step's costs (a KV pool's pages touched on first use, the first calls' warm-up)
-count. The server is then stopped (SIGTERM, its process group killed after).
+count. The front end's resident memory is read then (`/proc/PID/status` VmRSS: its own
+process, not its instances'). The server is then stopped (SIGTERM, its process group
+killed after).
 
 Within each repeat every setting is launched once per tree, the trees alternating (their
 order flips every repeat), so a slower minute of a shared machine falls on both. One
@@ -101,9 +103,18 @@ def launch(tree: Path, args: list[str], log: Path) -> dict[str, float]:
             ready = time.perf_counter() - t0
             first_token(port)
             token = time.perf_counter() - t0
+            rss = rss_mib(proc.pid)
         finally:
             stop(proc)
-    return {"health_s": ready, "first_token_s": token}
+    return {"health_s": ready, "first_token_s": token, "frontend_rss_mib": rss}
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident memory, MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def launch_retrying(tree: Path, args: list[str], log: Path, tries: int = 3) -> dict[str, float]:
@@ -157,18 +168,22 @@ def fmt(got: dict[str, float]) -> str:
 
 
 def report(rows: dict[str, dict[str, list[dict[str, float]]]]) -> None:
-    keys = ("health_s", "first_token_s")
-    print("| setting | tree | /health 200 s | first token s | this / ref, /health | first token |")
-    print("|---|---|---:|---:|---:|---:|")
+    keys = ("health_s", "first_token_s", "frontend_rss_mib")
+    print(
+        "| setting | tree | /health 200 s | first token s | front end RSS MiB "
+        "| this / ref, /health | first token | RSS |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for setting, trees in rows.items():
         for name, runs in trees.items():
             med = [statistics.median(r[k] for r in runs) for k in keys]
-            ratios = ["", ""]
+            ratios = ["", "", ""]
             if name == "this" and "ref" in trees:
                 pairs = list(zip(runs, trees["ref"], strict=True))
                 ratios = [f"{statistics.median(a[k] / b[k] for a, b in pairs):.2f}x" for k in keys]
             print(
-                f"| {setting} | {name} | {med[0]:.2f} | {med[1]:.2f} | {ratios[0]} | {ratios[1]} |"
+                f"| {setting} | {name} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.0f} "
+                f"| {' | '.join(ratios)} |"
             )
 
 
