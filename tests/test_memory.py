@@ -37,6 +37,27 @@ def _vm_flags(address: int) -> list[str]:
     return _smaps_field(address, "VmFlags")
 
 
+def _all_vm_flags() -> list[tuple[int, int, list[str]]]:
+    """Every mapping of /proc/self/smaps as (start, end, its VmFlags), read once (the
+    file of a process that holds a model is long: one read per address took ~25 s)."""
+    maps: list[tuple[int, int, list[str]]] = []
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                maps.append((lo, hi, []))
+            elif head == "VmFlags:":
+                maps[-1][2].extend(line.split()[1:])
+    return maps
+
+
+def _flags_at(maps: list[tuple[int, int, list[str]]], address: int) -> list[str]:
+    found = [flags for lo, hi, flags in maps if lo <= address < hi]
+    assert len(found) == 1, f"{len(found)} mappings hold {address:#x}"
+    return found[0]
+
+
 def _resident(t: torch.Tensor) -> int:
     """Bytes of `t`'s pages in memory (mincore over exactly its range: the kernel may
     merge two adjacent mappings, so a mapping's Rss can include a neighbour's)."""
@@ -72,12 +93,13 @@ def test_a_quantized_model_streams_its_weights_from_the_arena() -> None:
     records) is in an advised mapping; the tied embedding shares the LM head's copy."""
     for activations in ("fp32", "int8"):
         model = load_model(EngineConfig(quantization="gguf", activations=activations))
+        maps = _all_vm_flags()
         for op in model.projection_ops():
             assert isinstance(op, QuantLinear)
             for call in op.kernel_calls:
                 addresses = [call[1]] if call[0] == -1 else [a for a in call[1:4] if a]
                 for address in addresses:
-                    assert "hg" in _vm_flags(address), (activations, call)
+                    assert "hg" in _flags_at(maps, address), (activations, call)
         if activations == "fp32":
             assert model.embed_tokens.weight is model.lm_head_op.weights[0]
 

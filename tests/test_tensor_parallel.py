@@ -8,6 +8,7 @@ fp32 weights and its Q4_1 blocks."""
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing as mp
 import threading
@@ -108,7 +109,10 @@ def parallel_logits(
     return torch.load(out)
 
 
+@functools.cache
 def whole_logits(path: Path, quant: str = "none") -> list:
+    """One process's logits of the workload (a model's are computed once a session: the
+    shipped model's are every layout's reference). Read only."""
     quantization = resolve_quantization(quant, path) if quant != "none" else Quantization()
     shard = split_model(load_config(path), 1)[0]
     model = load_shard(path, shard, quantization=quantization)
