@@ -21,9 +21,10 @@ Contract:
   the environment it starts with): libgomp reads it once, when torch loads, in the
   server; an instance's libgomp is the server's, forked.
 - `call` runs a function in a child of the server (with the front end's environment),
-  for a question only the instances' modules answer: whether the compiled kernels load
-  here (server/launch.py resolves `--quantization` so), which imports torch; the front
-  end's own process never does.
+  for work that needs the instances' modules: whether the compiled kernels load here
+  (server/launch.py resolves `--quantization` so) and a GGUF tokenizer's first
+  conversion, both of which import torch; so the front end's own process never does
+  (where no fork server runs, `--ray`, it does them itself).
 - Instances are children of the server, not of the front end (`pstree`: front end ->
   fork server -> instances); multiprocessing's process handle (pid, exit code, kill,
   join) works as for a spawned child. An instance watches the front end's pid, not its

@@ -215,7 +215,8 @@ def converts(path: ModelPath | ModelSource) -> bool:
     converter imports torch, ~2.5 CPU-s): a GGUF file with no cache entry yet, and a
     cache to keep one in."""
     src = ModelSource.resolve(path)
-    return src.format == "gguf" and tokenizer_cache_dir() is not None and not _cached(src.path)
+    cache = tokenizer_cache_dir() is not None
+    return src.format == "gguf" and cache and tokenizer_json(src.path) is None
 
 
 def convert_into_cache(path: Path) -> None:
@@ -223,11 +224,6 @@ def convert_into_cache(path: Path) -> None:
     there: `pdserve serve` runs this in a child of its fork server on a first start
     (server/launch.py), so that its own process loads no torch."""
     _gguf_backend(path)
-
-
-def _cached(path: Path) -> bool:
-    root = tokenizer_cache_dir()
-    return root is not None and (root / _cache_key(path)).is_dir()
 
 
 def _cache_key(path: Path) -> str:
