@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -183,6 +184,13 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         timeout=300,
         env={**os.environ, **(env or {})},
     )
+
+
+def run_clis(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """`run_cli` of each command, all at once (a usage error's run waits mostly on its
+    imports), in the commands' order."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run_cli(*args), commands))
 
 
 def nan_scale(path: Path, tensor: str, row: int, block: int) -> None:

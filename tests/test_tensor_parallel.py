@@ -24,7 +24,7 @@ from helpers.forward import run_steps, workload
 from helpers.reference import greedy, run
 from helpers.server import Server, segments_left, wait_for
 from helpers.tiny_models import make_tiny_model
-from test_quant_model import run_cli
+from test_quant_model import run_cli, run_clis
 from test_server import sse
 
 from pdserve.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
@@ -342,8 +342,7 @@ def test_layouts_the_commands_refuse() -> None:
             "sequence (512 blocks of 16); give at least 1024 or lower --max-model-len"
         ),
     }
-    for args, message in cases.items():
-        proc = run_cli(*args)
+    for proc, message in zip(run_clis(*cases), cases.values(), strict=True):
         assert (proc.returncode, proc.stderr.strip().splitlines()[-1]) == (
             2,
             f"pdserve: error: {message}",

@@ -133,6 +133,17 @@ def rank_kv_layout(shard: Shard, whole: KVLayout) -> KVLayout:
     )
 
 
+def check_layout(config: EngineConfig, model: ModelConfig, here: bool = True) -> None:
+    """An instance's layout splits `model` (`split_model`) and, when its ranks run on this
+    machine (`here`), fits it (`check_ranks_fit`): ValueError, a usage error, naming the
+    first problem. One rank needs neither."""
+    if config.world_size == 1:
+        return
+    split_model(model, config.tensor_parallel_size, config.pipeline_parallel_size)
+    if here:
+        check_ranks_fit(config)
+
+
 def check_ranks_fit(config: EngineConfig) -> None:
     """Each rank needs a device of its own (CUDA) or a thread of its own (CPU: the
     instance's threads, `--num-threads`, default the cores it may use, are shared among

@@ -3,8 +3,10 @@
 Importing the server (`launch`: the front end, FastAPI, the model loader and torch) takes
 ~5 s. A flag that is wrong by itself (a device torch cannot use, a timeout of 0, a Ray
 flag without --ray, a decode burst of 0) is a usage error that need not wait for that:
-`check_serve_flags` raises it first. What needs the model file (does --quantization fit
-it, the predictor head) is checked after, by `launch.engine_config`.
+`check_serve_flags` raises it first, and so does a parallel instance's layout that cannot
+split the model or has fewer threads than ranks (the model's config is read from its file
+without torch: model/source.py). What needs the instances' modules (does --quantization
+fit the model, a pipeline stage's staging) is checked after, by `launch.engine_config`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pdserve.config import (
     check_device,
     parse_stub,
 )
+from pdserve.model.source import load_config, resolve_model
+from pdserve.parallel.layout import check_layout
 from pdserve.protocol.handoff import TransferMode
 
 
@@ -39,6 +43,7 @@ def check_serve_flags(args: argparse.Namespace) -> tuple[EngineConfig, ClusterCo
     rate = _take_stub(args)
     engine, cluster = engine_flags(args), cluster_config(args)
     _check_parallel(engine, cluster, args)
+    _check_layouts(engine, cluster, args)
     if rate is not None:
         _check_stub(cluster, engine, args)
         engine = dataclasses.replace(engine, stub_rate=rate)
@@ -94,6 +99,17 @@ def _check_parallel(engine: EngineConfig, cluster: ClusterConfig, args: argparse
             f"--kv-transport {engine.transfer.transport}: a parallel instance's ranks keep "
             f"their KV in shared memory; use {' or '.join(SHARED_TRANSPORTS)}"
         )
+
+
+def _check_layouts(engine: EngineConfig, cluster: ClusterConfig, args: argparse.Namespace) -> None:
+    """Each parallel instance's layout splits the model (whole GQA groups per rank, whole
+    layers per stage) and, on this machine, has a thread per rank; under Ray its node's
+    devices are checked instead (cluster/ray_launch.check_fits)."""
+    parallel = [c for c in instance_configs(cluster, engine) if c.world_size > 1]
+    if parallel:
+        model = load_config(resolve_model(engine.model))
+        for instance in parallel:
+            check_layout(instance, model, here=not args.ray)
 
 
 def _check_placement_flags(args: argparse.Namespace, placement: list[PlacedInstance]) -> None:

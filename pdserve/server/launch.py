@@ -31,7 +31,6 @@ from pdserve.errors import RequestCancelledError
 from pdserve.model.quantization import resolve_quantization
 from pdserve.model.source import load_config, resolve_model
 from pdserve.model.tokenizer import convert_into_cache, converts
-from pdserve.parallel.layout import check_ranks_fit, split_model
 from pdserve.predictor.shipped import resolve_predictor
 from pdserve.protocol.core import WeightsInfo
 from pdserve.runtime import freeze_startup_heap
@@ -53,10 +52,10 @@ def served_name(model: str | None) -> str:
 def engine_config(
     args: argparse.Namespace, flags: EngineConfig, cluster: ClusterConfig
 ) -> EngineConfig:
-    """The instances' config: `flags` (server/flags.py) checked against the model file. A
-    --quantization that does not fit the model, a KV cache dtype its attention cannot
-    read, or an instance's tensor/pipeline-parallel layout that cannot split it or has
-    fewer threads than ranks, is a usage error here, before any instance starts. The
+    """The instances' config: `flags` (server/flags.py, which checked each parallel
+    instance's layout) checked against the model file. A --quantization that does not fit
+    the model, a KV cache dtype its attention cannot read, or a pipeline stage's staging
+    that cannot hold a sequence, is a usage error here, before any instance starts. The
     activations are the deployment's (`deployment_activations`: `auto` is fp32 in every
     instance when one is tensor-parallel)."""
     instances = instance_configs(cluster, flags)
@@ -74,23 +73,19 @@ def engine_config(
         flags.activations,
         flags.dtype,
     )
+    flags.kv_dtype(quant.quantized)  # bfloat16 under quantized weights: the usage error
+    staged = [c for c in instances if c.microbatch_swap_blocks]  # layouts: server/flags.py
+    if staged:
+        from pdserve.engine.engine import check_staging_fits  # torch: only here
+
+        model = load_config(resolve_model(flags.model))
+        for instance in staged:
+            check_staging_fits(instance, model, quant.quantized)
     if converts(flags.model):  # a first start: the GGUF's tokenizer is converted there too
         forkserver.call(convert_into_cache, resolve_model(flags.model))
-    parallel = [c for c in instances if c.world_size > 1]  # layouts: as before the rule
-    if parallel:
-        model = load_config(resolve_model(flags.model))
-        for instance in parallel:
-            split_model(model, instance.tensor_parallel_size, instance.pipeline_parallel_size)
-            if not args.ray:  # under Ray its node's devices: cluster/ray_launch.check_fits
-                check_ranks_fit(instance)
-            if instance.microbatch_swap_blocks:
-                from pdserve.engine.engine import check_staging_fits  # torch: only here
-
-                check_staging_fits(instance, model, quant.quantized)
     config = dataclasses.replace(
         flags, length_predictor=resolve_predictor(args.predictor, args.model)
     )
-    config.kv_dtype(quant.quantized)  # bfloat16 under quantized weights: the usage error
     return config
 
 
