@@ -48,7 +48,7 @@ from test_disagg_server import mixed_prompts
 
 from pdserve.engine.engine import Engine
 
-N = 32
+N = 16
 MAX_TOKENS = 64
 
 

@@ -1,7 +1,7 @@
 """Instance flip through the operator's route, on real clusters (cluster/flip.py,
 docs/elastic.md): `POST /admin/instances/{name}/role`.
 
-Under load (`--prefill 1 --decode 2`, the fault-tolerance workload: 32 requests of 64
+Under load (`--prefill 1 --decode 2`, the fault-tolerance workload: 16 requests of 64
 tokens, half streamed, a quarter seeded at temperature 0.8): decode-1 becomes a prefill
 instance while every stream is mid-way (its requests move to decode-0 with their KV), then
 prefill-0 becomes a decode instance while the workload runs again. Every text equals an

@@ -2,7 +2,7 @@
 `POST /admin/instances` and `DELETE /admin/instances/{name}` (on a Ray cluster:
 tests/test_ray.py).
 
-Under load (`--prefill 1 --decode 2`, the fault-tolerance workload: 32 requests of 64
+Under load (`--prefill 1 --decode 2`, the fault-tolerance workload: 16 requests of 64
 tokens, half streamed, a quarter seeded at temperature 0.8), decode-1 leaves while every
 stream is mid-way: its requests move to decode-0 with their KV, none is aborted, every
 text equals an undisturbed colocated run's, its process is gone, and a decode instance
