@@ -30,8 +30,6 @@ from pdserve.config import (
     check_device,
     parse_stub,
 )
-from pdserve.model.source import load_config, resolve_model
-from pdserve.parallel.layout import check_layout
 from pdserve.protocol.handoff import TransferMode
 
 
@@ -107,6 +105,11 @@ def _check_layouts(engine: EngineConfig, cluster: ClusterConfig, args: argparse.
     devices are checked instead (cluster/ray_launch.check_fits)."""
     parallel = [c for c in instance_configs(cluster, engine) if c.world_size > 1]
     if parallel:
+        # Here, not at the top: without a parallel instance the fork server starts before
+        # any model module loads (tests/test_imports.py).
+        from pdserve.model.source import load_config, resolve_model
+        from pdserve.parallel.layout import check_layout
+
         model = load_config(resolve_model(engine.model))
         for instance in parallel:
             check_layout(instance, model, here=not args.ray)
