@@ -195,10 +195,10 @@ def _generate(args: argparse.Namespace) -> int:
         scheduler=SchedulerConfig(decode_burst=args.decode_burst),
     )
     check_device(config.device)
-    from pdserve.model.source import load_config, resolve_model
-    from pdserve.parallel.layout import check_layout
-
     if config.world_size > 1:  # the layout's usage errors before torch loads
+        from pdserve.model.source import load_config, resolve_model
+        from pdserve.parallel.layout import check_layout
+
         check_layout(config, load_config(resolve_model(config.model)))
     from pdserve.engine.engine import Engine
 
